@@ -1,0 +1,151 @@
+"""Reading raw documents from the inputs of ``prepare-data``.
+
+An input is one of
+  * a text file, or a folder of text files: one file = one document;
+  * a ``.jsonl``/``.json`` or ``.parquet`` file (or a folder of them): one row = one document,
+    text in ``text_column``;
+  * a folder written by ``datasets.save_to_disk``: loaded with ``load_from_disk``;
+  * anything else is taken as a dataset name for ``datasets.load_dataset``.
+
+An input may be named ``name=path``; the name labels the source in stats.json (and is the
+unit of per-source upsampling). Without a name, the file or folder name is used.
+
+Every reader goes through ``datasets`` (the ``text``, ``json`` and ``parquet`` builders), in
+memory-mapped or streaming mode, so both modes read exactly the same documents in the same
+order — which is what makes streaming results equal the in-memory ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+
+logger = logging.getLogger(__name__)
+
+_JSON_EXT = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+_PARQUET_EXT = (".parquet",)
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One input of prepare-data, resolved to a reader."""
+
+    name: str
+    """Label used in stats.json and for per-source upsampling."""
+    path: str
+    """File, folder, or dataset name as given."""
+    kind: str
+    """'text', 'json', 'parquet', 'disk' (save_to_disk folder) or 'hub' (load_dataset name)."""
+    files: tuple[str, ...] = ()
+    """Resolved data files for the text/json/parquet kinds, sorted."""
+
+
+def _kind_of(file: str) -> str:
+    if file.endswith(_JSON_EXT):
+        return "json"
+    if file.endswith(_PARQUET_EXT):
+        return "parquet"
+    return "text"
+
+
+def _is_saved_dataset(folder: Path) -> bool:
+    return (folder / "state.json").exists() or (folder / "dataset_dict.json").exists()
+
+
+def _looks_like_path(s: str) -> bool:
+    # Hub names are 'name' or 'org/name'. A leading ./ ../ / ~, a deeper path, or a file
+    # extension means the user expected a local path: that deserves a FileNotFoundError, not
+    # a hub lookup that fails later with a network error.
+    suffixes = (".txt", ".md", ".text") + _JSON_EXT + _PARQUET_EXT
+    return s.startswith((".", "/", "~")) or s.count("/") > 1 or s.endswith(suffixes)
+
+
+def parse_source(spec: str) -> SourceSpec:
+    """Resolve ``[name=]path`` to a :class:`SourceSpec`, checking that files exist and are non-empty."""
+    name, path = None, spec
+    if "=" in spec and not Path(spec).exists():
+        name, path = spec.split("=", 1)
+        if not name:
+            raise ValueError(f"input {spec!r}: empty source name before '='; use name=path")
+    p = Path(path).expanduser()
+    name = name or p.name or path
+    if p.is_file():
+        if p.stat().st_size == 0:
+            raise ValueError(f"input file {p} is empty; remove it from the inputs or give it some text")
+        return SourceSpec(name, path, _kind_of(p.name), (str(p),))
+    if p.is_dir():
+        if _is_saved_dataset(p):
+            return SourceSpec(name, path, "disk")
+        files = sorted(str(f) for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
+        nonempty = [f for f in files if os.path.getsize(f) > 0]
+        for f in sorted(set(files) - set(nonempty)):
+            logger.warning("skipping empty file %s", f)
+        if not nonempty:
+            raise ValueError(f"input folder {p} has no non-empty files; add text/jsonl/parquet files to it")
+        kinds = {_kind_of(f) for f in nonempty}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"input folder {p} mixes file types {sorted(kinds)}; give each type as its own input"
+            )
+        return SourceSpec(name, path, kinds.pop(), tuple(nonempty))
+    if _looks_like_path(path):
+        raise FileNotFoundError(f"input {path} does not exist; give an existing file or folder")
+    return SourceSpec(name, path, "hub")
+
+
+def _check_column(ds: datasets.Dataset | datasets.IterableDataset, source: SourceSpec,
+                  text_column: str) -> None:
+    columns = ds.column_names
+    if columns is not None and text_column not in columns:
+        raise ValueError(
+            f"input {source.path} has no column {text_column!r} (columns: {columns}); "
+            f"pass --text-column with one of them"
+        )
+
+
+def load_source(source: SourceSpec, text_column: str = "text", streaming: bool = False,
+                max_documents: int | None = None) -> datasets.Dataset | datasets.IterableDataset:
+    """Open a source as a dataset with a single ``text`` column, in file order.
+
+    Non-streaming sources are memory-mapped Arrow (``load_dataset`` converts files once into
+    its cache); streaming sources are read lazily and never held in full.
+    """
+    if source.kind == "disk":
+        ds = datasets.load_from_disk(source.path)
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds["train"] if "train" in ds else ds[next(iter(ds))]
+        if streaming:
+            ds = ds.to_iterable_dataset()
+    elif source.kind == "hub":
+        try:
+            ds = datasets.load_dataset(source.path, split="train", streaming=streaming)
+        except (FileNotFoundError, ConnectionError, OSError, ValueError) as e:
+            raise FileNotFoundError(
+                f"input {source.path!r} is not a local file or folder, and loading it as a "
+                f"dataset name failed ({type(e).__name__}: {e}); give an existing path"
+            ) from e
+    else:
+        kwargs = {"sample_by": "document"} if source.kind == "text" else {}
+        ds = datasets.load_dataset(source.kind, data_files=list(source.files), split="train",
+                                   streaming=streaming, **kwargs)
+    if source.kind == "text":
+        text_column = "text"  # the text builder names its one column 'text'
+    _check_column(ds, source, text_column)
+    ds = ds.select_columns([text_column])
+    if text_column != "text":
+        ds = ds.rename_column(text_column, "text")
+    if max_documents is not None:
+        ds = ds.take(max_documents) if streaming else ds.select(range(min(max_documents, len(ds))))
+    return ds
+
+
+def iter_texts(ds: datasets.Dataset | datasets.IterableDataset, batch_size: int = 1000
+               ) -> Iterator[list[str]]:
+    """Yield batches of document texts; None values (missing text) become empty strings."""
+    for batch in ds.iter(batch_size=batch_size):
+        yield [t or "" for t in batch["text"]]

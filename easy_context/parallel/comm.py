@@ -1,0 +1,100 @@
+"""Point-to-point and all-to-all communication for the sequence-parallel methods.
+
+Every function takes the process group explicitly; ``None`` means the world group. Peers are
+given as ranks *within* the group and translated to global ranks here, because
+torch.distributed's P2P ops address global ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+Tensor = torch.Tensor
+
+
+def group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _global(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+class Exchange:
+    """A batch of sends and receives posted together, waited on later.
+
+    Posting the next block's transfer before computing on the current block is how the ring
+    methods hide communication behind compute.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+        self._ops: list[dist.P2POp] = []
+        self._reqs: list = []
+
+    def send(self, tensor: Tensor, to: int) -> None:
+        self._ops.append(dist.P2POp(dist.isend, tensor.contiguous(), _global(self.group, to), self.group))
+
+    def recv(self, like: Tensor, frm: int) -> Tensor:
+        buf = torch.empty_like(like, memory_format=torch.contiguous_format)
+        self._ops.append(dist.P2POp(dist.irecv, buf, _global(self.group, frm), self.group))
+        return buf
+
+    def start(self) -> "Exchange":
+        if self._ops:
+            self._reqs = dist.batch_isend_irecv(self._ops)
+        self._ops = []
+        return self
+
+    def wait(self) -> None:
+        for req in self._reqs:
+            req.wait()
+        self._reqs = []
+
+
+def ring_pass(tensors: list[Tensor], group: dist.ProcessGroup | None) -> tuple[Exchange, list[Tensor]]:
+    """Start sending ``tensors`` to the next rank and receiving the previous rank's.
+
+    Returns the started exchange and the receive buffers (valid after ``exchange.wait()``).
+    """
+    rank, world = group_rank_size(group)
+    ex = Exchange(group)
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    bufs = []
+    for t in tensors:
+        ex.send(t, nxt)
+        bufs.append(ex.recv(t, prv))
+    return ex.start(), bufs
+
+
+def all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup | None) -> Tensor:
+    """Split ``x`` into N pieces along ``scatter_dim``, send piece j to rank j, and concatenate
+    what arrives, in rank order, along ``gather_dim``."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    pieces = [p.contiguous() for p in x.chunk(world, dim=scatter_dim)]
+    # all_to_all_single sends consecutive slices of dim 0: stack the pieces there.
+    send = torch.stack(pieces)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scatter_dim, gather_dim, group):
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
+        return all_to_all(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return all_to_all(grad, gather_dim, scatter_dim, ctx.group), None, None, None
+
+
+def all_to_all_autograd(x: Tensor, scatter_dim: int, gather_dim: int,
+                        group: dist.ProcessGroup | None) -> Tensor:
+    """:func:`all_to_all` whose backward is the reverse all-to-all."""
+    return _AllToAll.apply(x, scatter_dim, gather_dim, group)

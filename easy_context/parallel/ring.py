@@ -1,0 +1,145 @@
+"""Ring attention: K/V blocks travel around the ring while each rank keeps its queries.
+
+At step s, rank r holds the K/V shard of rank (r - s) mod N. It computes attention of its
+queries against that shard (only the parts the mask allows, as told by a *schedule*), folds
+the (out, lse) into its running result, and meanwhile passes the shard on to rank r + 1.
+
+Backward replays the ring with the final out and lse: each block's gradient is then exactly
+its share of the full gradient. dQ stays home; the dK/dV accumulators travel with their K/V
+shard and, after N passes, arrive back at their owner.
+
+The engine here serves every ring-shaped method; a method is a layout plus a schedule.
+``ring_attn`` uses the contiguous layout, where rank r's queries see shards 0..r: simple, but
+rank N-1 does N times the work of rank 0 under a causal mask (see zigzag.py for the fix).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..attention.kernels import Kernel, default_scale, select_kernel
+from ..attention.merge import merge_into
+from .comm import group_rank_size, ring_pass
+
+Tensor = torch.Tensor
+ALL = slice(None)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One kernel call: local query rows ``q`` against held key rows ``kv``."""
+
+    q: slice
+    kv: slice
+    causal: bool
+
+
+# schedule(src, rank, local_len, causal) -> the blocks rank computes against src's K/V shard.
+Schedule = Callable[[int, int, int, bool], list[Block]]
+
+
+def contiguous_schedule(src: int, rank: int, local_len: int, causal: bool) -> list[Block]:
+    if not causal or src < rank:
+        return [Block(ALL, ALL, False)]
+    if src == rank:
+        return [Block(ALL, ALL, True)]
+    return []  # a later shard: masked out entirely
+
+
+def ring_forward(q: Tensor, k: Tensor, v: Tensor, group, causal: bool, scale: float,
+                 schedule: Schedule, kernel: Kernel) -> tuple[Tensor, Tensor]:
+    """Returns out (q's dtype) and lse (B, H, S) float32 for the local queries."""
+    rank, world = group_rank_size(group)
+    b, s, h, d = q.shape
+    out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
+    k_cur, v_cur = k, v
+    for step in range(world):
+        if step + 1 < world:  # post the next transfer before computing on this block
+            exchange, (k_next, v_next) = ring_pass([k_cur, v_cur], group)
+        for blk in schedule((rank - step) % world, rank, s, causal):
+            block_out, block_lse = kernel.forward(q[:, blk.q], k_cur[:, blk.kv], v_cur[:, blk.kv],
+                                                  causal=blk.causal, scale=scale)
+            merge_into(out[:, blk.q], lse[:, :, blk.q], block_out, block_lse)
+        if step + 1 < world:
+            exchange.wait()
+            k_cur, v_cur = k_next, v_next
+    return out.to(q.dtype), lse
+
+
+def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                  group, causal: bool, scale: float, schedule: Schedule,
+                  kernel: Kernel) -> tuple[Tensor, Tensor, Tensor]:
+    rank, world = group_rank_size(group)
+    s = q.size(1)
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    dk_acc = torch.zeros_like(k, dtype=torch.float32)  # for the K/V shard currently held
+    dv_acc = torch.zeros_like(v, dtype=torch.float32)
+    k_cur, v_cur = k, v
+    grad_exchange = None
+    for step in range(world):
+        if step + 1 < world:
+            exchange, (k_next, v_next) = ring_pass([k_cur, v_cur], group)
+        if grad_exchange is not None:  # the accumulators of the shard we now hold
+            grad_exchange.wait()
+            dk_acc, dv_acc = dkv_in
+        for blk in schedule((rank - step) % world, rank, s, causal):
+            dq_b, dk_b, dv_b = kernel.backward(
+                dout[:, blk.q], q[:, blk.q], k_cur[:, blk.kv], v_cur[:, blk.kv], out[:, blk.q],
+                lse[:, :, blk.q], causal=blk.causal, scale=scale)
+            dq[:, blk.q] += dq_b
+            dk_acc[:, blk.kv] += dk_b
+            dv_acc[:, blk.kv] += dv_b
+        if world > 1:
+            grad_exchange, dkv_in = ring_pass([dk_acc, dv_acc], group)
+        if step + 1 < world:
+            exchange.wait()
+            k_cur, v_cur = k_next, v_next
+    if grad_exchange is not None:  # after N passes our own accumulators are home
+        grad_exchange.wait()
+        dk_acc, dv_acc = dkv_in
+    return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, schedule, kernel):
+        out, lse = ring_forward(q, k, v, group, causal, scale, schedule, kernel)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (group, causal, scale, schedule, kernel)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """Shapes every method needs: (B, S_local, H, D), GQA heads that divide."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be (batch, seq_local, heads, head_dim); got shapes "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.size(3) != k.size(3):
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must "
+                         "agree in batch, sequence and head_dim, and k and v in heads")
+    if q.size(2) % k.size(2) != 0:
+        raise ValueError(f"query heads ({q.size(2)}) must be a multiple of key/value heads "
+                         f"({k.size(2)}) for grouped-query attention")
+
+
+def run_ring(q, k, v, group, causal, softmax_scale, schedule: Schedule) -> Tensor:
+    check_qkv(q, k, v)
+    scale = default_scale(q.size(-1)) if softmax_scale is None else softmax_scale
+    return RingAttention.apply(q, k, v, group, causal, scale, schedule, select_kernel(q))
+
+
+def ring_attn(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None = None,
+              causal: bool = True, softmax_scale: float | None = None) -> Tensor:
+    """Ring attention over contiguous shards. q: (B, S/N, Hq, D), k, v: (B, S/N, Hkv, D)."""
+    return run_ring(q, k, v, group, causal, softmax_scale, contiguous_schedule)
