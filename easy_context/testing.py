@@ -110,8 +110,11 @@ class DistPool:
                     self.close()
                     missing = sorted(set(range(self.world_size)) - set(got) - set(failures))
                     msg = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
-                    raise DistError(f"{what}: ranks {missing} did not finish within "
-                                    f"{timeout_s:.0f} s{msg}")
+                    waited = (f"; ranks {missing} were still running after {timeout_s:.0f} s"
+                              if missing else "")
+                    raise DistError(f"{what} failed on ranks {sorted(failures)}{waited}{msg}"
+                                    if failures else
+                                    f"{what}: no rank finished within {timeout_s:.0f} s")
                 continue
             (got if ok else failures)[rank] = value
         if failures:
