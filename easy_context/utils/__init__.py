@@ -1,0 +1,1 @@
+"""Small helpers shared by the trainer, the evaluators and the benchmarks."""
