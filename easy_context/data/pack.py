@@ -1,0 +1,89 @@
+"""Pack tokenized documents into fixed windows, keeping the document boundaries.
+
+Documents are laid back to back and cut into windows of ``window = seq_length + 1``
+tokens (the extra token is the last target after the one-token shift). Each window carries
+
+  * ``input_ids``    (window,) token ids;
+  * ``position_ids`` (window,) position inside the current segment: 0 at every document
+    start AND at the start of every window (a document cut by a window boundary continues
+    as a fresh segment, so positions never exceed seq_length and RoPE sees only trained
+    positions); a consumer recovers the segments as the runs starting at each 0;
+  * ``document_ids`` (window,) index of the document in the packed stream, the same on
+    both sides of a window boundary, for document masking and for checking a packing.
+
+The tail that does not fill a window is dropped and counted (``Packer.dropped_tokens``).
+
+Vectorised over whole batches of documents: for the token at global offset g in document
+d, position = g - max(start of d, start of g's window).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class PackedBatch:
+    """Full windows, as 2-D arrays of shape (num_windows, window)."""
+
+    input_ids: np.ndarray
+    position_ids: np.ndarray
+    document_ids: np.ndarray
+
+    def rows(self) -> Iterator[dict[str, np.ndarray]]:
+        for i in range(len(self.input_ids)):
+            yield {"input_ids": self.input_ids[i], "position_ids": self.position_ids[i],
+                   "document_ids": self.document_ids[i]}
+
+
+class Packer:
+    """Stateful packer: feed batches of documents, get back the windows they complete."""
+
+    def __init__(self, seq_length: int, token_dtype: type = np.int32) -> None:
+        if seq_length < 2:
+            raise ValueError(f"seq_length must be at least 2 (got {seq_length}); pass a larger --seq-length")
+        self.window = seq_length + 1
+        self.token_dtype = token_dtype
+        self.num_documents = 0  # documents fed so far = next document id
+        self.num_tokens = 0  # tokens fed so far = global offset of the next token
+        self.num_windows = 0
+        # Tokens fed but not yet in a full window (< window of them), with per-token metadata.
+        self._tokens = np.zeros(0, dtype=token_dtype)
+        self._doc_start = np.zeros(0, dtype=np.int64)
+        self._doc_id = np.zeros(0, dtype=np.int64)
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> PackedBatch:
+        """Append documents (flat ``tokens``, split by ``lengths``); return completed windows."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        n, d = int(lengths.sum()), len(lengths)
+        starts = self.num_tokens + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        doc_ids = np.arange(self.num_documents, self.num_documents + d, dtype=np.int64)
+        self._tokens = np.concatenate([self._tokens, np.asarray(tokens, dtype=self.token_dtype)])
+        self._doc_start = np.concatenate([self._doc_start, np.repeat(starts, lengths)])
+        self._doc_id = np.concatenate([self._doc_id, np.repeat(doc_ids, lengths)])
+        self.num_tokens += n
+        self.num_documents += d
+
+        k = len(self._tokens) // self.window
+        cut = k * self.window
+        first = self.num_tokens - len(self._tokens)  # global offset of the buffer's first token
+        g = np.arange(first, first + cut, dtype=np.int64)
+        window_start = (g // self.window) * self.window
+        positions = g - np.maximum(self._doc_start[:cut], window_start)
+        out = PackedBatch(
+            self._tokens[:cut].reshape(k, self.window),
+            positions.astype(np.int32).reshape(k, self.window),
+            self._doc_id[:cut].reshape(k, self.window),
+        )
+        self._tokens, self._doc_start, self._doc_id = (
+            self._tokens[cut:], self._doc_start[cut:], self._doc_id[cut:])
+        self.num_windows += k
+        return out
+
+    @property
+    def dropped_tokens(self) -> int:
+        """Tokens left over that do not fill a window (dropped when packing ends)."""
+        return len(self._tokens)
