@@ -7,6 +7,7 @@ in a second or two, save it, and then load it through the ordinary
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable
 from pathlib import Path
@@ -61,15 +62,21 @@ def train_bpe_tokenizer(
     return hf_tok
 
 
-def iter_text_files(paths: Iterable[str | Path]) -> Iterable[str]:
-    """Yield the contents of text files, recursing into folders (sorted, for determinism).
+def iter_text_files(paths: Iterable[str | Path], text_column: str = "text") -> Iterable[str]:
+    """Yield texts from files, recursing into folders (sorted, for determinism).
 
-    Lines of ``.jsonl`` files are not parsed: training a tokenizer on raw JSON is rarely
-    wanted, so callers pass text files or generate texts with :mod:`synthetic`.
+    A ``.jsonl`` file gives the ``text_column`` of each line (so the output of
+    ``synth-data`` trains a tokenizer directly); any other file is one text.
     """
     for p in map(Path, paths):
         if not p.exists():
-            raise FileNotFoundError(f"tokenizer training input {p} does not exist")
+            raise FileNotFoundError(f"tokenizer training input {p} does not exist; pass existing files")
         files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
         for f in files:
-            yield f.read_text(encoding="utf-8", errors="replace")
+            if f.suffix == ".jsonl":
+                with f.open(encoding="utf-8") as fh:
+                    for line in fh:
+                        if line.strip():
+                            yield json.loads(line)[text_column]
+            else:
+                yield f.read_text(encoding="utf-8", errors="replace")
