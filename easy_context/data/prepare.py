@@ -217,11 +217,14 @@ def prepare_data(cfg: PrepareConfig) -> dict:
             if isinstance(e.__cause__, (ValueError, FileNotFoundError)):
                 raise e.__cause__ from None
             raise
-        if len(ds) == 0:
+        except ValueError:
+            if packer.num_windows > 0:
+                raise
+            # datasets refuses an empty split; say why it is empty.
             raise ValueError(
                 f"the inputs hold {packer.num_tokens} tokens, fewer than one window of "
                 f"{W}; lower --seq-length or add data"
-            )
+            ) from None
         if cfg.shuffle:
             ds = ds.shuffle(seed=cfg.seed)
         if out.exists():
