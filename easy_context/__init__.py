@@ -1,5 +1,15 @@
-"""EasyContext: exact sequence-parallel long-context training for Hugging Face causal LMs."""
+"""EasyContext: exact sequence-parallel long-context training for Hugging Face causal LMs.
 
+Importing the package registers every sequence-parallel method as a transformers attention
+implementation (see easy_context.integrations.hf).
+"""
+
+from .compat import (
+    apply_seq_parallel_monkey_patch,
+    prepare_dataloader,
+    prepare_seq_parallel_inputs,
+)
+from .integrations.hf import apply_sequence_parallel, check_model_supported, hf_attention_name
 from .parallel import METHODS
 from .sequence_parallel import (
     pad_for_sequence_parallel,
@@ -13,7 +23,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "METHODS",
+    "apply_seq_parallel_monkey_patch",
+    "apply_sequence_parallel",
+    "check_model_supported",
+    "hf_attention_name",
     "pad_for_sequence_parallel",
+    "prepare_dataloader",
+    "prepare_seq_parallel_inputs",
     "required_multiple",
     "sequence_parallel_attention",
     "shard_sequence",

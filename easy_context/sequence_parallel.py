@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 from . import layouts
-from .parallel import get_method
+from .attention.local import local_attention
+from .parallel import METHODS, get_method
 
 Tensor = torch.Tensor
 
@@ -49,16 +50,28 @@ def pad_for_sequence_parallel(input_ids: Tensor, target_ids: Tensor | None, meth
 def sequence_parallel_attention(q: Tensor, k: Tensor, v: Tensor, method: str,
                                 group: dist.ProcessGroup | None = None, causal: bool = True,
                                 softmax_scale: float | None = None,
-                                ring_degree: int | None = None) -> Tensor:
+                                ring_degree: int | None = None,
+                                document_ids: Tensor | None = None) -> Tensor:
     """Exact attention over a sequence sharded across ``group`` (None: the world).
 
     q: (B, S_local, Hq, D), k, v: (B, S_local, Hkv, D), each rank's shard cut by
     :func:`shard_sequence` with the same method. Returns this rank's (B, S_local, Hq, D).
+    ``document_ids`` (B, S_local), this rank's shard of per-token document ids, keeps packed
+    documents apart (methods with ``METHODS[name].documents``).
     """
     m = get_method(method)
+    extra = {}
+    if document_ids is not None:
+        if not m.documents:
+            supported = sorted(n for n, x in METHODS.items() if x.documents)
+            raise ValueError(f"{method} does not support packed documents (document_ids); use "
+                             f"one of {supported}, or pack one document per sequence")
+        extra["document_ids"] = document_ids
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        # One rank holds the whole sequence: plain attention (no ring, no all-to-all).
+        return local_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, **extra)
     if m.layout == "usp":
-        return m.fn(q, k, v, group=group, causal=causal, softmax_scale=softmax_scale,
-                    ring_degree=ring_degree)
-    if ring_degree is not None:
+        extra["ring_degree"] = ring_degree
+    elif ring_degree is not None:
         raise ValueError(f"ring_degree applies to usp_attn only, not {method}; drop it")
-    return m.fn(q, k, v, group=group, causal=causal, softmax_scale=softmax_scale)
+    return m.fn(q, k, v, group=group, causal=causal, softmax_scale=softmax_scale, **extra)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .documents import document_mask
 from .kernels import Kernel, default_scale, select_kernel
 
 Tensor = torch.Tensor
@@ -15,24 +16,30 @@ Tensor = torch.Tensor
 
 class _LocalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, kernel: Kernel):
-        out, lse = kernel.forward(q, k, v, causal=causal, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, causal: bool, scale: float, kernel: Kernel, mask):
+        out, lse = kernel.forward(q, k, v, causal=causal, scale=scale, attn_mask=mask)
+        ctx.save_for_backward(q, k, v, out, lse, mask)
         ctx.causal, ctx.scale, ctx.kernel = causal, scale, kernel
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.kernel.backward(dout, q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale)
-        return dq, dk, dv, None, None, None
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        dq, dk, dv = ctx.kernel.backward(dout, q, k, v, out, lse, causal=ctx.causal,
+                                         scale=ctx.scale, attn_mask=mask)
+        return dq, dk, dv, None, None, None, None
 
 
 def local_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
-                    softmax_scale: float | None = None, kernel: str | None = None) -> Tensor:
-    """Exact attention on one device. q: (B, S, Hq, D); k, v: (B, S, Hkv, D) -> (B, S, Hq, D)."""
+                    softmax_scale: float | None = None, kernel: str | None = None,
+                    document_ids: Tensor | None = None) -> Tensor:
+    """Exact attention on one device. q: (B, S, Hq, D); k, v: (B, S, Hkv, D) -> (B, S, Hq, D).
+
+    ``document_ids`` (B, S), optional: packed documents; no token attends across them.
+    """
     scale = default_scale(q.size(-1)) if softmax_scale is None else softmax_scale
-    return _LocalAttention.apply(q, k, v, causal, scale, select_kernel(q, kernel))
+    _, causal, mask = document_mask(document_ids, document_ids, causal)
+    return _LocalAttention.apply(q, k, v, causal, scale, select_kernel(q, kernel), mask)
 
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,

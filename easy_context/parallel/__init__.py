@@ -5,7 +5,8 @@ Every method takes local shards in the flash-attn layout and the same arguments:
     fn(q, k, v, group=None, causal=True, softmax_scale=None) -> out
     q: (B, S_local, Hq, D), k, v: (B, S_local, Hkv, D), out: (B, S_local, Hq, D)
 
-``usp_attn`` also takes ``ring_degree``. Each method names the layout its shards must be
+``usp_attn`` also takes ``ring_degree``; the methods marked ``documents`` take
+``document_ids`` (B, S_local) for packed sequences. Each method names the layout its shards must be
 cut with (easy_context.layouts).
 """
 
@@ -22,6 +23,7 @@ class Method:
     layout: str
     module: str  # easy_context.parallel.<module> defines a function called `name`
     doc: str
+    documents: bool = False  # takes document_ids= (packed documents, block masks)
 
     @property
     def fn(self) -> Callable:
@@ -30,8 +32,10 @@ class Method:
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("ring_attn", "contiguous", "ring", "K/V passed around a ring; simple, unbalanced when causal"),
-    Method("zigzag_ring_attn", "zigzag", "zigzag", "ring over zigzag shards; balanced when causal"),
+    Method("ring_attn", "contiguous", "ring", "K/V passed around a ring; simple, unbalanced when causal",
+           documents=True),
+    Method("zigzag_ring_attn", "zigzag", "zigzag", "ring over zigzag shards; balanced when causal",
+           documents=True),
     Method("dist_flash_attn", "contiguous", "dist_flash",
            "LightSeq's balanced schedule: idle ranks compute blocks for busy ones"),
     Method("ulysses_attn", "contiguous", "ulysses", "all-to-all between sequence and heads"),

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention.kernels import Kernel, default_scale, select_kernel
+from ..attention.documents import document_mask
 from ..attention.merge import merge_into
 from .comm import group_rank_size, ring_pass
 
@@ -50,47 +51,62 @@ def contiguous_schedule(src: int, rank: int, local_len: int, causal: bool) -> li
     return []  # a later shard: masked out entirely
 
 
+def _rows(doc: Tensor | None, rows: slice) -> Tensor | None:
+    return None if doc is None else doc[:, rows]
+
+
 def ring_forward(q: Tensor, k: Tensor, v: Tensor, group, causal: bool, scale: float,
-                 schedule: Schedule, kernel: Kernel) -> tuple[Tensor, Tensor]:
-    """Returns out (q's dtype) and lse (B, H, S) float32 for the local queries."""
+                 schedule: Schedule, kernel: Kernel, doc: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Returns out (q's dtype) and lse (B, H, S) float32 for the local queries.
+
+    ``doc`` (B, S_local): document ids for packed sequences; they travel with K/V.
+    """
     rank, world = group_rank_size(group)
     b, s, h, d = q.shape
     out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
-    k_cur, v_cur = k, v
+    held = [k, v] if doc is None else [k, v, doc]  # what travels: K, V (and their doc ids)
     for step in range(world):
         if step + 1 < world:  # post the next transfer before computing on this block
-            exchange, (k_next, v_next) = ring_pass([k_cur, v_cur], group)
+            exchange, arriving = ring_pass(held, group)
+        k_cur, v_cur, kv_doc = held[0], held[1], held[2] if doc is not None else None
         for blk in schedule((rank - step) % world, rank, s, causal):
+            skip, blk_causal, mask = document_mask(_rows(doc, blk.q), _rows(kv_doc, blk.kv), blk.causal)
+            if skip:
+                continue
             block_out, block_lse = kernel.forward(q[:, blk.q], k_cur[:, blk.kv], v_cur[:, blk.kv],
-                                                  causal=blk.causal, scale=scale)
+                                                  causal=blk_causal, scale=scale, attn_mask=mask)
             merge_into(out[:, blk.q], lse[:, :, blk.q], block_out, block_lse)
         if step + 1 < world:
             exchange.wait()
-            k_cur, v_cur = k_next, v_next
+            held = arriving
     return out.to(q.dtype), lse
 
 
 def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                   group, causal: bool, scale: float, schedule: Schedule,
-                  kernel: Kernel) -> tuple[Tensor, Tensor, Tensor]:
+                  kernel: Kernel, doc: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     rank, world = group_rank_size(group)
     s = q.size(1)
     dq = torch.zeros_like(q, dtype=torch.float32)
     dk_acc = torch.zeros_like(k, dtype=torch.float32)  # for the K/V shard currently held
     dv_acc = torch.zeros_like(v, dtype=torch.float32)
-    k_cur, v_cur = k, v
+    held = [k, v] if doc is None else [k, v, doc]
     grad_exchange = None
     for step in range(world):
         if step + 1 < world:
-            exchange, (k_next, v_next) = ring_pass([k_cur, v_cur], group)
+            exchange, arriving = ring_pass(held, group)
+        k_cur, v_cur, kv_doc = held[0], held[1], held[2] if doc is not None else None
         if grad_exchange is not None:  # the accumulators of the shard we now hold
             grad_exchange.wait()
             dk_acc, dv_acc = dkv_in
         for blk in schedule((rank - step) % world, rank, s, causal):
+            skip, blk_causal, mask = document_mask(_rows(doc, blk.q), _rows(kv_doc, blk.kv), blk.causal)
+            if skip:
+                continue
             dq_b, dk_b, dv_b = kernel.backward(
                 dout[:, blk.q], q[:, blk.q], k_cur[:, blk.kv], v_cur[:, blk.kv], out[:, blk.q],
-                lse[:, :, blk.q], causal=blk.causal, scale=scale)
+                lse[:, :, blk.q], causal=blk_causal, scale=scale, attn_mask=mask)
             dq[:, blk.q] += dq_b
             dk_acc[:, blk.kv] += dk_b
             dv_acc[:, blk.kv] += dv_b
@@ -98,7 +114,7 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
             grad_exchange, dkv_in = ring_pass([dk_acc, dv_acc], group)
         if step + 1 < world:
             exchange.wait()
-            k_cur, v_cur = k_next, v_next
+            held = arriving
     if grad_exchange is not None:  # after N passes our own accumulators are home
         grad_exchange.wait()
         dk_acc, dv_acc = dkv_in
@@ -107,17 +123,17 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, schedule, kernel):
-        out, lse = ring_forward(q, k, v, group, causal, scale, schedule, kernel)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, group, causal, scale, schedule, kernel, doc):
+        out, lse = ring_forward(q, k, v, group, causal, scale, schedule, kernel, doc)
+        ctx.save_for_backward(q, k, v, out, lse, doc)
         ctx.args = (group, causal, scale, schedule, kernel)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        q, k, v, out, lse, doc = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args, doc=doc)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -133,13 +149,26 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
                          f"({k.size(2)}) for grouped-query attention")
 
 
-def run_ring(q, k, v, group, causal, softmax_scale, schedule: Schedule) -> Tensor:
+def check_document_ids(q: Tensor, document_ids: Tensor | None) -> None:
+    if document_ids is not None and tuple(document_ids.shape) != tuple(q.shape[:2]):
+        raise ValueError(f"document_ids must be (batch, seq_local) = {tuple(q.shape[:2])}, "
+                         f"got {tuple(document_ids.shape)}")
+
+
+def run_ring(q, k, v, group, causal, softmax_scale, schedule: Schedule,
+             document_ids: Tensor | None = None) -> Tensor:
     check_qkv(q, k, v)
+    check_document_ids(q, document_ids)
     scale = default_scale(q.size(-1)) if softmax_scale is None else softmax_scale
-    return RingAttention.apply(q, k, v, group, causal, scale, schedule, select_kernel(q))
+    return RingAttention.apply(q, k, v, group, causal, scale, schedule, select_kernel(q),
+                               document_ids)
 
 
 def ring_attn(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None = None,
-              causal: bool = True, softmax_scale: float | None = None) -> Tensor:
-    """Ring attention over contiguous shards. q: (B, S/N, Hq, D), k, v: (B, S/N, Hkv, D)."""
-    return run_ring(q, k, v, group, causal, softmax_scale, contiguous_schedule)
+              causal: bool = True, softmax_scale: float | None = None,
+              document_ids: Tensor | None = None) -> Tensor:
+    """Ring attention over contiguous shards. q: (B, S/N, Hq, D), k, v: (B, S/N, Hkv, D).
+
+    ``document_ids`` (B, S/N), optional: packed documents; no token attends across them.
+    """
+    return run_ring(q, k, v, group, causal, softmax_scale, contiguous_schedule, document_ids)

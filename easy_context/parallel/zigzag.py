@@ -30,9 +30,13 @@ def zigzag_schedule(src: int, rank: int, local_len: int, causal: bool) -> list[B
 
 
 def zigzag_ring_attn(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None = None,
-                     causal: bool = True, softmax_scale: float | None = None) -> Tensor:
-    """Ring attention over zigzag shards. q: (B, S/N, Hq, D), k, v: (B, S/N, Hkv, D)."""
+                     causal: bool = True, softmax_scale: float | None = None,
+                     document_ids: Tensor | None = None) -> Tensor:
+    """Ring attention over zigzag shards. q: (B, S/N, Hq, D), k, v: (B, S/N, Hkv, D).
+
+    ``document_ids`` (B, S/N), optional: packed documents; no token attends across them.
+    """
     if q.size(1) % 2:
         raise ValueError(f"a zigzag shard holds two equal chunks; its length {q.size(1)} is odd. "
                          "Shard the sequence with the zigzag layout (length divisible by 2N)")
-    return run_ring(q, k, v, group, causal, softmax_scale, zigzag_schedule)
+    return run_ring(q, k, v, group, causal, softmax_scale, zigzag_schedule, document_ids)

@@ -1,0 +1,165 @@
+"""The one place that knows transformers internals.
+
+Importing easy_context registers every sequence-parallel method as a transformers attention
+implementation (``AttentionInterface``), so any model whose attention layers go through that
+interface (Llama, Mistral, Qwen2/3, Gemma, Phi-3, OLMo, ...) runs sequence-parallel with
+
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="zigzag_ring_attn")
+
+or, for a model already built, ``apply_sequence_parallel(model, method, group, ring_degree)``,
+which also records the process group. Each rank then feeds its shard of input_ids with its
+*global* position_ids (RoPE is exact on a shard only with those), and, for packed documents,
+its shard of ``document_ids``: ``model(input_ids=..., position_ids=..., document_ids=...)``;
+transformers passes extra keyword arguments through to the attention function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import AttentionInterface
+
+from ..parallel import METHODS, get_method
+from ..sequence_parallel import sequence_parallel_attention
+
+Tensor = torch.Tensor
+
+# transformers treats any implementation name containing "flash" as FlashAttention and tries
+# to load flash kernels for it, so dist_flash_attn registers under another name.
+_HF_NAMES = {name: name.replace("dist_flash_attn", "dist_attn") for name in METHODS}
+
+
+def hf_attention_name(method: str) -> str:
+    """The name under which ``method`` is registered with transformers."""
+    get_method(method)
+    return _HF_NAMES[method]
+
+
+@dataclass
+class SequenceParallelSettings:
+    """Stored on each attention module by :func:`apply_sequence_parallel` (never serialised)."""
+
+    method: str
+    group: dist.ProcessGroup | None = None
+    ring_degree: int | None = None
+
+
+_SETTINGS_ATTR = "_easy_context_sp"
+
+
+def _unsupported(module: nn.Module, query: Tensor, key: Tensor, dropout: float, kwargs: dict,
+                 world: int) -> str | None:
+    """Why this attention call cannot run sequence-parallel, or None."""
+    if query.size(2) != key.size(2):
+        return ("queries and keys differ in length (a KV cache: decoding); sequence-parallel "
+                "attention runs on whole sequences, so generate in one process with "
+                "attn_implementation='sdpa'")
+    window = kwargs.get("sliding_window")
+    if window is not None and window < query.size(2) * world:
+        return (f"layer {getattr(module, 'layer_idx', '?')} uses sliding-window attention "
+                f"(window {window} < sequence {query.size(2) * world}); set "
+                "config.sliding_window=None (and config.use_sliding_window=False) to train "
+                "with full attention")
+    if kwargs.get("softcap") is not None:
+        return "attention logit soft-capping (softcap) is not supported by the block kernels"
+    if kwargs.get("s_aux") is not None:
+        return "attention sinks (s_aux) are not supported by the block kernels"
+    if dropout and dropout > 0:
+        return f"attention dropout ({dropout}) is not supported; set config.attention_dropout=0"
+    return None
+
+
+def _make_attention(method: str):
+    def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                  attention_mask: Tensor | None, scaling: float | None = None,
+                  dropout: float = 0.0, **kwargs):
+        # query (B, Hq, S, D), key/value (B, Hkv, S, D), not repeated for GQA.
+        settings = getattr(module, _SETTINGS_ATTR, None) or SequenceParallelSettings(method)
+        world = dist.get_world_size(settings.group) if dist.is_initialized() else 1
+        reason = _unsupported(module, query, key, dropout, kwargs, world)
+        if reason:
+            raise ValueError(f"{method}: {reason}")
+        out = sequence_parallel_attention(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), method,
+            group=settings.group, causal=getattr(module, "is_causal", True),
+            softmax_scale=scaling, ring_degree=settings.ring_degree,
+            document_ids=kwargs.get("document_ids"))
+        return out, None  # (B, S, Hq, D), no attention weights
+
+    attention.__name__ = f"{method}_hf_attention"
+    return attention
+
+
+for _method in METHODS:
+    AttentionInterface.register(_HF_NAMES[_method], _make_attention(_method))
+
+
+def _text_config(model: nn.Module):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def check_model_supported(model: nn.Module) -> None:
+    """Raise a ValueError naming the reason when ``model`` cannot run sequence-parallel."""
+    config = _text_config(model)
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = [i for i, t in enumerate(layer_types) if "sliding" in str(t) or "chunked" in str(t)]
+    if sliding:
+        raise ValueError(
+            f"{type(model).__name__} has sliding-window/chunked attention layers {sliding[:8]}"
+            f"{'...' if len(sliding) > 8 else ''}; sequence-parallel attention is full attention. "
+            "Use a model with full attention in every layer, or set config.layer_types to "
+            "'full_attention' for all layers if the model allows it")
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        raise ValueError(
+            f"{type(model).__name__} uses sliding-window attention (use_sliding_window=True, "
+            f"sliding_window={config.sliding_window}); set config.use_sliding_window=False")
+    for name in ("attn_logit_softcapping",):
+        if getattr(config, name, None):
+            raise ValueError(f"{type(model).__name__} uses {name}={getattr(config, name)}, "
+                             "which the block attention kernels do not support")
+
+
+def _attention_modules(model: nn.Module):
+    # Attention layers are the modules that carry a layer index and a causal flag.
+    return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
+
+
+def apply_sequence_parallel(model: nn.Module, method: str, group: dist.ProcessGroup | None = None,
+                            ring_degree: int | None = None) -> nn.Module:
+    """Switch an already built model to sequence-parallel attention over ``group``.
+
+    ``method`` is a key of ``easy_context.METHODS``, or ``"data_parallel"`` to keep the
+    model's own attention. Returns the model (changed in place).
+    """
+    if method == "data_parallel":
+        return model
+    get_method(method)
+    check_model_supported(model)
+    config = _text_config(model)
+    if dist.is_initialized():
+        world = dist.get_world_size(group)
+        heads = config.num_attention_heads
+        if method == "ulysses_attn" and heads % world:
+            raise ValueError(f"ulysses_attn needs attention heads ({heads}) divisible by the "
+                             f"sequence-parallel size ({world}); use usp_attn with a ring_degree, "
+                             "or a zigzag/ring method")
+        if method == "usp_attn":
+            if ring_degree is None or ring_degree < 1 or world % ring_degree:
+                raise ValueError(f"usp_attn needs a ring_degree dividing the sequence-parallel "
+                                 f"size {world}, got {ring_degree}")
+            if heads % (world // ring_degree):
+                raise ValueError(f"usp_attn: attention heads ({heads}) must be divisible by the "
+                                 f"Ulysses degree {world // ring_degree}; raise ring_degree")
+    modules = _attention_modules(model)
+    if not modules:
+        raise ValueError(f"found no attention layers in {type(model).__name__}: its attention "
+                         "does not go through transformers' attention interface")
+    settings = SequenceParallelSettings(method, group, ring_degree)
+    for m in modules:
+        setattr(m, _SETTINGS_ATTR, settings)
+    model.set_attn_implementation(_HF_NAMES[method])
+    return model
