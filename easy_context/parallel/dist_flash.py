@@ -1,0 +1,261 @@
+"""DistFlashAttn (LightSeq, Li et al. 2023): contiguous shards, balanced under a causal mask.
+
+Rank r holds tokens [r*L/N, (r+1)*L/N). Under a causal mask the pair (q_a, kv_b) is needed iff
+a >= b, so with a plain ring (ring.py) rank N-1 computes N blocks while rank 0 computes one.
+The naive schedule is "step t: every rank a >= t computes (a, a - t)", which leaves ranks
+0..t-1 idle at step t; LightSeq puts them to work on the pairs that would otherwise need a
+step of their own:
+
+- step 0: every rank a computes its diagonal (a, a) causally;
+- step t = 1 .. floor(N/2):
+  * rank a >= t computes (a, a - t) itself, receiving kv_{a-t} from rank a - t;
+  * if N - t != t, the idle rank b < t computes (b + N - t, b): it receives q of rank
+    a = b + N - t (which is (b - t) mod N) and sends the block's (out, lse) back to a;
+  * if 2t == N, the N/2 pairs (a, a - N/2) would leave half the ranks idle, so each is split
+    by query rows: rank a computes its first half, the kv owner a - N/2 the second half.
+Every difference a - b in 1..N-1 is covered once (t, or N - t), every rank does one block (or
+two half blocks' worth: the diagonal and the 2t == N step) per step, and at step t each rank
+receives one tensor set from (i - t) mod N and sends one to (i + t) mod N.
+
+Without a mask all N^2 pairs are needed and every rank already has equal work: step t = 1..N-1
+has rank a compute (a, (a - t) mod N), kv coming straight from its owner (a ring without relays).
+
+Backward replays the schedule with the final out and lse. A block computed by the query owner
+sends its dK/dV partial to the kv owner; a block computed by a helper needs q, out, lse and
+dout rows from the query owner and sends dQ back. Partials are summed in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ..attention.kernels import Kernel, default_scale, select_kernel
+from ..attention.merge import merge_into
+from .comm import Exchange, group_rank_size
+from .ring import check_qkv
+
+Tensor = torch.Tensor
+
+ALL_ROWS, FIRST_HALF, SECOND_HALF = "all", "first", "second"
+
+
+class Task(NamedTuple):
+    """One kernel call: ``rank`` computes q_owner's ``rows`` against kv_owner's whole shard."""
+
+    rank: int
+    q_owner: int
+    kv_owner: int
+    rows: str  # ALL_ROWS, FIRST_HALF or SECOND_HALF of the query owner's shard
+
+
+def balanced_schedule(world_size: int, causal: bool = True) -> list[list[Task]]:
+    """The tasks of every step; step 0 holds the diagonal blocks (the only causal ones)."""
+    n = world_size
+    if n < 1:
+        raise ValueError(f"world_size must be >= 1, got {n}")
+    steps = [[Task(r, r, r, ALL_ROWS) for r in range(n)]]
+    if not causal:
+        steps += [[Task(a, a, (a - t) % n, ALL_ROWS) for a in range(n)] for t in range(1, n)]
+        return steps
+    for t in range(1, n // 2 + 1):
+        if 2 * t == n:  # split (a, a - t) by rows between its two owners
+            tasks = [task for a in range(t, n)
+                     for task in (Task(a, a, a - t, FIRST_HALF), Task(a - t, a, a - t, SECOND_HALF))]
+        else:
+            tasks = [Task(a, a, a - t, ALL_ROWS) for a in range(t, n)]
+            tasks += [Task(b, b + n - t, b, ALL_ROWS) for b in range(t)]  # idle ranks help
+        steps.append(tasks)
+    return steps
+
+
+def _rows(part: str, length: int) -> slice:
+    # An odd shard gives the second half one row more: exact, very slightly unbalanced.
+    half = length // 2
+    return {ALL_ROWS: slice(0, length), FIRST_HALF: slice(0, half), SECOND_HALF: slice(half, length)}[part]
+
+
+def _steps(world: int, causal: bool, length: int) -> list[list[Task]]:
+    # A shard of one row has an empty first half: drop such tasks (on every rank alike).
+    return [[t for t in step if _rows(t.rows, length).stop > _rows(t.rows, length).start]
+            for step in balanced_schedule(world, causal)]
+
+
+def _route(group, rank: int, tasks: list[Task], payload: Callable[[Task, str], list[Tensor]],
+           to_computer: bool) -> tuple[Exchange, dict]:
+    """Post one step's transfers between each task's owners and its computing rank.
+
+    side "q" moves between q_owner and the computing rank, side "kv" between kv_owner and it:
+    owner -> computer for inputs (``to_computer``), computer -> owner for results. On the
+    sender ``payload(task, side)`` is the data, on the receiver tensors shaped like it. Every
+    rank walks the same task list in the same order, so sends and receives between two ranks
+    pair up one to one. Returns the started exchange and {(task, side): received buffers}.
+    """
+    ex, received = Exchange(group), {}
+    for task in tasks:
+        for side, owner in (("q", task.q_owner), ("kv", task.kv_owner)):
+            if owner == task.rank:
+                continue
+            src, dst = (owner, task.rank) if to_computer else (task.rank, owner)
+            if src == rank:
+                for t in payload(task, side):
+                    ex.send(t, dst)
+            elif dst == rank and (like := payload(task, side)):
+                received[(task, side)] = [ex.recv(t, src) for t in like]
+    return ex.start(), received
+
+
+def dist_flash_forward(q: Tensor, k: Tensor, v: Tensor, group, causal: bool, scale: float,
+                       kernel: Kernel) -> tuple[Tensor, Tensor]:
+    """Returns out (q's dtype) and lse (B, H, S) float32 for the local queries."""
+    rank, world = group_rank_size(group)
+    b, s, h, d = q.shape
+    out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
+    steps = _steps(world, causal, s)
+
+    def inputs(task, side):  # data on the owner, a template of the same shape elsewhere
+        return [q[:, _rows(task.rows, s)]] if side == "q" else [k, v]
+
+    def merge_results(received):
+        for (task, _), (block_out, block_lse) in received.items():
+            rows = _rows(task.rows, s)
+            merge_into(out[:, rows], lse[:, :, rows], block_out, block_lse)
+
+    nxt = _route(group, rank, steps[0], inputs, to_computer=True)
+    pending = None
+    for i, tasks in enumerate(steps):
+        exchange, got = nxt
+        if i + 1 < len(steps):  # post the next step's inputs before computing this one
+            nxt = _route(group, rank, steps[i + 1], inputs, to_computer=True)
+        exchange.wait()
+        done = {}  # helper results to send back: {(task, "q"): [out, lse]}
+        for task in tasks:
+            if task.rank != rank:
+                continue
+            rows = _rows(task.rows, s)
+            q_blk = q[:, rows] if task.q_owner == rank else got[(task, "q")][0]
+            k_blk, v_blk = (k, v) if task.kv_owner == rank else got[(task, "kv")]
+            blk_out, blk_lse = kernel.forward(q_blk, k_blk, v_blk, scale=scale,
+                                              causal=causal and task.q_owner == task.kv_owner)
+            if task.q_owner == rank:
+                merge_into(out[:, rows], lse[:, :, rows], blk_out, blk_lse)
+            else:
+                done[(task, "q")] = [blk_out.to(q.dtype), blk_lse.float()]
+
+        def results(task, side):
+            if side == "kv":
+                return []  # forward results only go back to the query owner
+            if task.rank == rank:
+                return done[(task, side)]
+            rows = _rows(task.rows, s)
+            return [q[:, rows], lse[:, :, rows]]
+
+        returned = _route(group, rank, tasks, results, to_computer=False)
+        if pending is not None:  # the previous step's results arrived while we computed
+            pending[0].wait()
+            merge_results(pending[1])
+        pending = returned
+    pending[0].wait()
+    merge_results(pending[1])
+    return out.to(q.dtype), lse
+
+
+def dist_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        group, causal: bool, scale: float,
+                        kernel: Kernel) -> tuple[Tensor, Tensor, Tensor]:
+    rank, world = group_rank_size(group)
+    s = q.size(1)
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    dk = torch.zeros_like(k, dtype=torch.float32)
+    dv = torch.zeros_like(v, dtype=torch.float32)
+    steps = _steps(world, causal, s)
+
+    def inputs(task, side):
+        if side == "kv":
+            return [k, v]
+        rows = _rows(task.rows, s)
+        return [q[:, rows], out[:, rows], dout[:, rows], lse[:, :, rows]]
+
+    def add_results(received):
+        for (task, side), grads in received.items():
+            if side == "q":
+                dq[:, _rows(task.rows, s)] += grads[0]
+            else:
+                dk.add_(grads[0])
+                dv.add_(grads[1])
+
+    nxt = _route(group, rank, steps[0], inputs, to_computer=True)
+    pending = None
+    for i, tasks in enumerate(steps):
+        exchange, got = nxt
+        if i + 1 < len(steps):
+            nxt = _route(group, rank, steps[i + 1], inputs, to_computer=True)
+        exchange.wait()
+        done = {}  # partial gradients owed to other ranks: {(task, side): tensors}
+        for task in tasks:
+            if task.rank != rank:
+                continue
+            rows = _rows(task.rows, s)
+            q_in = ([q[:, rows], out[:, rows], dout[:, rows], lse[:, :, rows]]
+                    if task.q_owner == rank else got[(task, "q")])
+            k_blk, v_blk = (k, v) if task.kv_owner == rank else got[(task, "kv")]
+            q_blk, o_blk, do_blk, lse_blk = q_in
+            dq_b, dk_b, dv_b = kernel.backward(do_blk, q_blk, k_blk, v_blk, o_blk, lse_blk,
+                                               causal=causal and task.q_owner == task.kv_owner,
+                                               scale=scale)
+            if task.q_owner == rank:
+                dq[:, rows] += dq_b
+            else:
+                done[(task, "q")] = [dq_b.to(q.dtype)]
+            if task.kv_owner == rank:
+                dk.add_(dk_b)
+                dv.add_(dv_b)
+            else:
+                done[(task, "kv")] = [dk_b.to(k.dtype), dv_b.to(v.dtype)]
+
+        def results(task, side):
+            if task.rank == rank:
+                return done[(task, side)]
+            return [q[:, _rows(task.rows, s)]] if side == "q" else [k, v]
+
+        returned = _route(group, rank, tasks, results, to_computer=False)
+        if pending is not None:
+            pending[0].wait()
+            add_results(pending[1])
+        pending = returned
+    pending[0].wait()
+    add_results(pending[1])
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class DistFlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, kernel):
+        out, lse = dist_flash_forward(q, k, v, group, causal, scale, kernel)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (group, causal, scale, kernel)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = dist_flash_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None
+
+
+def dist_flash_attn(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None = None,
+                    causal: bool = True, softmax_scale: float | None = None) -> Tensor:
+    """DistFlashAttn over contiguous shards. q: (B, S/N, Hq, D), k, v: (B, S/N, Hkv, D).
+
+    Every rank of ``group`` (None: the world) must hold a shard of the same length.
+    """
+    check_qkv(q, k, v)
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        raise ValueError(f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    scale = default_scale(q.size(-1)) if softmax_scale is None else softmax_scale
+    return DistFlashAttention.apply(q, k, v, group, bool(causal), scale, select_kernel(q))
