@@ -33,10 +33,11 @@ class PackedBatch:
     position_ids: np.ndarray
     document_ids: np.ndarray
 
-    def rows(self) -> Iterator[dict[str, np.ndarray]]:
-        for i in range(len(self.input_ids)):
-            yield {"input_ids": self.input_ids[i], "position_ids": self.position_ids[i],
-                   "document_ids": self.document_ids[i]}
+    def rows(self) -> Iterator[dict[str, list[int]]]:
+        # Python lists: datasets' writer converts them ~2.5x faster than numpy rows.
+        ids, pos, doc = self.input_ids.tolist(), self.position_ids.tolist(), self.document_ids.tolist()
+        for i in range(len(ids)):
+            yield {"input_ids": ids[i], "position_ids": pos[i], "document_ids": doc[i]}
 
 
 class Packer:

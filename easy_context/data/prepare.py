@@ -106,8 +106,10 @@ class _Source:
 
     def lengths(self) -> np.ndarray:
         if self.tokenized is not None:
-            return np.asarray(self.tokenized.with_format("arrow")["input_ids"]
-                              .combine_chunks().value_lengths(), dtype=np.int64)
+            # Chunk by chunk: only the offsets are read, never the memory-mapped tokens.
+            chunks = self.tokenized.data.column("input_ids").chunks
+            return np.concatenate([c.value_lengths().to_numpy(zero_copy_only=False) for c in chunks]
+                                  or [np.zeros(0)]).astype(np.int64)
         return np.concatenate([b.lengths for b in self.batches(None)] or [np.zeros(0, np.int64)])
 
     def batches(self, keep: np.ndarray | None) -> Iterator[TokenBatch]:
@@ -129,8 +131,9 @@ class _Source:
         yield from tokenize_stream(texts(), self.doc_tok, self.cfg.num_proc)
 
 
-def _emit(source: _Source, index: int, cfg: PrepareConfig) -> Iterator[tuple[TokenBatch, dict]]:
-    """Yield the source's documents to pack (with repeats), then its stats as the last item."""
+def _emit(source: _Source, index: int, cfg: PrepareConfig, stats_out: list[dict]
+          ) -> Iterator[TokenBatch]:
+    """Yield the source's documents to pack, with repeats; append its stats to ``stats_out``."""
     needs_plan = cfg.upsample.threshold is not None or not cfg.streaming
     lengths = source.lengths() if needs_plan else None
     copies = (plan_copies(lengths, cfg.upsample, cfg.min_length, cfg.seed, index)
@@ -145,7 +148,7 @@ def _emit(source: _Source, index: int, cfg: PrepareConfig) -> Iterator[tuple[Tok
                 rows = batch.lengths >= cfg.min_length
                 batch = TokenBatch(batch.tokens[np.repeat(rows, batch.lengths)],
                                    batch.lengths[rows], batch.index[rows])
-            yield batch, {}
+            yield batch
     if copies is None:
         lengths = np.concatenate(seen) if seen else np.zeros(0, np.int64)
         copies = (lengths >= cfg.min_length).astype(np.int64)
@@ -157,7 +160,7 @@ def _emit(source: _Source, index: int, cfg: PrepareConfig) -> Iterator[tuple[Tok
             f"input {source.spec.path}: all {stats['documents_read']} documents are shorter than "
             f"--min-length {cfg.min_length} tokens; lower --min-length"
         )
-    yield TokenBatch(np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64)), stats
+    stats_out.append(stats)
 
 
 def _fingerprint(cfg: PrepareConfig) -> str:
@@ -189,13 +192,10 @@ def prepare_data(cfg: PrepareConfig) -> dict:
         logger.info("source %s: %s (%s)", spec.name, spec.path, spec.kind)
         sources.append(_Source(spec, cfg, doc_tok))
 
-    def windows() -> Iterator[dict[str, np.ndarray]]:
+    def windows() -> Iterator[dict[str, list[int]]]:
         bar = tqdm(desc="packing", unit="tok", unit_scale=True)
         for i, source in enumerate(sources):
-            for batch, stats in _emit(source, i, cfg):
-                if stats:
-                    per_source.append(stats)
-                    continue
+            for batch in _emit(source, i, cfg, per_source):
                 bar.update(int(batch.lengths.sum()))
                 yield from packer.add(batch.tokens, batch.lengths).rows()
         bar.close()
