@@ -9,7 +9,12 @@ from .compat import (
     prepare_dataloader,
     prepare_seq_parallel_inputs,
 )
-from .integrations.hf import apply_sequence_parallel, check_model_supported, hf_attention_name
+from .integrations.hf import (
+    apply_sequence_parallel,
+    causal_lm_loss,
+    check_model_supported,
+    hf_attention_name,
+)
 from .parallel import METHODS
 from .sequence_parallel import (
     pad_for_sequence_parallel,
@@ -25,6 +30,7 @@ __all__ = [
     "METHODS",
     "apply_seq_parallel_monkey_patch",
     "apply_sequence_parallel",
+    "causal_lm_loss",
     "check_model_supported",
     "hf_attention_name",
     "pad_for_sequence_parallel",

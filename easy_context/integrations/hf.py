@@ -163,3 +163,51 @@ def apply_sequence_parallel(model: nn.Module, method: str, group: dist.ProcessGr
         setattr(m, _SETTINGS_ATTR, settings)
     model.set_attn_implementation(_HF_NAMES[method])
     return model
+
+
+def _plain_lm_head(model: nn.Module) -> nn.Linear | None:
+    """The output projection, if logits are exactly ``hidden @ W.T (+ b)``; else None."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    config = _text_config(model)
+    # Some families scale or soft-cap logits after the head: their logits must come from the model.
+    if not isinstance(head, nn.Linear) or any(
+            getattr(config, name, None) not in (None, 1.0, False)
+            for name in ("final_logit_softcapping", "logit_scale", "logits_scaling")):
+        return None
+    return head
+
+
+def causal_lm_loss(model: nn.Module, input_ids: Tensor, position_ids: Tensor, target_ids: Tensor,
+                   group: dist.ProcessGroup | None = None, document_ids: Tensor | None = None,
+                   num_items_in_batch: Tensor | int | None = None, chunked: bool | None = None,
+                   chunk_size: int = 4096) -> Tensor:
+    """The exact global token-mean loss of a causal LM on this rank's shard.
+
+    input_ids, position_ids, target_ids (and document_ids): this rank's (B, S_local) shards,
+    targets already shifted (-100 = ignore). The value is the mean over every valid target in
+    ``group`` (or over ``num_items_in_batch``, the global count across DP ranks and
+    accumulation steps); the gradient is this rank's share, so gradients summed over ranks
+    are the gradient of that mean (see easy_context.memory.loss.global_token_mean).
+
+    ``chunked`` (default: when the vocabulary has >= 16384 entries and the head is a plain
+    linear layer) computes the loss from the last hidden states chunk by chunk, never
+    building the (tokens x vocab) logits.
+    """
+    from ..memory.loss import chunked_cross_entropy, logits_cross_entropy
+
+    head = _plain_lm_head(model)
+    if chunked is None:
+        chunked = head is not None and head.out_features >= 16384
+    if chunked and head is None:
+        raise ValueError(f"{type(model).__name__}'s logits are not a plain linear projection "
+                         "of the hidden states (scaled or soft-capped); use chunked=False")
+    extra = {} if document_ids is None else {"document_ids": document_ids}
+    if chunked:
+        hidden = model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
+                                     use_cache=False, **extra).last_hidden_state
+        return chunked_cross_entropy(hidden, head.weight, target_ids, head.bias,
+                                     chunk_size=chunk_size, group=group,
+                                     num_items_in_batch=num_items_in_batch)
+    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra).logits
+    return logits_cross_entropy(logits, target_ids, group=group,
+                                num_items_in_batch=num_items_in_batch)
