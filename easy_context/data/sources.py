@@ -101,7 +101,9 @@ def parse_source(spec: str) -> SourceSpec:
 def _check_column(ds: datasets.Dataset | datasets.IterableDataset, source: SourceSpec,
                   text_column: str) -> None:
     columns = ds.column_names
-    if columns is not None and text_column not in columns:
+    if columns is None:  # a streamed source of unknown schema: look at its first row
+        columns = list(next(iter(ds), {}).keys())
+    if text_column not in columns:
         raise ValueError(
             f"input {source.path} has no column {text_column!r} (columns: {columns}); "
             f"pass --text-column with one of them"

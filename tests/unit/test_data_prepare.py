@@ -98,6 +98,9 @@ def test_bad_inputs_say_what_to_change(corpus, tmp_path):
     with pytest.raises(ValueError, match=r"no column 'content'.*--text-column"):
         prepare_data(_cfg(corpus, tmp_path / "o", text_column="content",
                           inputs=[str(corpus / "web.jsonl")]))
+    with pytest.raises(ValueError, match=r"no column 'content'.*--text-column"):
+        prepare_data(_cfg(corpus, tmp_path / "o", text_column="content", streaming=True,
+                          inputs=[str(corpus / "web.jsonl")]))
     with pytest.raises(ValueError, match="seq_length must be at least 2.*--seq-length"):
         _cfg(corpus, tmp_path / "o", seq_length=1)
     with pytest.raises(FileNotFoundError, match="tokenizer folder .* does not exist; pass --tokenizer"):
