@@ -10,6 +10,7 @@ import torch
 
 from .documents import document_mask
 from .kernels import Kernel, default_scale, select_kernel
+from .saving import run_saved
 
 Tensor = torch.Tensor
 
@@ -17,7 +18,7 @@ Tensor = torch.Tensor
 class _LocalAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float, kernel: Kernel, mask):
-        out, lse = kernel.forward(q, k, v, causal=causal, scale=scale, attn_mask=mask)
+        out, lse = run_saved(lambda: kernel.forward(q, k, v, causal=causal, scale=scale, attn_mask=mask))
         ctx.save_for_backward(q, k, v, out, lse, mask)
         ctx.causal, ctx.scale, ctx.kernel = causal, scale, kernel
         return out

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from ..attention.kernels import Kernel, default_scale, select_kernel
 from ..attention.merge import merge_into
+from ..attention.saving import run_saved
 from .comm import Exchange, group_rank_size
 from .ring import check_qkv
 
@@ -234,7 +235,7 @@ def dist_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
 class DistFlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale, kernel):
-        out, lse = dist_flash_forward(q, k, v, group, causal, scale, kernel)
+        out, lse = run_saved(lambda: dist_flash_forward(q, k, v, group, causal, scale, kernel))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (group, causal, scale, kernel)
         return out

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ..attention.kernels import Kernel, default_scale, select_kernel
 from ..attention.documents import document_mask
 from ..attention.merge import merge_into
+from ..attention.saving import run_saved
 from .comm import group_rank_size, ring_pass
 
 Tensor = torch.Tensor
@@ -124,7 +125,7 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale, schedule, kernel, doc):
-        out, lse = ring_forward(q, k, v, group, causal, scale, schedule, kernel, doc)
+        out, lse = run_saved(lambda: ring_forward(q, k, v, group, causal, scale, schedule, kernel, doc))
         ctx.save_for_backward(q, k, v, out, lse, doc)
         ctx.args = (group, causal, scale, schedule, kernel)
         return out

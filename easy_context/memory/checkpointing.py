@@ -1,0 +1,54 @@
+"""Activation checkpointing per decoder layer, three kinds.
+
+- ``full``: keep only each layer's input; recompute the layer in backward.
+- ``offload``: as full, and the kept inputs wait in CPU memory (pinned on CUDA) instead of
+  device memory: at 1M tokens they are L x S x hidden, which is most of what full keeps.
+- ``attention``: as full, but the recompute reuses each layer's attention output and lse
+  (easy_context.attention.saving), so backward does not run attention, nor its
+  communication, twice.
+
+Hugging Face decoder layers are ``GradientCheckpointingLayer``s: each calls its
+``_gradient_checkpointing_func`` when ``gradient_checkpointing`` is on, so one
+``gradient_checkpointing_enable`` plus a per-layer function covers every family.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..attention.saving import saving_context
+
+KINDS = ("none", "full", "offload", "attention")
+
+
+def _offloaded_checkpoint(function, *args, pin_memory: bool, **kwargs):
+    # Reentrant checkpointing saves the layer inputs with save_for_backward, which
+    # save_on_cpu intercepts: the inputs then live in host memory until the recompute.
+    with torch.autograd.graph.save_on_cpu(pin_memory=pin_memory):
+        return checkpoint(function, *args, use_reentrant=True, **kwargs)
+
+
+def apply_activation_checkpointing(model: nn.Module, kind: str) -> nn.Module:
+    """Turn on ``kind`` checkpointing for every decoder layer of a transformers model."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown activation checkpointing {kind!r}; choose one of {KINDS}")
+    if kind == "none":
+        return model
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"{type(model).__name__} does not support gradient checkpointing")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if kind == "full":
+        return model
+    if kind == "attention":
+        func = functools.partial(checkpoint, use_reentrant=False, context_fn=saving_context)
+    else:
+        pin = torch.cuda.is_available() and next(model.parameters()).is_cuda
+        func = functools.partial(_offloaded_checkpoint, pin_memory=pin)
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
+    for layer in layers:
+        layer._gradient_checkpointing_func = func
+    return model
