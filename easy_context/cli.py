@@ -14,12 +14,16 @@ import sys
 
 # subcommand -> (module, "add" function, "run" function, help)
 SUBCOMMANDS = {
+    "train": ("easy_context.train.cli", "add_train_args", "run_train",
+              "DP x SP training with FSDP2 or DeepSpeed, checkpoints, resume and export"),
     "prepare-data": ("easy_context.data.cli", "add_prepare_data_args", "run_prepare_data",
                      "tokenize and pack text or datasets into long-context training windows"),
     "synth-data": ("easy_context.data.cli", "add_synthetic_args", "run_synthetic",
                    "generate a synthetic long-context corpus (haystacks, passkeys, kv, variables)"),
     "train-tokenizer": ("easy_context.data.cli", "add_train_tokenizer_args", "run_train_tokenizer",
                         "train a small byte-level BPE tokenizer on local text"),
+    "plan": ("easy_context.plan.cli", "add_plan_args", "run_plan",
+             "predict per-device memory, pick the method, find the longest context that fits"),
 }
 
 

@@ -211,3 +211,24 @@ def causal_lm_loss(model: nn.Module, input_ids: Tensor, position_ids: Tensor, ta
     logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra).logits
     return logits_cross_entropy(logits, target_ids, group=group,
                                 num_items_in_batch=num_items_in_batch)
+
+
+class CausalLMLoss(nn.Module):
+    """``causal_lm_loss`` as a module around the model, for sharding engines.
+
+    FSDP and ZeRO-3 gather the parameters of a module when *its* forward runs. The chunked
+    loss calls the decoder and uses the head's weight outside the model's own forward, so
+    the root that the engine wraps must be this module: its forward covers everything.
+    """
+
+    def __init__(self, model: nn.Module, chunked: bool | None = None, chunk_size: int = 4096):
+        super().__init__()
+        self.model = model
+        self.chunked, self.chunk_size = chunked, chunk_size
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, target_ids: Tensor,
+                group: dist.ProcessGroup | None = None, document_ids: Tensor | None = None,
+                num_items_in_batch: Tensor | int | None = None) -> Tensor:
+        return causal_lm_loss(self.model, input_ids, position_ids, target_ids, group=group,
+                              document_ids=document_ids, num_items_in_batch=num_items_in_batch,
+                              chunked=self.chunked, chunk_size=self.chunk_size)

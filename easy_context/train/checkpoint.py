@@ -1,0 +1,130 @@
+"""Training checkpoints, written atomically, and the Hugging Face export.
+
+A checkpoint is a folder ``checkpoints/step_000123`` holding the engine's sharded model and
+optimizer state, ``trainer_state.json`` (step, data position, scheduler, config) and one
+``rng_rank{r}.pt`` per rank. All of it is first written to ``step_000123.tmp``, files are
+fsynced, and rank 0 renames the folder: a crash leaves either the old checkpoint or the new
+one, never half of one. ``checkpoints/latest`` names the newest complete checkpoint (written
+to a temporary file and renamed, too).
+
+RNG states are saved as tensors and lists and read back with ``weights_only=True``: loading
+a checkpoint never unpickles arbitrary objects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
+             "python_version": random.getstate()[0], "python_gauss": random.getstate()[2],
+             "numpy": torch.from_numpy(np.random.get_state()[1].astype(np.int64)),
+             "numpy_pos": np.random.get_state()[2]}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate((state["python_version"], tuple(state["python"]), state["python_gauss"]))
+    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"], 0, 0.0))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def checkpoint_dir(output_dir: Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def save_checkpoint(engine, output_dir: Path, step: int, trainer_state: dict) -> Path:
+    """Collective: every rank calls it. Returns the final folder."""
+    rank = dist.get_rank()
+    root = checkpoint_dir(output_dir)
+    final = root / f"step_{step:07d}"
+    tmp = root / f"step_{step:07d}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    engine.save(tmp / "engine")
+    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    if rank == 0:
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+    dist.barrier()
+    if rank == 0:
+        _fsync_tree(tmp)
+        if final.exists():  # the same step saved again (e.g. the end of a resumed run)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        write_text_atomic(root / "latest", final.name)
+    dist.barrier()
+    return final
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    root = checkpoint_dir(output_dir)
+    pointer = root / "latest"
+    if not pointer.exists():
+        return None
+    folder = root / pointer.read_text().strip()
+    return folder if (folder / "trainer_state.json").exists() else None
+
+
+def load_checkpoint(engine, folder: Path) -> dict:
+    """Collective. Restores the engine and this rank's RNG; returns the trainer state."""
+    engine.load(folder / "engine")
+    rng_file = folder / f"rng_rank{dist.get_rank()}.pt"
+    if not rng_file.exists():
+        raise FileNotFoundError(f"{rng_file} is missing: resume with the same number of "
+                                "processes as the run that wrote the checkpoint")
+    set_rng_state(torch.load(rng_file, weights_only=True))
+    return json.loads((folder / "trainer_state.json").read_text())
+
+
+def export_hf(model, state_dict: dict, tokenizer, out_dir: Path) -> None:
+    """Rank 0: write a Hugging Face model folder (safetensors + config [+ tokenizer]),
+    atomically, with no other weight files in it."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    stray = [p.name for p in tmp.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
+    if stray:
+        raise RuntimeError(f"export wrote non-safetensors weight files {stray}")
+    _fsync_tree(tmp)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)

@@ -1,0 +1,145 @@
+"""The training configuration: one dataclass, whose fields are the CLI flags and YAML keys.
+
+``--config run.yaml`` reads a YAML file whose keys equal the flags (``seq_length`` or
+``seq-length``); flags given on the command line win over the file. A run writes its
+resolved configuration to ``<output_dir>/train_config.yaml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+def _f(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class TrainConfig:
+    # --- the original train.py's flags
+    model: str = _f(None, "model folder (or name) to start from; safetensors weights")
+    dataset: str = _f(None, "dataset: a save_to_disk folder, or a load_dataset path or name, "
+                            "with an input_ids column of seq_length+1 tokens")
+    seq_length: int = _f(4096, "tokens per training sequence (inputs; targets are shifted by one)")
+    parallel_mode: str = _f("zigzag_ring_attn", "sequence-parallel method (ring_attn, "
+                            "zigzag_ring_attn, dist_flash_attn, ulysses_attn, usp_attn, "
+                            "allgather_attn), or data_parallel")
+    ring_degree: int = _f(None, "usp_attn: ranks in each ring (the rest are Ulysses)")
+    rope_theta: float = _f(None, "set the RoPE base frequency before training")
+    batch_size: int = _f(1, "sequences per data-parallel rank per micro-step")
+    gradient_accumulate_every: int = _f(1, "micro-steps per optimizer step")
+    max_train_steps: int = _f(100, "optimizer steps")
+    learning_rate: float = _f(2e-5, "peak learning rate (AdamW)")
+    output_dir: str = _f("output", "where checkpoints, logs and the exported model go")
+    seed: int = _f(42, "random seed (data order and initialisation)")
+    wandb: str = _f(None, "Weights & Biases project to log to (needs the wandb extra)")
+    # --- added
+    sp_size: int = _f(None, "ranks per sequence-parallel group; world = dp x sp "
+                            "(default: the whole world, or 1 for data_parallel)")
+    warmup_steps: int = _f(0, "linear learning-rate warm-up steps")
+    lr_schedule: str = _f("constant", "after warm-up", choices=("constant", "linear", "cosine"))
+    grad_clip: float = _f(1.0, "clip the global gradient norm (0: off)")
+    checkpointing: str = _f("full", "activation checkpointing per decoder layer",
+                            choices=("none", "full", "offload", "attention"))
+    engine: str = _f("fsdp", "parameter sharding engine", choices=("fsdp", "deepspeed"))
+    offload: str = _f("none", "move to CPU memory", choices=("none", "optimizer", "params"))
+    mixed_precision: str = _f("bf16", "compute dtype (master weights stay fp32)",
+                              choices=("bf16", "fp32"))
+    save_every: int = _f(0, "write a checkpoint every N steps (0: only at the end)")
+    resume: bool = _f(False, "continue from the latest checkpoint in output_dir")
+    log_every: int = _f(1, "log one line every N steps")
+    tensorboard: bool = _f(False, "also log to TensorBoard (output_dir/tensorboard)")
+    config: str = _f(None, "YAML file whose keys are these flags")
+    nproc_per_node: int = _f(1, "processes to start on this machine (torchrun does this itself)")
+    rope_scaling: str = _f(None, "RoPE scaling as JSON, e.g. '{\"rope_type\": \"yarn\", \"factor\": 4}'"
+                                 " or TYPE:FACTOR (linear:4, yarn:4)")
+    deepspeed_config: str = _f(None, "DeepSpeed JSON config (default: the bundled zero3 config)")
+    chunked_loss: bool = _f(True, "compute the loss chunk by chunk, never building full logits")
+    pg_timeout_minutes: float = _f(10.0, "a collective that waits longer fails with a message")
+    trust_remote_code: bool = _f(False, "allow code from the model folder to run")
+    export: bool = _f(True, "write a Hugging Face model folder (safetensors) at the end")
+
+    def validate(self) -> None:
+        from ..compat import resolve_seq_algo
+
+        if not self.model:
+            raise ValueError("--model is required (a local model folder or a hub name)")
+        if not self.dataset:
+            raise ValueError("--dataset is required (a save_to_disk folder, or a dataset name)")
+        self.parallel_mode = resolve_seq_algo(self.parallel_mode)
+        positive = ("seq_length", "batch_size", "gradient_accumulate_every", "max_train_steps",
+                    "log_every", "nproc_per_node")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.seq_length < 2:
+            raise ValueError("--seq-length must be >= 2")
+        for name, f in _fields().items():
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, name) not in choices:
+                raise ValueError(f"--{name.replace('_', '-')} must be one of {choices}, "
+                                 f"got {getattr(self, name)!r}")
+        if self.parallel_mode == "data_parallel" and self.sp_size not in (None, 1):
+            raise ValueError("data_parallel has no sequence parallelism: drop --sp-size or set it to 1")
+        if self.parallel_mode == "usp_attn" and self.ring_degree is None:
+            raise ValueError("usp_attn needs --ring-degree (ranks per ring; sp_size / ring_degree "
+                             "ranks do Ulysses)")
+        if self.learning_rate <= 0:
+            raise ValueError(f"--learning-rate must be > 0, got {self.learning_rate}")
+
+
+def _fields() -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _type_of(f: dataclasses.Field):
+    return typing.get_type_hints(TrainConfig)[f.name]
+
+
+def add_train_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per field, with the field's help; defaults are None so a YAML file can fill them."""
+    for name, f in _fields().items():
+        flag = "--" + name.replace("_", "-")
+        hint = _type_of(f)
+        if hint is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                help=f"{f.metadata['help']} (default: {f.default})")
+        else:
+            parser.add_argument(flag, type=hint, default=None, choices=f.metadata.get("choices"),
+                                help=f"{f.metadata['help']} (default: {f.default})")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Defaults, then the YAML file (``--config``), then the flags given."""
+    values: dict = {}
+    if getattr(args, "config", None):
+        path = Path(args.config)
+        if not path.is_file():
+            raise FileNotFoundError(f"--config {path}: no such file")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"--config {path}: expected a mapping of flag: value")
+        fields = _fields()
+        for key, value in loaded.items():
+            name = key.replace("-", "_")
+            if name not in fields:
+                raise ValueError(f"--config {path}: unknown key {key!r}; keys are the flags, "
+                                 f"e.g. {sorted(fields)[:6]}...")
+            values[name] = value
+    for name in _fields():
+        value = getattr(args, name, None)
+        if value is not None:
+            values[name] = value
+    config = TrainConfig(**values)
+    config.validate()
+    return config
+
+
+def save_config(config: TrainConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(dataclasses.asdict(config), sort_keys=False))

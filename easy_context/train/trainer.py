@@ -1,0 +1,194 @@
+"""The training loop: DP x SP, exact global loss, atomic checkpoints, exact resume, export.
+
+One optimizer step:
+1. every dp rank takes its ``gradient_accumulate_every`` micro-batches (train/data.py); the sp
+   ranks of a group take the same ones and keep their shards;
+2. the loss denominator is the number of valid targets in the whole step (all dp ranks, all
+   micro-batches), so each micro-batch's loss is its exact share of the step's token mean,
+   and the sum of the logged values is that mean;
+3. backward; FSDP sums gradient shares across ranks; clip; AdamW; schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..compat import prepare_seq_parallel_inputs
+from ..integrations.hf import apply_sequence_parallel
+from ..mesh import build_mesh
+from ..memory.checkpointing import apply_activation_checkpointing
+from ..sequence_parallel import required_multiple
+from ..utils.memory import PeakMemory
+from .checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import TrainConfig, save_config
+from .data import TrainBatches, load_training_dataset
+from .logs import MetricsLogger
+from .model import load_model_and_tokenizer
+from .schedule import lr_lambda
+
+log = logging.getLogger("easy_context.train")
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+def _make_engine(config: TrainConfig, model, device):
+    if config.engine == "deepspeed":
+        from .engines.deepspeed import DeepSpeedEngine
+
+        return DeepSpeedEngine(model, device, config)
+    from .engines.fsdp import FSDPEngine
+
+    return FSDPEngine(model, device, config.learning_rate, config.mixed_precision, config.offload,
+                      chunked_loss=config.chunked_loss)
+
+
+def _step_target_count(batches: TrainBatches, first_micro: int, n_micro: int, dp_group, device) -> torch.Tensor:
+    """Valid targets in this optimizer step, over every dp rank and micro-batch."""
+    count = sum(int((batches.get(first_micro + i)["target_ids"] != -100).sum()) for i in range(n_micro))
+    total = torch.tensor([count], dtype=torch.float64, device=device)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(total, group=dp_group)
+    return total
+
+
+def train(config: TrainConfig, device: torch.device) -> dict:
+    """Run (or resume) a training run on this rank. Returns the final metrics on rank 0."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    method = config.parallel_mode
+    sp = 1 if method == "data_parallel" else (config.sp_size or world)
+    mesh = build_mesh(sp)
+    output = Path(config.output_dir)
+    if rank == 0:
+        output.mkdir(parents=True, exist_ok=True)
+        save_config(config, output / "train_config.yaml")
+        log.info("%s; method %s", mesh.describe(), method)
+    multiple = 1 if method == "data_parallel" else required_multiple(method, sp, config.ring_degree)
+    if config.seq_length % multiple:
+        raise ValueError(f"--seq-length {config.seq_length} is not divisible by {multiple} "
+                         f"({method} over {sp} ranks); use a multiple of {multiple}, e.g. "
+                         f"{-(-config.seq_length // multiple) * multiple}")
+
+    torch.manual_seed(config.seed)
+    model, tokenizer = load_model_and_tokenizer(config)
+    # data_parallel: a "ring" of one rank is plain local attention, which also keeps packed
+    # documents apart (transformers' sdpa path would ignore document_ids).
+    apply_sequence_parallel(model, "ring_attn" if method == "data_parallel" else method,
+                            group=mesh.sp_group, ring_degree=config.ring_degree)
+    apply_activation_checkpointing(model, config.checkpointing)
+    model.to(device)
+    model.train()
+    engine = _make_engine(config, model, device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        engine.optimizer, lr_lambda(config.lr_schedule, config.warmup_steps, config.max_train_steps))
+
+    dataset = load_training_dataset(config.dataset)
+    batches = TrainBatches(dataset, config.seq_length, config.batch_size, mesh.dp, mesh.dp_rank,
+                           config.seed)
+    step = 0
+    if config.resume:
+        folder = latest_checkpoint(output)
+        if folder is None:
+            log.info("--resume: no checkpoint in %s, starting from step 0", output)
+        else:
+            state = load_checkpoint(engine, folder)
+            scheduler.load_state_dict(state["scheduler"])
+            step = state["step"]
+            log.info("resumed from %s at step %d", folder, step)
+    metrics = MetricsLogger(output, config, rank == 0, resume_step=step)
+
+    accum = config.gradient_accumulate_every
+    tokens_per_step = config.seq_length * config.batch_size * mesh.dp * accum
+    last = {}
+    while step < config.max_train_steps:
+        start = time.perf_counter()
+        first_micro = step * accum
+        denom = _step_target_count(batches, first_micro, accum, mesh.dp_group, device)
+        step_loss = 0.0
+        with PeakMemory(device) as peak:
+            for i in range(accum):
+                batch = batches.get(first_micro + i)
+                local = prepare_seq_parallel_inputs(
+                    method, batch["input_ids"], batch["position_ids"], batch["target_ids"],
+                    mesh.sp_rank, sp, device, ring_degree=config.ring_degree)
+                # Decided on the whole batch, which every sp rank holds, so all ranks agree.
+                packed = bool((batch["position_ids"][:, 1:] <= batch["position_ids"][:, :-1]).any())
+                documents = local["local_document_ids"]
+                loss = engine.loss(
+                    input_ids=local["local_input_ids"], position_ids=local["local_position_ids"],
+                    target_ids=local["local_target_ids"], group=dist.group.WORLD,
+                    document_ids=documents if packed else None, num_items_in_batch=denom)
+                engine.backward(loss)
+                step_loss += loss.item()
+            if not math.isfinite(step_loss):
+                save_checkpoint(engine, output, step, _trainer_state(step, scheduler, config))
+                raise NonFiniteLoss(f"step {step + 1}: loss is {step_loss}; stopped, with a "
+                                    f"checkpoint of step {step} in {output / 'checkpoints'}. "
+                                    "Lower --learning-rate, use --grad-clip, or check the data")
+            grad_norm = engine.clip_grad_norm(config.grad_clip)
+            engine.step()
+            scheduler.step()
+        step += 1
+        elapsed = time.perf_counter() - start
+        last = {"step": step, "loss": step_loss, "ppl": math.exp(min(step_loss, 50.0)),
+                "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
+                "peak_memory_mb": (peak.peak_bytes or 0) / 2**20}
+        metrics.log(last, force=step == config.max_train_steps)
+        if config.save_every and step % config.save_every == 0 and step < config.max_train_steps:
+            save_checkpoint(engine, output, step, _trainer_state(step, scheduler, config))
+    save_checkpoint(engine, output, step, _trainer_state(step, scheduler, config))
+    if config.export:
+        state_dict = engine.full_state_dict()
+        if rank == 0:
+            export_hf(model, state_dict, tokenizer, output / "final_model")
+            log.info("exported the model to %s", output / "final_model")
+        dist.barrier()
+    metrics.close()
+    return last
+
+
+def _trainer_state(step: int, scheduler, config: TrainConfig) -> dict:
+    return {"step": step, "micro_batches_consumed": step * config.gradient_accumulate_every,
+            "scheduler": scheduler.state_dict(), "config": dataclasses.asdict(config),
+            "world_size": dist.get_world_size()}
+
+
+def _ensure_process_group(config: TrainConfig) -> torch.device:
+    from ..launch import init_distributed
+    from ..testing import free_port
+
+    if not dist.is_initialized() and "RANK" not in os.environ:
+        # One process: a one-rank group keeps a single code path (FSDP, checkpoints).
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    return init_distributed(config.pg_timeout_minutes)
+
+
+def run_training(config: TrainConfig) -> dict:
+    """Entry point on each rank (spawned, torchrun, accelerate or a single process)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    device = _ensure_process_group(config)
+    if dist.get_rank() != 0:
+        logging.getLogger("easy_context").setLevel(logging.WARNING)
+    try:
+        return train(config, device)
+    except Exception:
+        log.exception("rank %d failed", dist.get_rank())
+        raise
+
+
+def results_of(output_dir: Path) -> list[dict]:
+    """The per-step metrics a run wrote (rank 0's metrics.jsonl)."""
+    path = Path(output_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,42 @@
+"""Tiny models and datasets on disk, for trainer, recipe and eval tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            max_position_embeddings=1024, attention_dropout=0.0, tie_word_embeddings=False)
+
+
+def tiny_model_dir(folder: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+    config = AutoConfig.for_model(family, **{**TINY, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(folder, safe_serialization=True)
+    return Path(folder)
+
+
+def tiny_dataset_dir(folder: Path, seq_length: int, rows: int = 16, vocab: int = 64,
+                     packed: bool = False, seed: int = 0) -> Path:
+    """``rows`` sequences of seq_length+1 tokens of a learnable pattern (a repeating ramp with
+    a per-row offset), optionally packed from several documents (restarting position_ids)."""
+    import datasets
+
+    gen = torch.Generator().manual_seed(seed)
+    window = seq_length + 1
+    offsets = torch.randint(0, vocab, (rows, 1), generator=gen)
+    ids = (offsets + torch.arange(window)) % vocab
+    columns = {"input_ids": ids.tolist()}
+    if packed:
+        positions = []
+        for r in range(rows):
+            cuts = sorted(torch.randint(1, window, (2,), generator=gen).tolist())
+            pos = torch.cat([torch.arange(b - a) for a, b in zip([0] + cuts, cuts + [window])])
+            positions.append(pos.tolist())
+        columns["position_ids"] = positions
+    datasets.Dataset.from_dict(columns).save_to_disk(str(folder))
+    return Path(folder)
