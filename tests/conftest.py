@@ -14,6 +14,12 @@ def _pool(world_size: int) -> DistPool:
 
 
 @pytest.fixture(scope="session")
+def dist1() -> DistPool:
+    """One gloo rank in its own process (keeps the test process free of a process group)."""
+    return _pool(1)
+
+
+@pytest.fixture(scope="session")
 def dist2() -> DistPool:
     """Two gloo ranks, started on first use and kept for the session."""
     return _pool(2)

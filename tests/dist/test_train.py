@@ -1,0 +1,165 @@
+"""``easy-context train`` end to end on a tiny Llama, fp32, on 1, 2 and 4 gloo ranks.
+
+Parity: a sequence-parallel run sees the same samples as one process, and its loss is the
+exact global token mean, so the loss trajectory equals the one-process run: the first step
+within 1e-6 relative, later steps within 1e-4 (AdamW turns float rounding in the reduction
+order into small weight differences). Data-parallel ranks split a global batch: 2 ranks x
+batch 1 equal 1 rank x batch 2.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.train_fixtures import tiny_dataset_dir, tiny_model_dir
+
+from .train_cases import train_error, train_run
+
+METHODS = ["ring_attn", "zigzag_ring_attn", "dist_flash_attn", "ulysses_attn", "usp_attn",
+           "allgather_attn"]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    work = tmp_path_factory.mktemp("train")
+    tiny_model_dir(work / "model")
+    tiny_dataset_dir(work / "data", seq_length=32, rows=16)
+    tiny_dataset_dir(work / "packed", seq_length=32, rows=16, packed=True)
+    return str(work)
+
+
+@pytest.fixture(scope="module")
+def reference(dist1, workdir):
+    """One process, batch 1 and batch 2, plain and packed data."""
+    return {
+        "b1": dist1.run(train_run, workdir, "ref_b1")[0],
+        "b2": dist1.run(train_run, workdir, "ref_b2", batch_size=2)[0],
+        "packed": dist1.run(train_run, workdir, "ref_packed", dataset=f"{workdir}/packed")[0],
+    }
+
+
+def _losses(metrics):
+    return [m["loss"] for m in metrics]
+
+
+def _assert_same_trajectory(got, want):
+    assert len(got) == len(want)
+    assert abs(got[0] - want[0]) <= 1e-6 * abs(want[0]), (got, want)
+    for g, w in zip(got, want):
+        assert abs(g - w) <= 1e-4 * abs(w), (got, want)
+
+
+def test_loss_decreases(reference):
+    losses = _losses(reference["b1"])
+    assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_sequence_parallel_equals_one_process(dist2, workdir, reference, method):
+    extra = {"ring_degree": 1} if method == "usp_attn" else {}
+    metrics = dist2.run(train_run, workdir, f"sp_{method}", parallel_mode=method, **extra)[0]
+    _assert_same_trajectory(_losses(metrics), _losses(reference["b1"]))
+
+
+def test_packed_documents_equal_one_process(dist2, workdir, reference):
+    metrics = dist2.run(train_run, workdir, "sp_packed", dataset=f"{workdir}/packed",
+                        parallel_mode="zigzag_ring_attn")[0]
+    _assert_same_trajectory(_losses(metrics), _losses(reference["packed"]))
+
+
+def test_data_parallel_equals_bigger_batch(dist2, workdir, reference):
+    metrics = dist2.run(train_run, workdir, "dp", parallel_mode="data_parallel")[0]
+    _assert_same_trajectory(_losses(metrics), _losses(reference["b2"]))
+
+
+def test_dp_x_sp_on_4_ranks(dist4, workdir, reference):
+    metrics = dist4.run(train_run, workdir, "dpxsp", parallel_mode="zigzag_ring_attn", sp_size=2)[0]
+    _assert_same_trajectory(_losses(metrics), _losses(reference["b2"]))
+
+
+def test_checkpointing_kinds_do_not_change_the_loss(dist2, workdir, reference):
+    for kind in ("none", "offload", "attention"):
+        metrics = dist2.run(train_run, workdir, f"ckpt_{kind}", checkpointing=kind)[0]
+        _assert_same_trajectory(_losses(metrics), _losses(reference["b1"]))
+
+
+def test_export_loads_and_holds_only_safetensors(reference, workdir):
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(workdir) / "ref_b1" / "final_model"
+    weights = sorted(p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt"))
+    assert weights == ["model.safetensors"]
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert model.config.num_hidden_layers == 2
+    # the exported weights are the trained ones, not the initial ones
+    init = AutoModelForCausalLM.from_pretrained(Path(workdir) / "model")
+    assert not torch.equal(model.lm_head.weight, init.lm_head.weight)
+
+
+def test_bf16_mixed_precision_trains(dist2, workdir):
+    losses = _losses(dist2.run(train_run, workdir, "bf16", mixed_precision="bf16",
+                               max_train_steps=4)[0])
+    assert all(l == l for l in losses) and losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"seq_length": 30}, "not divisible by 4"),
+    ({"sp_size": 3}, "not divisible by --sp-size 3"),
+    ({"dataset": "/nonexistent/data"}, "not found"),
+    ({"model": "/nonexistent/model"}, "does not exist"),
+    ({"seq_length": 64}, "needs 65"),
+])
+def test_bad_inputs_give_clear_errors(dist2, workdir, overrides, message):
+    for error in dist2.run(train_error, workdir, **overrides):
+        assert message in error, error
+
+
+def test_dataset_without_input_ids(dist1, workdir, tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"text": ["a", "b"]}).save_to_disk(str(tmp_path / "text"))
+    error = dist1.run(train_error, workdir, dataset=str(tmp_path / "text"))[0]
+    assert "no 'input_ids' column" in error
+
+
+def test_nan_loss_stops_with_a_checkpoint(dist1, workdir):
+    error = dist1.run(train_error, workdir, learning_rate=1e30, max_train_steps=5)[0]
+    assert "NonFiniteLoss" in error and "checkpoint of step" in error
+    assert (Path(workdir) / "bad" / "checkpoints" / "latest").exists()
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_exactly(dist2, workdir, tmp_path):
+    """SIGKILL a 2-rank run after a checkpoint, resume it, and compare the whole loss
+    trajectory with an uninterrupted run of the same length."""
+    out = tmp_path / "killed"
+    args = [sys.executable, "-m", "easy_context.cli", "train", "--model", f"{workdir}/model",
+            "--dataset", f"{workdir}/data", "--seq-length", "32", "--learning-rate", "1e-3",
+            "--mixed-precision", "fp32", "--checkpointing", "full", "--seed", "7",
+            "--nproc-per-node", "2", "--output-dir", str(out), "--save-every", "1"]
+    proc = subprocess.Popen(args + ["--max-train-steps", "1000"], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = out / "checkpoints" / "latest"
+    deadline = time.time() + 300
+    while not (latest.exists() and latest.read_text().strip() >= "step_0000002"):
+        assert proc.poll() is None, "the run ended before its checkpoints"
+        assert time.time() < deadline, "no checkpoint within 300 s"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = int(latest.read_text().strip().removeprefix("step_"))
+    total = killed_at + 2
+    subprocess.run(args + ["--max-train-steps", str(total), "--resume"], check=True,
+                   capture_output=True, timeout=300)
+    got = [json.loads(l)["loss"] for l in (out / "metrics.jsonl").read_text().splitlines()]
+    want = _losses(dist2.run(train_run, workdir, "uninterrupted", max_train_steps=total,
+                             save_every=1)[0])
+    assert len(got) == total
+    assert got == pytest.approx(want, rel=1e-6)
