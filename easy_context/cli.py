@@ -16,6 +16,8 @@ import sys
 SUBCOMMANDS = {
     "train": ("easy_context.train.cli", "add_train_args", "run_train",
               "DP x SP training with FSDP2 or DeepSpeed, checkpoints, resume and export"),
+    "recipe": ("easy_context.recipes.cli", "add_recipe_args", "run_recipe_command",
+               "run a progressive RoPE / context-extension recipe (YAML stages); --dry-run plans"),
     "prepare-data": ("easy_context.data.cli", "add_prepare_data_args", "run_prepare_data",
                      "tokenize and pack text or datasets into long-context training windows"),
     "synth-data": ("easy_context.data.cli", "add_synthetic_args", "run_synthetic",
