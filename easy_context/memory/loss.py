@@ -1,0 +1,190 @@
+"""Causal-LM cross-entropy without the (tokens x vocab) logits, and its exact global mean.
+
+For T tokens with hidden states h (T, H), an lm_head W (V, H) (and bias b) and targets y:
+
+    # naive: logits = h @ W.T + b                       (T, V): 4 GiB at 32K x 32K in fp32
+    #        loss_t = -log(softmax(logits_t)[y_t])
+    loss_t = logsumexp(logits_t) - logits_t[y_t]        # stable form, fp32
+
+computed ``chunk_size`` rows at a time, so only a (chunk, V) block of logits ever exists.
+Backward recomputes each block instead of keeping it (one extra matmul buys ~T*V*4 bytes):
+
+    d loss_t / d logits_t = softmax(logits_t) - onehot(y_t) = exp(logits_t - lse_t) - onehot(y_t)
+
+Matmuls run in the inputs' dtype (as the model's lm_head would); softmax, lse and the token
+losses are fp32, and the sums across chunks (loss, grad W, grad b) accumulate in fp32.
+
+The mean is over every valid target (!= ignore_index) of the global batch: each rank's
+summed loss and count are all-reduced, then divided. The original EasyContext averaged the
+per-rank means instead, which weights tokens wrongly whenever ranks hold different numbers
+of valid targets (see ``global_token_mean``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+ProcessGroup = dist.ProcessGroup if dist.is_available() else object
+
+
+def count_valid_targets(targets: Tensor, ignore_index: int = -100) -> Tensor:
+    """Number of targets that count towards the loss, as an int64 scalar tensor."""
+    return (targets != ignore_index).sum()
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for bf16/fp16/fp32 inputs; float64 stays float64 (for exactness tests)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """(C, H) x (V, H) -> (C, V) logits for one chunk, in the accumulation dtype."""
+    logits = h @ weight.T if bias is None else torch.addmm(bias, h, weight.T)
+    return logits.to(_acc_dtype(logits.dtype))
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """(hidden (T, H), weight (V, H), targets (T,), bias (V,) | None, chunk_size, ignore_index)
+    -> (sum of token losses: fp32 scalar (float64 for float64 inputs), count: int64 scalar).
+
+    Saves hidden, weight, targets and the per-token lse (T,) fp32; never a (T, V) tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None,
+                chunk_size: int, ignore_index: int) -> tuple[Tensor, Tensor]:
+        T, acc = hidden.shape[0], _acc_dtype(hidden.dtype)
+        lse = torch.zeros(T, dtype=acc, device=hidden.device)  # (T,)
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        for s in range(0, T, chunk_size):
+            e = min(s + chunk_size, T)
+            y = targets[s:e]
+            valid = y != ignore_index
+            logits = _chunk_logits(hidden[s:e], weight, bias)  # (C, V) fp32
+            # Ignored rows gather column 0 (any index is fine): they are masked out below.
+            tgt = logits.gather(1, torch.where(valid, y, 0).unsqueeze(1)).squeeze(1)
+            # logsumexp in place (torch.logsumexp would allocate a second (C, V) buffer):
+            # lse = m + log(sum(exp(logits - m))), m = row max.
+            m = logits.amax(dim=1)
+            lse[s:e] = logits.sub_(m.unsqueeze(1)).exp_().sum(dim=1).log_().add_(m)
+            total += ((lse[s:e] - tgt) * valid).sum()
+            del logits
+        count = count_valid_targets(targets, ignore_index)
+        ctx.save_for_backward(hidden, weight, targets, bias, lse)
+        ctx.chunk_size, ctx.ignore_index = chunk_size, ignore_index
+        ctx.mark_non_differentiable(count)
+        return total, count
+
+    @staticmethod
+    def backward(ctx, grad_total: Tensor, _grad_count: Tensor | None):
+        hidden, weight, targets, bias, lse = ctx.saved_tensors
+        need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
+        T, acc = hidden.shape[0], lse.dtype
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
+        g = grad_total.to(acc)
+        for s in range(0, T, ctx.chunk_size):
+            e = min(s + ctx.chunk_size, T)
+            h, y = hidden[s:e], targets[s:e]
+            valid = y != ctx.ignore_index
+            # softmax - onehot, built in place in the recomputed logits buffer.
+            p = _chunk_logits(h, weight, bias)  # (C, V) fp32
+            p.sub_(lse[s:e].unsqueeze(1)).exp_()
+            rows = torch.arange(e - s, device=p.device)
+            p[rows, torch.where(valid, y, 0)] -= 1.0
+            # Ignored targets get zero rows; grad_total scales the whole block.
+            p.mul_((valid.to(acc) * g).unsqueeze(1))
+            if need_b:
+                grad_b += p.sum(0)
+            pc = p.to(hidden.dtype)
+            del p
+            if need_h:
+                grad_h[s:e] = pc @ weight
+            if need_w:
+                grad_w += pc.T @ h
+            del pc
+        return (grad_h,
+                None if grad_w is None else grad_w.to(weight.dtype),
+                None,
+                None if grad_b is None else grad_b.to(bias.dtype),
+                None, None)
+
+
+def _world(group: ProcessGroup | None) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def global_token_mean(local_sum: Tensor, local_count: Tensor | int,
+                      group: ProcessGroup | None = None,
+                      num_items_in_batch: Tensor | int | None = None) -> Tensor:
+    """Exact token mean over ``group`` from this rank's summed loss and valid-target count.
+
+    VALUE: ``global_sum / global_count`` with both all-reduced (SUM) over ``group`` in one
+    collective; ``group=None`` means the default (world) group when torch.distributed is
+    initialized, and a single process otherwise. With ``num_items_in_batch`` (the count of
+    valid targets across data-parallel ranks and gradient-accumulation micro-batches, as
+    transformers passes it) that number is the denominator instead, so summing the values
+    over micro-batches and data-parallel replicas gives the mean over the whole step.
+
+    GRADIENT: that of ``local_sum / denominator`` only. The other ranks' losses enter as a
+    detached constant, so (a) each rank's gradient w.r.t. its own activations is exactly its
+    shard of the single-process gradient, and (b) SUMMING parameter gradients over the ranks
+    gives the gradient of the global mean. A trainer whose gradient reduction AVERAGES over
+    W ranks (DDP, FSDP) must multiply the loss (or the gradients) by W.
+
+    No valid target anywhere (denominator 0): the loss is 0 with zero gradient, not NaN --
+    an all-padding batch is legal in packed training and must not poison the weights.
+    """
+    # float64 keeps the count exact and the cross-rank sum free of fp32 rounding.
+    stats = torch.stack([local_sum.detach().double(),
+                         torch.as_tensor(local_count, device=local_sum.device).double()])
+    if _world(group) > 1:
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+    global_sum, global_count = stats[0], stats[1]
+    denom = global_count if num_items_in_batch is None else torch.as_tensor(
+        num_items_in_batch, device=local_sum.device).double()
+    denom = denom.clamp(min=1.0)
+    # local/denom - (local/denom).detach() is exactly 0 in value but carries the gradient;
+    # the value is the float64 global mean rounded once.
+    local = local_sum / denom.to(local_sum.dtype)
+    return local - local.detach() + (global_sum / denom).to(local_sum.dtype)
+
+
+def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor,
+                          bias: Tensor | None = None, *, chunk_size: int = 4096,
+                          ignore_index: int = -100, group: ProcessGroup | None = None,
+                          num_items_in_batch: Tensor | int | None = None) -> Tensor:
+    """Global-mean cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising logits.
+
+    hidden: (B, S, H) or (T, H); targets: (B, S) or (T,), already shifted (targets[t] is the
+    token after hidden[t]); weight: (V, H), the lm_head; bias: (V,) or None. Returns an fp32
+    scalar (float64 for float64 inputs) with the value/gradient contract of :func:`global_token_mean`.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    h = hidden.reshape(-1, hidden.shape[-1])  # (T, H)
+    y = targets.reshape(-1)  # (T,)
+    if h.shape[0] != y.shape[0]:
+        raise ValueError(f"{h.shape[0]} hidden states but {y.shape[0]} targets")
+    local_sum, local_count = ChunkedLinearCrossEntropy.apply(h, weight, y, bias, chunk_size,
+                                                             ignore_index)
+    return global_token_mean(local_sum, local_count, group, num_items_in_batch)
+
+
+def logits_cross_entropy(logits: Tensor, targets: Tensor, *, ignore_index: int = -100,
+                         group: ProcessGroup | None = None,
+                         num_items_in_batch: Tensor | int | None = None) -> Tensor:
+    """The plain path through full logits (B, S, V) or (T, V), upcast to fp32 as transformers
+    does, with the same global-mean contract. Fine for small vocabularies; the reference."""
+    flat = logits.reshape(-1, logits.shape[-1])  # (T, V)
+    flat = flat.to(_acc_dtype(flat.dtype))
+    y = targets.reshape(-1)
+    local_sum = F.cross_entropy(flat, y, ignore_index=ignore_index, reduction="sum")
+    return global_token_mean(local_sum, count_valid_targets(y, ignore_index), group,
+                             num_items_in_batch)

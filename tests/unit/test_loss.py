@@ -1,0 +1,141 @@
+"""Chunked linear + cross-entropy against F.cross_entropy on the full logits, one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from easy_context.memory import (
+    chunked_cross_entropy,
+    count_valid_targets,
+    global_token_mean,
+    logits_cross_entropy,
+)
+
+T, H, V = 50, 24, 70
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
+
+
+def _data(dtype: torch.dtype, bias: bool = True, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(T, H, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(V, H, generator=g) / H**0.5).to(dtype).requires_grad_()
+    b = (torch.randn(V, generator=g) * 0.1).to(dtype).requires_grad_() if bias else None
+    y = torch.randint(0, V, (T,), generator=g)
+    y[5:9] = -100
+    y[20:36] = -100  # covers whole chunks of 8 and 16
+    return h, w, b, y
+
+
+def _grads(loss: torch.Tensor, *ts):
+    ts = [t for t in ts if t is not None]
+    return torch.autograd.grad(loss, ts)
+
+
+def _reference(h, w, b, y, dtype=None):
+    """Single-process mean from the full logits (in ``dtype`` if given)."""
+    args = [t if t is None or dtype is None else t.to(dtype) for t in (h, w, b)]
+    logits = F.linear(*args[:2], args[2])
+    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), y)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("chunk_size", [1, 8, 16, 13, 50, 64])
+@pytest.mark.parametrize("bias", [True, False])
+def test_matches_full_logits(dtype, chunk_size, bias):
+    h, w, b, y = _data(dtype, bias)
+    loss = chunked_cross_entropy(h, w, y, b, chunk_size=chunk_size)
+    ref = _reference(h, w, b, y)
+    assert loss.dtype == ref.dtype
+    assert _rel(loss, ref) <= TOL[dtype]
+    for got, want in zip(_grads(loss, h, w, b), _grads(ref, h, w, b)):
+        assert _rel(got, want) <= TOL[dtype]
+
+
+def test_batched_shape_and_logits_path():
+    h, w, b, y = _data(torch.float64)
+    hb, yb = h.view(2, T // 2, H), y.view(2, T // 2)
+    ref = _reference(h, w, b, y)
+    assert _rel(chunked_cross_entropy(hb, w, yb, b, chunk_size=7), ref) <= 1e-12
+    assert _rel(logits_cross_entropy(F.linear(hb, w, b), yb), ref) <= 1e-12
+
+
+def test_bf16_close_to_fp32():
+    # bf16 matmuls (8-bit mantissa) on top of fp32 softmax: ~1e-2 on gradients is expected.
+    h, w, b, y = _data(torch.bfloat16)
+    loss = chunked_cross_entropy(h, w, y, b, chunk_size=16)
+    ref = _reference(h, w, b, y, dtype=torch.float32)
+    assert loss.dtype == torch.float32
+    # Same bf16 logits as the model's lm_head, so the loss agrees with the logits path closely.
+    assert _rel(loss, logits_cross_entropy(F.linear(h, w, b), y)) <= 1e-5
+    assert _rel(loss, ref) <= 1e-2
+    got = _grads(loss, h, w, b)
+    assert all(g.dtype == torch.bfloat16 for g in got)
+    for g, want in zip(got, _grads(ref, h, w, b)):
+        assert _rel(g, want) <= 3e-2
+
+
+def test_no_valid_target_is_zero_not_nan():
+    h, w, b, _ = _data(torch.float32)
+    y = torch.full((T,), -100)
+    loss = chunked_cross_entropy(h, w, y, b, chunk_size=16)
+    assert loss.item() == 0.0
+    for g in _grads(loss, h, w, b):
+        assert torch.all(g == 0)
+
+
+def test_frozen_weight_and_counts():
+    h, w, _, y = _data(torch.float32, bias=False)
+    w = w.detach()
+    loss = chunked_cross_entropy(h, w, y, chunk_size=16)
+    (gh,) = _grads(loss, h)
+    (gref,) = _grads(_reference(h, w, None, y), h)
+    assert _rel(gh, gref) <= 1e-5
+    assert count_valid_targets(y).item() == T - 20
+    with pytest.raises(ValueError):
+        chunked_cross_entropy(h, w, y, chunk_size=0)
+
+
+def test_num_items_in_batch_is_the_denominator():
+    s = torch.tensor(12.0, requires_grad=True)
+    loss = global_token_mean(s, 4, num_items_in_batch=10)
+    assert loss.item() == pytest.approx(1.2)
+    loss.backward()
+    assert s.grad.item() == pytest.approx(0.1)
+
+
+class _LargestAllocation(TorchDispatchMode):
+    """Records the largest tensor any aten op returns (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_never_allocates_tokens_by_vocab():
+    t, v, chunk = 512, 1000, 32  # T*V = 512k elements; a chunk of logits is 32k
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(t, H, generator=g, requires_grad=True)
+    w = torch.randn(v, H, generator=g, requires_grad=True)
+    y = torch.randint(0, v, (t,), generator=g)
+    with _LargestAllocation() as mode:
+        chunked_cross_entropy(h, w, y, chunk_size=chunk).backward()
+    assert mode.largest <= chunk * v
+    # The detector does see a (T, V) tensor when one exists.
+    with _LargestAllocation() as mode:
+        logits_cross_entropy(h @ w.T, y).backward()
+    assert mode.largest >= t * v
