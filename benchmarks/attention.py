@@ -343,7 +343,8 @@ def summarize(name: str, per_rank: list[dict], length: int, kv_heads: int, world
                                   if world > 1 and min(kernel) > 0 else None),
         "kernel_imbalance": (_r(max(kernel_cpu) / min(kernel_cpu), 3)
                              if world > 1 and threads == 1 and min(kernel_cpu) > 0 else None),
-        "repeats": n_iter, "warmup": spec["warmup"], "warmup_length": spec["warmup_length"],
+        "repeats": n_iter, "warmup": spec["warmup"],
+        "warmup_length": spec["warmup_length"] if spec["warmup"] else None,
     }
     work = schedule_work(name, world, length)
     if work:
@@ -537,8 +538,9 @@ def main(argv=None) -> int:
                 "breakdown": "merge = partial-result merge; comm = blocking collectives + waits on "
                              "async P2P; other = copies, accumulation, casts, Python",
                 "deepspeed": "DistributedAttention alternates iterations with ulysses_attn in the same ranks",
-                "repeats": "--repeats at L < 32768, max(1, repeats // 3) at 32768 and above; warm-up at "
-                           "min(L, 8192) unless --full-warmup",
+                "repeats": "--repeats at L < 32768, max(1, repeats // 3) at 32768 and above; --warmup "
+                           "calls at min(L, 8192) the first time a method runs in the ranks (later "
+                           "lengths reuse the warm ranks), or at every L with --full-warmup",
                 "env": common.BENCH_ENV,
             },
             "machine": machine,
@@ -557,6 +559,7 @@ def main(argv=None) -> int:
         return path, all_rows, targets, skipped_now, elapsed
 
     rows: list[dict] = []
+    warmed: set = set()  # variant sets already warmed up in this pool's ranks
     worker_env = None
     pool = DistPool(world, threads_per_rank=1, timeout_s=600, pg_timeout_s=1800)
     try:
@@ -581,12 +584,15 @@ def main(argv=None) -> int:
                 for variants in jobs:
                     is_single = variants[0][0] == SINGLE
                     spec = dict(base, variants=variants, threads=world if is_single else 1)
+                    if tuple(variants) in warmed and not args.full_warmup:
+                        spec["warmup"] = 0  # these ranks already ran it at another length
                     label = "+".join(n if rd is None else f"{n}[rd={rd}]" for n, rd in variants)
                     t0 = time.time()
                     load = common.load_average()
                     try:
                         got = pool.run(bench_rank, spec, timeout_s=timeout * len(variants))
                     except DistError as e:
+                        warmed.clear()  # the pool starts afresh after a failure
                         print(f"[error] {label} L={length} Hkv={kv_heads}: {str(e)[-800:]}",
                               file=sys.stderr, flush=True)
                         for n, rd in variants:
@@ -595,6 +601,7 @@ def main(argv=None) -> int:
                                          "error": str(e)[-2000:], "run_id": run_id})
                         save(final=False)
                         continue
+                    warmed.add(tuple(variants))
                     got = [g for g in got if g is not None]
                     worker_env = got[0]["malloc_mmap_threshold"]
                     n_ranks = 1 if is_single else world
