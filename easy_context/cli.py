@@ -26,6 +26,8 @@ SUBCOMMANDS = {
                         "train a small byte-level BPE tokenizer on local text"),
     "plan": ("easy_context.plan.cli", "add_plan_args", "run_plan",
              "predict per-device memory, pick the method, find the longest context that fits"),
+    "demo": ("easy_context.demo.cli", "add_demo_args", "run_demo",
+             "the main job on a CPU: train a tiny model short, extend its context, report"),
 }
 
 
