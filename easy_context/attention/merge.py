@@ -34,7 +34,9 @@ def merge_into(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -
     w_b = torch.where(b_dead, torch.zeros_like(w_b), torch.where(a_dead, torch.ones_like(w_b), w_b))
     new_lse = torch.where(a_dead, block_lse, torch.where(b_dead, lse, lse + torch.nn.functional.softplus(d)))
     w = w_b.transpose(1, 2).unsqueeze(-1)  # (B, S, H, 1)
-    out.sub_(w * (out - block_out.float()))
+    # out += w * (block_out - out), with one float32 temporary
+    step = block_out.to(torch.float32, copy=True)
+    out.add_(step.sub_(out).mul_(w))
     lse.copy_(new_lse)
 
 

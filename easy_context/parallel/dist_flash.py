@@ -36,6 +36,7 @@ from ..attention.kernels import Kernel, default_scale, select_kernel
 from ..attention.merge import merge_into
 from ..attention.saving import run_saved
 from .comm import Exchange, group_rank_size
+from .head_groups import backward_by_heads, forward_by_heads
 from .ring import check_qkv
 
 Tensor = torch.Tensor
@@ -235,7 +236,8 @@ def dist_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
 class DistFlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale, kernel):
-        out, lse = run_saved(lambda: dist_flash_forward(q, k, v, group, causal, scale, kernel))
+        out, lse = run_saved(lambda: forward_by_heads(
+            lambda qg, kg, vg: dist_flash_forward(qg, kg, vg, group, causal, scale, kernel), q, k, v))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (group, causal, scale, kernel)
         return out
@@ -243,7 +245,8 @@ class DistFlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = dist_flash_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
+        dq, dk, dv = backward_by_heads(lambda *t: dist_flash_backward(*t, *ctx.args),
+                                       dout.contiguous(), q, k, v, out, lse)
         return dq, dk, dv, None, None, None, None
 
 

@@ -26,6 +26,7 @@ from ..attention.documents import document_mask
 from ..attention.merge import merge_into
 from ..attention.saving import run_saved
 from .comm import group_rank_size, ring_pass
+from .head_groups import backward_by_heads, forward_by_heads
 
 Tensor = torch.Tensor
 ALL = slice(None)
@@ -125,7 +126,9 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale, schedule, kernel, doc):
-        out, lse = run_saved(lambda: ring_forward(q, k, v, group, causal, scale, schedule, kernel, doc))
+        out, lse = run_saved(lambda: forward_by_heads(
+            lambda qg, kg, vg: ring_forward(qg, kg, vg, group, causal, scale, schedule, kernel, doc),
+            q, k, v))
         ctx.save_for_backward(q, k, v, out, lse, doc)
         ctx.args = (group, causal, scale, schedule, kernel)
         return out
@@ -133,7 +136,8 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, doc = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args, doc=doc)
+        dq, dk, dv = backward_by_heads(
+            lambda *t: ring_backward(*t, *ctx.args, doc=doc), dout.contiguous(), q, k, v, out, lse)
         return dq, dk, dv, None, None, None, None, None, None
 
 
