@@ -28,6 +28,12 @@ SUBCOMMANDS = {
              "predict per-device memory, pick the method, find the longest context that fits"),
     "demo": ("easy_context.demo.cli", "add_demo_args", "run_demo",
              "the main job on a CPU: train a tiny model short, extend its context, report"),
+    "eval-needle": ("easy_context.eval.cli", "add_eval_needle_args", "run_eval_needle",
+                    "needle-in-a-haystack eval (sequence-parallel, teacher-forced): JSON + heatmap"),
+    "eval-ppl": ("easy_context.eval.cli", "add_eval_ppl_args", "run_eval_ppl",
+                 "perplexity against context length (sequence-parallel, token-weighted): CSV"),
+    "plot-ppl": ("easy_context.eval.cli", "add_plot_ppl_args", "run_plot_ppl",
+                 "plot eval-ppl CSVs: perplexity against context length, one line per model"),
 }
 
 

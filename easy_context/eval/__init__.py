@@ -1,0 +1,38 @@
+"""Long-context evaluation: needle in a haystack, perplexity against length, and their plots.
+
+    from easy_context.eval import NeedleConfig, build_haystack, evaluate_needle
+    from easy_context.eval import PplConfig, evaluate_ppl, load_model_and_tokenizer
+
+Both evals run sequence-parallel over the ranks of a process group (one forward pass per
+prompt or window, sharded like training) and sum their per-token results across ranks.
+Command line: ``easy-context eval-needle``, ``eval-ppl`` and ``plot-ppl`` (easy_context.eval.cli).
+"""
+
+from .model_loading import (
+    apply_rope_overrides,
+    load_config,
+    load_model_and_tokenizer,
+    parse_rope_scaling,
+    resolve_dtype,
+)
+from .needle import (
+    Haystack,
+    NeedleConfig,
+    NeedlePrompt,
+    NeedleTemplate,
+    build_haystack,
+    build_prompt,
+    evaluate_needle,
+    score_generate,
+    score_teacher_forced,
+)
+from .plots import plot_needle_heatmap, plot_ppl
+from .ppl import PplConfig, evaluate_ppl, sliding_windows, window_stats
+
+__all__ = [
+    "Haystack", "NeedleConfig", "NeedlePrompt", "NeedleTemplate", "PplConfig",
+    "apply_rope_overrides", "build_haystack", "build_prompt", "evaluate_needle", "evaluate_ppl",
+    "load_config", "load_model_and_tokenizer", "parse_rope_scaling", "plot_needle_heatmap",
+    "plot_ppl", "resolve_dtype", "score_generate", "score_teacher_forced", "sliding_windows",
+    "window_stats",
+]

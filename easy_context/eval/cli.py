@@ -1,0 +1,288 @@
+"""Argparse entry points of the eval commands; ``easy_context/cli.py`` mounts them as
+
+    easy-context eval-needle --model DIR [--haystack-dir DIR] --max-context-length N ...
+    easy-context eval-ppl    --model DIR [--model DIR2] (--tokenized DIR | --dataset SRC) ...
+    easy-context plot-ppl    FILE.csv [FILE2.csv] --output FILE.png
+
+The two evals run in one process, under torchrun, or spawn ``--nproc-per-node`` ranks
+themselves (easy_context.launch); every rank loads the model and holds a shard of each
+sequence. Rank 0 writes the results (JSON/CSV) and then draws the figures from those files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ..compat import resolve_seq_algo
+from ..launch import device as rank_device
+from ..launch import launch
+from .model_loading import model_name
+
+logger = logging.getLogger(__name__)
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--parallel-mode", default="zigzag_ring_attn",
+                        help="sequence-parallel method (zigzag_ring_attn, ring_attn, "
+                             "dist_flash_attn, ulysses_attn, usp_attn, allgather_attn; the "
+                             "original's names work too); data_parallel: one process only")
+    parser.add_argument("--ring-degree", type=int, default=None, help="usp_attn only")
+    parser.add_argument("--nproc-per-node", type=int, default=1,
+                        help="ranks to spawn (ignored under torchrun, which sets them)")
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                        help="default: bf16 on CUDA, fp32 on CPU")
+    parser.add_argument("--rope-theta", type=float, default=None,
+                        help="override the RoPE base (config.rope_parameters['rope_theta'])")
+    parser.add_argument("--rope-scaling", default=None,
+                        help="override RoPE scaling: JSON ('{\"rope_type\": \"yarn\", "
+                             "\"factor\": 4}') or TYPE:FACTOR ('linear:4')")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the model folder's own Python code (off by default)")
+
+
+def _setup(args: argparse.Namespace, path: str):
+    """On this rank: device, model (sequence-parallel unless generating) and tokenizer."""
+    from ..integrations.hf import apply_sequence_parallel
+    from .model_loading import load_model_and_tokenizer
+
+    dev = rank_device()
+    model, tok = load_model_and_tokenizer(path, device=dev, dtype=args.dtype,
+                                          rope_theta=args.rope_theta,
+                                          rope_scaling=args.rope_scaling,
+                                          trust_remote_code=args.trust_remote_code)
+    tok.model_max_length = 1 << 40  # long prompts are the point; silence length warnings
+    if not getattr(args, "generate", False):
+        apply_sequence_parallel(model, args.method, ring_degree=args.ring_degree)
+    return dev, model, tok
+
+
+def _check_mode(args: argparse.Namespace) -> None:
+    args.method = resolve_seq_algo(args.parallel_mode)
+    world = args.nproc_per_node
+    if args.method == "data_parallel" and world > 1:
+        raise ValueError("--parallel-mode data_parallel evaluates in one process; use a "
+                         "sequence-parallel method with --nproc-per-node > 1")
+
+
+def _is_main() -> bool:
+    # Under torchrun the process group is gone once launch() returns; RANK still says who we are.
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+# ---------------------------------------------------------------- eval-needle
+
+
+def add_eval_needle_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``easy-context eval-needle`` (the original's, plus launching and RoPE)."""
+    parser.add_argument("--model", required=True, help="model folder (save_pretrained)")
+    parser.add_argument("--max-context-length", type=int, default=32000)
+    parser.add_argument("--min-context-length", type=int, default=1000)
+    parser.add_argument("--context-interval", type=int, default=1000)
+    parser.add_argument("--depth-interval", type=float, default=0.1,
+                        help="depth step as a fraction: 0.1 gives 0%%, 10%%, ..., 100%%")
+    parser.add_argument("--num-samples", type=int, default=2, help="numbers asked per cell")
+    parser.add_argument("--rnd-number-digits", type=int, default=7)
+    parser.add_argument("--haystack-dir", default=None,
+                        help="folder of .txt files; default: a generated haystack")
+    parser.add_argument("--no-repeat-haystack", action="store_true",
+                        help="fail instead of repeating a haystack folder shorter than the "
+                             "longest context")
+    parser.add_argument("--num-distractor", type=int, default=0,
+                        help="needles with other keys (multi-key variant)")
+    parser.add_argument("--num-values", type=int, default=1,
+                        help="values for the queried key; the answer lists all (multi-value)")
+    parser.add_argument("--add-bos", action=argparse.BooleanOptionalAction, default=None,
+                        help="prepend BOS (default: when the tokenizer has one)")
+    parser.add_argument("--generate", action="store_true",
+                        help="score by greedy generation in one process instead of one "
+                             "teacher-forced sequence-parallel forward")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-dir", default=None,
+                        help="where results.json and heatmap.png go (default: "
+                             "needle_output/<model folder name>)")
+    _add_common(parser)
+
+
+def _needle_rank(args: argparse.Namespace) -> dict:
+    from .needle import NeedleConfig, build_haystack, evaluate_needle
+
+    cfg = NeedleConfig(args.min_context_length, args.max_context_length, args.context_interval,
+                       args.depth_interval, args.num_samples, args.rnd_number_digits,
+                       args.num_distractor, args.num_values, args.seed, args.add_bos)
+    dev, model, tok = _setup(args, args.model)
+    hay = build_haystack(tok, args.max_context_length, args.haystack_dir,
+                         repeat=not args.no_repeat_haystack, seed=args.seed)
+    start = time.time()
+    results = evaluate_needle(model, tok, hay, cfg, args.method, device=dev,
+                              generate=args.generate, ring_degree=args.ring_degree,
+                              progress=_is_main())
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    variant = ("multi-value" if cfg.num_values > 1 else "multi-key" if cfg.num_distractor
+               else "single")
+    results["config"] = {"model": args.model, "method": args.method, "world_size": world,
+                         "scoring": "generate" if args.generate else "teacher_forced",
+                         "variant": variant, "haystack": args.haystack_dir or "generated",
+                         "seconds": round(time.time() - start, 2),
+                         **{k: v for k, v in vars(cfg).items() if k != "template"}}
+    return results
+
+
+def run_eval_needle(args: argparse.Namespace) -> int:
+    """Run the needle eval; write results.json and heatmap.png; print the average score."""
+    from .needle import NeedleConfig
+    from .plots import plot_needle_heatmap
+
+    _check_mode(args)
+    if args.generate and args.nproc_per_node > 1:
+        raise ValueError("--generate runs in one process (decoding is not sequence-parallel); "
+                         "drop --nproc-per-node or --generate")
+    NeedleConfig(args.min_context_length, args.max_context_length, args.context_interval,
+                 args.depth_interval, args.num_samples, args.rnd_number_digits,
+                 args.num_distractor, args.num_values)  # bad flags fail before any launch
+    results = launch(_needle_rank, args.nproc_per_node, args)
+    if not _is_main():
+        return 0
+    out = Path(args.output_dir or Path("needle_output") / model_name(args.model))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    plot_needle_heatmap(out / "results.json", out / "heatmap.png")
+    print(f"average score {results['average_score']:.4f} (token accuracy "
+          f"{results['average_token_accuracy']:.4f}, chance {results['chance']:.2g}); "
+          f"wrote {out / 'results.json'} and {out / 'heatmap.png'}")
+    return 0
+
+
+# ---------------------------------------------------------------- eval-ppl
+
+
+def add_eval_ppl_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``easy-context eval-ppl`` (the original's, plus launching, RoPE and last-k)."""
+    parser.add_argument("-m", "--model", action="append", required=True,
+                        help="model folder; repeat for several models")
+    data = parser.add_mutually_exclusive_group(required=True)
+    data.add_argument("--tokenized", help="saved dataset (save_to_disk) with an input_ids column")
+    data.add_argument("--dataset", help="text: file, folder, .jsonl/.parquet, saved dataset or "
+                                        "dataset name; tokenized with each model's tokenizer")
+    parser.add_argument("--text-column", default="text", help="text column of --dataset")
+    parser.add_argument("--dataset-min-tokens", type=int, default=None,
+                        help="keep only samples with at least this many tokens")
+    parser.add_argument("--samples", type=int, default=None, help="use the first N samples")
+    parser.add_argument("--min-tokens", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=8192)
+    parser.add_argument("--tokens-step", type=int, default=None,
+                        help="evaluate every this many tokens from min to max (default: max only)")
+    parser.add_argument("--sliding-window", type=int, default=256, help="stride between windows")
+    parser.add_argument("--truncate", action="store_true",
+                        help="cut each sample to the context length (one window per sample)")
+    parser.add_argument("--last-k", type=int, default=256,
+                        help="also report the perplexity of each window's last k tokens")
+    parser.add_argument("--output-file", default="ppl.csv", help="CSV, one row per model x length")
+    _add_common(parser)
+
+
+def load_samples(args: argparse.Namespace, tokenizer) -> list[list[int]]:
+    """Token id lists from --tokenized or --dataset, filtered and limited as the flags say."""
+    import datasets
+
+    if args.tokenized:
+        if not Path(args.tokenized).exists():
+            raise FileNotFoundError(f"--tokenized {args.tokenized} does not exist")
+        ds = datasets.load_from_disk(args.tokenized)
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds["test"] if "test" in ds else ds[next(iter(ds))]
+        if "input_ids" not in ds.column_names:
+            raise ValueError(f"{args.tokenized} has no input_ids column: {ds.column_names}")
+        seqs = (list(x) for x in ds["input_ids"])
+    else:
+        from ..data.sources import iter_texts, load_source, parse_source
+
+        ds = load_source(parse_source(args.dataset), text_column=args.text_column)
+        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        seqs = (bos + tokenizer(t, add_special_tokens=False)["input_ids"]
+                for batch in iter_texts(ds) for t in batch)
+    out = []
+    for s in seqs:
+        if len(s) >= (args.dataset_min_tokens or 0):
+            out.append(s)
+            if args.samples is not None and len(out) == args.samples:
+                break
+    if not out:
+        raise ValueError(f"no sample has at least {args.dataset_min_tokens} tokens")
+    return out
+
+
+def _ppl_rank(args: argparse.Namespace) -> list[dict]:
+    from .ppl import PplConfig, evaluate_ppl
+
+    cfg = PplConfig(args.min_tokens, args.max_tokens, args.tokens_step, args.sliding_window,
+                    args.truncate, args.last_k)
+    rows = []
+    for path in args.model:
+        dev, model, tok = _setup(args, path)
+        samples = load_samples(args, tok)
+        pad = next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)
+        for row in evaluate_ppl(model, samples, cfg, args.method, pad, device=dev,
+                                ring_degree=args.ring_degree, progress=_is_main()):
+            rows.append({"model": model_name(path), **row})
+        del model
+    return rows
+
+
+def run_eval_ppl(args: argparse.Namespace) -> int:
+    """Run the perplexity eval for every --model; write the CSV; print a table."""
+    from .ppl import PplConfig
+
+    _check_mode(args)
+    PplConfig(args.min_tokens, args.max_tokens, args.tokens_step, args.sliding_window,
+              args.truncate, args.last_k)  # bad flags fail before any launch
+    rows = launch(_ppl_rank, args.nproc_per_node, args)
+    if not _is_main():
+        return 0
+    out = Path(args.output_file)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    for r in rows:
+        print(f"{r['model']}  {r['context_length']:>8}  ppl {r['ppl']:.4f}  "
+              f"last {r['last_k']} ppl {r['last_k_ppl']:.4f}  ({r['tokens']} tokens)")
+    print(f"wrote {out}")
+    return 0
+
+
+# ---------------------------------------------------------------- plot-ppl
+
+
+def add_plot_ppl_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``easy-context plot-ppl``."""
+    parser.add_argument("csv", nargs="+", help="CSV files written by eval-ppl")
+    parser.add_argument("--output", default=None, help="PNG path (default: first CSV's, .png)")
+    parser.add_argument("--last-k", action="store_true",
+                        help="plot the last-k-token perplexity instead")
+    parser.add_argument("--xmax", type=float, default=None)
+    parser.add_argument("--ymin", type=float, default=None)
+    parser.add_argument("--ymax", type=float, default=None)
+
+
+def run_plot_ppl(args: argparse.Namespace) -> int:
+    from .plots import plot_ppl
+
+    for path in args.csv:
+        if not Path(path).exists():
+            raise FileNotFoundError(f"{path} does not exist")
+    out = args.output or str(Path(args.csv[0]).with_suffix(".png"))
+    plot_ppl(args.csv, out, "last_k_ppl" if args.last_k else "ppl", args.xmax, args.ymin,
+             args.ymax)
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,136 @@
+"""Load a causal LM and its tokenizer for evaluation (and training, demos), with RoPE overrides.
+
+    model, tokenizer = load_model_and_tokenizer("path/to/model", rope_theta=5e6,
+                                                rope_scaling="linear:4", device="cpu")
+
+In transformers 5 the RoPE settings live in ``config.rope_parameters``
+(``{"rope_theta": ..., "rope_type": "default", ...}``; models with several layer types keep
+one such dict per type). Rotary tables are built when the model is built, so overrides are
+written into the config first and the model is then built from it:
+``AutoConfig.from_pretrained`` -> change -> ``from_pretrained(path, config=config)``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_rope_scaling(value: str | dict | None) -> dict[str, Any] | None:
+    """``'{"rope_type": "yarn", "factor": 4}'`` or ``'yarn:4'`` -> ``{"rope_type": "yarn",
+    "factor": 4.0}``; ``"type"`` (the transformers 4 key) is accepted for ``"rope_type"``."""
+    if value is None or isinstance(value, dict):
+        scaling = value
+    elif value.lstrip().startswith("{"):
+        try:
+            scaling = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--rope-scaling is not valid JSON ({e}): {value!r}") from e
+    else:
+        kind, sep, factor = value.partition(":")
+        try:
+            scaling = {"rope_type": kind.strip(), "factor": float(factor)}
+        except ValueError:
+            sep = ""
+        if not sep or not kind.strip():
+            raise ValueError(f"--rope-scaling must be JSON or TYPE:FACTOR (e.g. linear:4, "
+                             f"yarn:8), got {value!r}")
+    if scaling is None:
+        return None
+    scaling = dict(scaling)
+    if "type" in scaling:
+        scaling.setdefault("rope_type", scaling.pop("type"))
+    if "rope_type" not in scaling:
+        raise ValueError(f"--rope-scaling needs a rope_type (linear, dynamic, yarn, llama3, ...): "
+                         f"{value!r}")
+    return scaling
+
+
+def apply_rope_overrides(config: PretrainedConfig, rope_theta: float | None = None,
+                         rope_scaling: str | dict | None = None) -> PretrainedConfig:
+    """Write a RoPE base and/or scaling into ``config.rope_parameters`` (in place, returned)."""
+    scaling = parse_rope_scaling(rope_scaling)
+    if rope_theta is None and scaling is None:
+        return config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    params = getattr(text, "rope_parameters", None)
+    if params is None:
+        raise ValueError(f"{type(config).__name__} has no rope_parameters: the model does not use "
+                         "RoPE, so --rope-theta/--rope-scaling do not apply")
+    # Several layer types (e.g. full and sliding attention) keep one dict each.
+    per_type = all(isinstance(v, dict) for v in params.values())
+    for p in params.values() if per_type else [params]:
+        if scaling is not None:
+            p.update(scaling)
+        if rope_theta is not None:
+            p["rope_theta"] = float(rope_theta)
+    text.rope_parameters = params
+    logger.info("RoPE parameters: %s", params)
+    return config
+
+
+def resolve_dtype(name: str | None, device: torch.device | str) -> torch.dtype:
+    """``bf16``/``fp16``/``fp32``; None: bf16 on CUDA, fp32 on CPU (bf16 matmuls are slow there)."""
+    if name is None:
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def _check_path(path: str) -> str:
+    p = Path(path).expanduser()
+    if p.exists():
+        if not (p / "config.json").exists():
+            raise FileNotFoundError(f"model folder {path} has no config.json; pass a folder saved "
+                                    "with save_pretrained")
+        return str(p)
+    if path.startswith((".", "/", "~")) or path.count("/") > 1:
+        raise FileNotFoundError(f"model folder {path} does not exist")
+    return path  # a hub name: transformers resolves it (from its cache when offline)
+
+
+def load_config(path: str, rope_theta: float | None = None, rope_scaling: str | dict | None = None,
+                trust_remote_code: bool = False) -> PretrainedConfig:
+    """The model's config with the RoPE overrides applied."""
+    config = AutoConfig.from_pretrained(_check_path(path), trust_remote_code=trust_remote_code)
+    return apply_rope_overrides(config, rope_theta, rope_scaling)
+
+
+def load_model_and_tokenizer(path: str, *, device: torch.device | str = "cpu",
+                             dtype: str | torch.dtype | None = None,
+                             rope_theta: float | None = None,
+                             rope_scaling: str | dict | None = None,
+                             trust_remote_code: bool = False,
+                             attn_implementation: str = "sdpa",
+                             ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A causal LM (safetensors only, eval mode, on ``device``) and its tokenizer.
+
+    ``trust_remote_code`` is off by default: a model folder's own Python code runs only when
+    asked for. The attention implementation is a plain one; ``apply_sequence_parallel``
+    switches it afterwards.
+    """
+    local = _check_path(path)
+    config = load_config(local, rope_theta, rope_scaling, trust_remote_code)
+    torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, device)
+    model = AutoModelForCausalLM.from_pretrained(
+        local, config=config, dtype=torch_dtype, use_safetensors=True,
+        trust_remote_code=trust_remote_code, attn_implementation=attn_implementation)
+    model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(local, trust_remote_code=trust_remote_code)
+    return model, tokenizer
+
+
+def model_name(path: str) -> str:
+    """A short label for a model path: its folder name."""
+    return Path(path.rstrip("/")).name or path

@@ -1,0 +1,103 @@
+"""Start a command on N ranks: in this process, under torchrun, or by spawning them itself.
+
+    launch(fn, nproc_per_node, *args) -> fn's return value on rank 0
+
+- torchrun (or any launcher that sets RANK and WORLD_SIZE): this process is one rank;
+  the process group is initialised here and ``fn`` runs once.
+- a process group already initialised (tests' DistPool, a trainer): ``fn`` just runs.
+- ``nproc_per_node <= 1``: ``fn`` runs in this process without torch.distributed.
+- otherwise: ``nproc_per_node`` ranks are spawned on a free local port; each initialises
+  the process group (nccl when CUDA is available, else gloo), runs ``fn`` and tears down.
+
+Inside ``fn``, :func:`device` gives the rank's device (``cuda:{local_rank}`` or cpu).
+``fn`` and its arguments are pickled to the spawned ranks, so ``fn`` must be importable
+(defined at module level).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def device() -> torch.device:
+    """This rank's device, chosen at run time: ``cuda:{LOCAL_RANK}`` if CUDA is there, else cpu."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_distributed(timeout_minutes: float = 10) -> torch.device:
+    """Initialise the default process group from the environment (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT, LOCAL_RANK, as torchrun sets them) unless it already is.
+
+    The timeout is how long a collective may wait for a stuck peer before failing: minutes,
+    so a dead rank ends the job instead of holding the others for days. Returns the device.
+    """
+    dev = device()
+    if not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    return dev
+
+
+def _spawned(local_rank: int, world: int, port: int, timeout_minutes: float, fn: Callable,
+             args: tuple, results: "mp.SimpleQueue") -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
+                      LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world))
+    # Spawned CPU ranks would each take every core; share them instead.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        init_distributed(timeout_minutes)
+        value = fn(*args)
+        if local_rank == 0:
+            results.put((True, value))
+    except BaseException:
+        results.put((False, f"rank {local_rank}:\n{traceback.format_exc()}"))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(fn: Callable, nproc_per_node: int, *args: Any, timeout_minutes: float = 10) -> Any:
+    """Run ``fn(*args)`` on ``nproc_per_node`` ranks (see the module docstring); return what
+    rank 0 returned. A failure on any rank raises a RuntimeError with that rank's traceback."""
+    from .testing import free_port
+
+    if dist.is_initialized():
+        return fn(*args)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        init_distributed(timeout_minutes)
+        try:
+            return fn(*args)
+        finally:
+            dist.destroy_process_group()
+    if nproc_per_node <= 1:
+        return fn(*args)
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    try:
+        mp.start_processes(_spawned, args=(nproc_per_node, free_port(), timeout_minutes, fn,
+                                           args, results),
+                           nprocs=nproc_per_node, join=True, start_method="spawn")
+    except mp.ProcessRaisedException as e:
+        failures = []
+        while not results.empty():
+            ok, value = results.get()
+            if not ok:
+                failures.append(value)
+        raise RuntimeError("\n".join(failures) or str(e)) from None
+    ok, value = results.get()
+    if not ok:
+        raise RuntimeError(value)
+    return value
