@@ -1,0 +1,115 @@
+"""All-gather context parallelism (Llama 3 style) over the zigzag layout.
+
+Rank r holds query/key/value chunks r and 2N-1-r of 2N (chunk length c). Instead of passing
+K/V around a ring, every rank all-gathers K and V once, puts them back in sequence order
+(layouts.unshard) and attends its two query chunks to the keys they may see. With GQA the
+K/V are a fraction of the queries, so one all-gather moves little, and nothing has to be
+overlapped step by step as in a ring.
+
+Causal: global query chunk j sees keys [0, (j+1)c): a full (non-causal) block against keys
+[0, jc) and a causal diagonal block against [jc, (j+1)c), merged with merge_into. The CPU
+kernel's causal mask is top-left aligned, so causal is only ever used on the square diagonal.
+The zigzag layout gives every rank chunks j and 2N-1-j, i.e. the same 2N+1 chunk-pairs of
+work. Non-causal: every query sees all keys, one block.
+
+Backward re-gathers K/V (saving the gathered copies would keep O(S) per layer alive), calls
+the kernel's backward per block with the final out and lse, accumulates dK/dV for the whole
+sequence in float32, cuts them back into zigzag shards (layouts.shard) and reduce-scatters
+them: each owner receives the sum of every rank's contribution to its chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import layouts
+from ..attention.kernels import Kernel, default_scale, select_kernel
+from ..attention.merge import merge_into
+from .ring import check_qkv
+
+Tensor = torch.Tensor
+# torch 2.13 renamed the *_tensor collectives (the old names warn); older torch has only those.
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def _gather_kv(k: Tensor, v: Tensor, group, world: int) -> Tensor:
+    """(2, B, S, Hkv, D): every rank's K and V in sequence order, from one all-gather."""
+    local = torch.stack([k, v])  # (2, B, s, Hkv, D)
+    if world == 1:
+        return local
+    # gloo wants the output as the inputs concatenated along dim 0: (N*2, B, s, Hkv, D)
+    gathered = local.new_empty(world * 2, *local.shape[1:])
+    _all_gather(gathered, local, group=group)
+    gathered = gathered.unflatten(0, (world, 2))
+    # rank order along the sequence dim, then zigzag -> sequence order
+    return layouts.unshard(gathered.movedim(0, 2).flatten(2, 3), "zigzag", world, dim=2)
+
+
+def _blocks(rank: int, world: int, c: int, causal: bool):
+    """(query rows, key rows of the full sequence, causal) for this rank's kernel calls."""
+    if not causal:
+        return [(slice(None), slice(None), False)]
+    blocks = []
+    for local, j in ((0, rank), (1, 2 * world - 1 - rank)):
+        rows = slice(local * c, (local + 1) * c)
+        if j > 0:
+            blocks.append((rows, slice(0, j * c), False))
+        blocks.append((rows, slice(j * c, (j + 1) * c), True))
+    return blocks
+
+
+class AllGatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal: bool, scale: float, kernel: Kernel):
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        kv = _gather_kv(k, v, group, world)
+        b, s, h, d = q.shape
+        out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
+        lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
+        for rows, keys, blk_causal in _blocks(rank, world, s // 2, causal):
+            block_out, block_lse = kernel.forward(q[:, rows], kv[0][:, keys], kv[1][:, keys],
+                                                  causal=blk_causal, scale=scale)
+            merge_into(out[:, rows], lse[:, :, rows], block_out, block_lse)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (group, causal, scale, kernel)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, causal, scale, kernel = ctx.args
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        dout = dout.contiguous()
+        kv = _gather_kv(k, v, group, world)
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        dkv = torch.zeros_like(kv, dtype=torch.float32)  # this rank's share, whole sequence
+        for rows, keys, blk_causal in _blocks(rank, world, q.size(1) // 2, causal):
+            dq_b, dk_b, dv_b = kernel.backward(
+                dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows],
+                lse[:, :, rows], causal=blk_causal, scale=scale)
+            dq[:, rows] += dq_b
+            dkv[0][:, keys] += dk_b
+            dkv[1][:, keys] += dv_b
+        if world > 1:
+            # send[r] = rank r's zigzag shard of our share; the sum over ranks lands at r.
+            send = torch.stack([layouts.shard(dkv, "zigzag", r, world, dim=2)
+                                for r in range(world)])
+            dkv = torch.empty_like(send[0])
+            _reduce_scatter(dkv, send.flatten(0, 1), group=group)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
+def allgather_attn(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None = None,
+                   causal: bool = True, softmax_scale: float | None = None) -> Tensor:
+    """All-gather attention over zigzag shards. q: (B, S/N, Hq, D), k, v: (B, S/N, Hkv, D)."""
+    check_qkv(q, k, v)
+    if q.size(1) % 2:
+        raise ValueError(f"a zigzag shard holds two equal chunks; its length {q.size(1)} is odd. "
+                         "Shard the sequence with the zigzag layout (length divisible by 2N)")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    scale = default_scale(q.size(-1)) if softmax_scale is None else softmax_scale
+    return AllGatherAttention.apply(q, k, v, group, causal, scale, select_kernel(q))
