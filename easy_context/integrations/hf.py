@@ -165,6 +165,9 @@ def apply_sequence_parallel(model: nn.Module, method: str, group: dist.ProcessGr
     return model
 
 
+LOSS_CHUNK_BYTES = 64 * 2**20
+
+
 def _plain_lm_head(model: nn.Module) -> nn.Linear | None:
     """The output projection, if logits are exactly ``hidden @ W.T (+ b)``; else None."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -180,7 +183,7 @@ def _plain_lm_head(model: nn.Module) -> nn.Linear | None:
 def causal_lm_loss(model: nn.Module, input_ids: Tensor, position_ids: Tensor, target_ids: Tensor,
                    group: dist.ProcessGroup | None = None, document_ids: Tensor | None = None,
                    num_items_in_batch: Tensor | int | None = None, chunked: bool | None = None,
-                   chunk_size: int = 4096) -> Tensor:
+                   chunk_size: int | None = None) -> Tensor:
     """The exact global token-mean loss of a causal LM on this rank's shard.
 
     input_ids, position_ids, target_ids (and document_ids): this rank's (B, S_local) shards,
@@ -191,7 +194,8 @@ def causal_lm_loss(model: nn.Module, input_ids: Tensor, position_ids: Tensor, ta
 
     ``chunked`` (default: when the vocabulary has >= 16384 entries and the head is a plain
     linear layer) computes the loss from the last hidden states chunk by chunk, never
-    building the (tokens x vocab) logits.
+    building the (tokens x vocab) logits; ``chunk_size`` rows at a time (default: about
+    64 MiB of float32 logits per chunk, so the chunk does not dominate at any length).
     """
     from ..memory.loss import chunked_cross_entropy, logits_cross_entropy
 
@@ -203,6 +207,8 @@ def causal_lm_loss(model: nn.Module, input_ids: Tensor, position_ids: Tensor, ta
                          "of the hidden states (scaled or soft-capped); use chunked=False")
     extra = {} if document_ids is None else {"document_ids": document_ids}
     if chunked:
+        if chunk_size is None:
+            chunk_size = max(128, LOSS_CHUNK_BYTES // (4 * head.out_features))
         hidden = model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                      use_cache=False, **extra).last_hidden_state
         return chunked_cross_entropy(hidden, head.weight, target_ids, head.bias,
@@ -221,7 +227,7 @@ class CausalLMLoss(nn.Module):
     the root that the engine wraps must be this module: its forward covers everything.
     """
 
-    def __init__(self, model: nn.Module, chunked: bool | None = None, chunk_size: int = 4096):
+    def __init__(self, model: nn.Module, chunked: bool | None = None, chunk_size: int | None = None):
         super().__init__()
         self.model = model
         self.chunked, self.chunk_size = chunked, chunk_size

@@ -46,10 +46,10 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
-             "python_version": random.getstate()[0], "python_gauss": random.getstate()[2],
-             "numpy": torch.from_numpy(np.random.get_state()[1].astype(np.int64)),
-             "numpy_pos": np.random.get_state()[2]}
+    py, npy = random.getstate(), np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": list(py[1]), "python_version": py[0],
+             "python_gauss": py[2], "numpy": torch.from_numpy(npy[1].astype(np.int64)),
+             "numpy_pos": npy[2], "numpy_gauss": [npy[3], npy[4]]}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -58,7 +58,8 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate((state["python_version"], tuple(state["python"]), state["python_gauss"]))
-    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"], 0, 0.0))
+    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"],
+                         *state["numpy_gauss"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -119,6 +120,12 @@ def export_hf(model, state_dict: dict, tokenizer, out_dir: Path) -> None:
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    # The config records the module's dtype (bf16 under some engines); the weights written
+    # are the fp32 master weights, and from_pretrained should load them as such.
+    dtype = next((v.dtype for v in state_dict.values() if v.is_floating_point()), None)
+    if dtype is not None:
+        model.config.dtype = str(dtype).removeprefix("torch.")
+        model.config.save_pretrained(tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     stray = [p.name for p in tmp.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
