@@ -1,0 +1,250 @@
+"""Check the memory planner (easy_context.plan) against one real training step per rank.
+
+For each point (method, N, L, checkpointing) N fresh gloo ranks (easy_context.testing.DistPool,
+MALLOC_MMAP_THRESHOLD_=65536 so that freed tensors go back to the OS) each:
+  1. import torch/transformers/easy_context and join the process group ("ready");
+  2. build a tiny Llama in fp32 (4 layers, hidden 256, 4 heads, 2 KV heads, vocab 32000),
+     switch it with apply_sequence_parallel(model, method), enable per-layer
+     torch.utils.checkpoint for checkpointing=full, and create AdamW with its states
+     (one step on zero gradients), so that the measured step is a steady-state step;
+  3. run ONE training step: forward, chunked loss (causal_lm_loss(..., chunked=True)),
+     backward, gradient all-reduce over the ranks, AdamW step.
+The measured figure is each rank's resident-set high-water mark from "ready" to the end
+(easy_context.utils.memory.PeakMemory), i.e. everything the step and the model add to a
+process that has only imported its libraries. The prediction is
+estimate_memory(...).total for the same setup (engine "replicated": this harness keeps a
+full model per rank, as plain data parallelism does) plus ONE runtime constant for the CPU
+process (first-use allocations of oneDNN, the autograd engine, gloo), calibrated by the
+same harness on a model too small to matter (``--calibrate``), not per configuration.
+
+    python benchmarks/plan_validation.py               # all points -> results/plan_validation.json
+    python benchmarks/plan_validation.py --calibrate   # re-measure the runtime constant first
+    python benchmarks/plan_validation.py --quick       # two small points, a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import common  # noqa: E402
+
+TOLERANCE = 0.15
+
+
+@dataclass(frozen=True)
+class TinyLlama:
+    """The validation model; ``vocab`` is Llama-2's, so the loss chunk is a real term."""
+
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 688
+    vocab: int = 32000
+
+
+# The smallest model that still runs every code path: its tensors are a few MB, so what it
+# adds to a ready process is the runtime's first-use memory.
+PROBE = TinyLlama(hidden=64, layers=1, heads=4, kv_heads=2, intermediate=128, vocab=256)
+PROBE_LEN = 256
+
+
+@dataclass(frozen=True)
+class Point:
+    method: str
+    world_size: int
+    seq_len: int
+    checkpointing: str  # none | full
+    chunk_size: int = 2048
+
+    @property
+    def key(self) -> str:
+        chunk = "" if self.chunk_size == 2048 else f" chunk={self.chunk_size}"
+        return f"{self.method} N={self.world_size} L={self.seq_len} ckpt={self.checkpointing}{chunk}"
+
+
+POINTS = [
+    Point("ring_attn", 1, 8192, "none"),
+    Point("ring_attn", 1, 8192, "full"),
+    Point("ring_attn", 1, 16384, "full"),
+    Point("zigzag_ring_attn", 2, 8192, "none"),
+    Point("zigzag_ring_attn", 2, 16384, "full"),
+    Point("ring_attn", 2, 16384, "none"),
+    Point("ulysses_attn", 2, 8192, "none"),
+    Point("ulysses_attn", 2, 16384, "full"),
+    Point("allgather_attn", 2, 16384, "full"),
+    Point("dist_flash_attn", 2, 8192, "none"),
+    # A smaller loss chunk: the last layer's backward, with each method's buffers, is the peak.
+    Point("zigzag_ring_attn", 2, 16384, "full", chunk_size=512),
+    Point("ulysses_attn", 2, 16384, "full", chunk_size=512),
+    Point("allgather_attn", 2, 16384, "full", chunk_size=512),
+]
+QUICK = [Point("zigzag_ring_attn", 2, 4096, "full"), Point("ring_attn", 1, 4096, "none")]
+
+
+def model_shape(m: TinyLlama):
+    from easy_context.plan import ModelShape
+
+    return ModelShape(name="tiny-llama", hidden=m.hidden, layers=m.layers, heads=m.heads,
+                      kv_heads=m.kv_heads, intermediate=m.intermediate, vocab=m.vocab,
+                      tied_embeddings=False)
+
+
+def rank_step(m: TinyLlama, p: Point) -> dict:
+    """One steady-state training step on this rank; returns its peak above 'ready'."""
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import easy_context as ec
+    from easy_context.utils.memory import PeakMemory, rss_bytes
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ready = rss_bytes()
+    t0 = time.perf_counter()
+    with PeakMemory("cpu") as pm:
+        config = LlamaConfig(vocab_size=m.vocab, hidden_size=m.hidden, num_hidden_layers=m.layers,
+                             num_attention_heads=m.heads, num_key_value_heads=m.kv_heads,
+                             intermediate_size=m.intermediate, max_position_embeddings=p.seq_len,
+                             attention_dropout=0.0, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).float().train()
+        ec.apply_sequence_parallel(model, p.method,
+                                   ring_degree=world if p.method == "usp_attn" else None)
+        if p.checkpointing == "full":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        for q in model.parameters():  # create the AdamW states: the step below is steady-state
+            q.grad = torch.zeros_like(q)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, m.vocab, (1, p.seq_len + 1), generator=gen)
+        local = ec.prepare_seq_parallel_inputs(p.method, ids[:, :-1], None, ids[:, 1:], rank, world,
+                                               "cpu", ring_degree=world if p.method == "usp_attn" else None)
+        loss = ec.causal_lm_loss(model, local["local_input_ids"], local["local_position_ids"],
+                                 local["local_target_ids"], chunked=True, chunk_size=p.chunk_size)
+        loss.backward()
+        if world > 1:  # each rank's gradient is its share: the sum is the full gradient
+            for q in model.parameters():
+                dist.all_reduce(q.grad)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"rank": rank, "ready_rss_bytes": ready, "peak_bytes": pm.peak_bytes,
+            "loss": loss.detach().item(), "seconds": time.perf_counter() - t0,
+            "threads": torch.get_num_threads()}
+
+
+def measure(m: TinyLlama, p: Point, timeout_s: float = 900.0) -> list[dict]:
+    """Run ``p`` on N fresh ranks (a fresh pool: no point inherits another's runtime state)."""
+    from easy_context.testing import DistPool
+
+    saved = {k: os.environ.get(k) for k in common.BENCH_ENV}
+    common.setup_env()  # the ranks are spawned below: they start with the mmap threshold
+    try:
+        with DistPool(p.world_size, threads_per_rank=1, timeout_s=timeout_s) as pool:
+            return pool.run(rank_step, m, p)
+    finally:  # leave the caller's environment as it was (tests share the process)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def predict(m: TinyLlama, p: Point, runtime_bytes: int):
+    from easy_context.plan import estimate_memory
+
+    return estimate_memory(model_shape(m), p.seq_len, p.world_size, p.method, engine="replicated",
+                           offload="none", checkpointing=p.checkpointing, dtype="fp32",
+                           loss_chunk=p.chunk_size, runtime_bytes=runtime_bytes)
+
+
+def calibrate() -> dict:
+    """The CPU runtime constant: what a model of a few MB adds to a ready process, minus the
+    planner's estimate for that model (its tensors)."""
+    out = {}
+    for n in (1, 2):
+        p = Point("zigzag_ring_attn", n, PROBE_LEN, "none", chunk_size=PROBE_LEN)
+        ranks = measure(PROBE, p)
+        tensors = predict(PROBE, p, runtime_bytes=0).total
+        out[n] = max(r["peak_bytes"] for r in ranks) - tensors
+    return {"runtime_bytes": int(max(out.values())),
+            "per_world_size": {str(k): int(v) for k, v in out.items()},
+            "probe": asdict(PROBE), "probe_seq_len": PROBE_LEN}
+
+
+def compare(m: TinyLlama, p: Point, ranks: list[dict], runtime_bytes: int) -> dict:
+    est = predict(m, p, runtime_bytes)
+    measured = max(r["peak_bytes"] for r in ranks)  # the rank that runs out first
+    above_pred = est.total - runtime_bytes
+    return {**asdict(p), "key": p.key,
+            "measured_mb": measured / 2**20, "predicted_mb": est.total / 2**20,
+            "error": est.total / measured - 1.0,
+            "measured_above_runtime_mb": (measured - runtime_bytes) / 2**20,
+            "predicted_above_runtime_mb": above_pred / 2**20,
+            "error_above_runtime": above_pred / max(1, measured - runtime_bytes) - 1.0,
+            "within_tolerance": abs(est.total / measured - 1.0) <= TOLERANCE,
+            "per_rank_peak_bytes": [r["peak_bytes"] for r in ranks],
+            "per_rank_peak_mb": [r["peak_bytes"] / 2**20 for r in ranks],
+            "seconds": max(r["seconds"] for r in ranks),
+            "components_mb": {k: v / 2**20 for k, v in est.components().items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calibrate", action="store_true", help="re-measure the CPU runtime constant")
+    ap.add_argument("--quick", action="store_true", help="two small points only")
+    ap.add_argument("--only", nargs="*", help="keys (or substrings) of the points to run")
+    ap.add_argument("--recompute", action="store_true",
+                    help="measure nothing: re-predict the stored rows with the current planner")
+    ap.add_argument("--output", default=str(common.RESULTS_DIR / "plan_validation.json"))
+    args = ap.parse_args()
+
+    from easy_context.plan.estimate import CPU_RUNTIME_BYTES
+
+    old = common.load_results(args.output) or {}
+    calib = calibrate() if args.calibrate else old.get("calibration") or {
+        "runtime_bytes": CPU_RUNTIME_BYTES, "note": "easy_context.plan.estimate.CPU_RUNTIME_BYTES"}
+    runtime = calib["runtime_bytes"]
+    print(f"CPU runtime constant: {runtime / 2**20:.1f} MiB")
+    points = QUICK if args.quick else POINTS
+    if args.only:
+        points = [p for p in points if any(s in p.key for s in args.only)]
+    m, rows = TinyLlama(), []
+    if args.recompute:
+        stored = {r["key"]: r for r in old.get("rows", [])}
+        points = [p for p in POINTS if p.key in stored]
+    for p in points:
+        if args.recompute:
+            r = stored[p.key]
+            peaks = r.get("per_rank_peak_bytes") or [round(mb * 2**20) for mb in r["per_rank_peak_mb"]]
+            ranks = [{"peak_bytes": b, "seconds": r["seconds"]} for b in peaks]
+        else:
+            ranks = measure(m, p)
+        row = compare(m, p, ranks, runtime)
+        rows.append(row)
+        print(f"{p.key:45s} measured {row['measured_mb']:8.1f} MB  predicted {row['predicted_mb']:8.1f} MB"
+              f"  error {100 * row['error']:+6.1f}%  (above runtime {100 * row['error_above_runtime']:+6.1f}%)"
+              f"  {row['seconds']:.0f} s", flush=True)
+    rows = common.merge_rows(old.get("rows", []), rows, key=lambda r: r["key"])
+    payload = {"what": "per-rank peak RSS of one steady-state fp32 training step vs the planner",
+               "model": asdict(m), "tolerance": TOLERANCE, "calibration": calib,
+               "machine": common.machine_info(), "date": common.now_iso(), "rows": rows,
+               "max_abs_error": max(abs(r["error"]) for r in rows),
+               "all_within_tolerance": all(r["within_tolerance"] for r in rows)}
+    if not args.quick:
+        print(f"wrote {common.write_results(args.output, payload)}")
+
+
+if __name__ == "__main__":
+    main()

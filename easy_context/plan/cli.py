@@ -1,0 +1,115 @@
+"""``easy-context plan``: memory per device, the method to use, and the longest context that fits.
+
+    easy-context plan --model Llama-2-7B --seq-len 700000 --devices 8 --gpu-memory 80
+    easy-context plan --model ./my-model --devices 16 --max-seq-len --offload params
+    easy-context plan --report claims --output benchmarks/results/plan_claims.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from .choose import ORDER, choose_method, max_sequence_length, required_multiple
+from .estimate import CHECKPOINTING, DTYPES, ENGINES, GIB, OFFLOADS, estimate_memory
+from .shapes import BUILTIN, load_shape, with_overrides
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="Llama-2-7B",
+                   help="a local model folder / config.json, or a built-in shape: "
+                        + ", ".join(s.name for s in BUILTIN.values()))
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per sequence (batch 1); omit with --max-seq-len")
+    p.add_argument("--devices", type=int, default=8, help="sequence-parallel devices (N)")
+    p.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per device")
+    p.add_argument("--usable", type=float, default=0.95,
+                   help="fraction of the device memory the planner may fill (allocator "
+                        "fragmentation and caches take the rest)")
+    p.add_argument("--engine", choices=ENGINES, default="deepspeed",
+                   help="fsdp (FSDP2), deepspeed (ZeRO-3), replicated (no sharding)")
+    p.add_argument("--offload", choices=OFFLOADS, default="none")
+    p.add_argument("--checkpointing", choices=CHECKPOINTING, default="full")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16",
+                   help="bf16: mixed precision with fp32 master weights and AdamW states")
+    p.add_argument("--method", choices=ORDER + ("auto",), default="auto",
+                   help="sequence-parallel method; auto: the fastest that fits")
+    p.add_argument("--ring-degree", type=int, default=None, help="usp_attn's ring degree")
+    p.add_argument("--loss-chunk", type=int, default=4096,
+                   help="rows per chunk of the chunked loss; 0: the full-logits loss")
+    p.add_argument("--max-seq-len", action="store_true",
+                   help="find the longest sequence that fits (binary search)")
+    p.add_argument("--granularity", type=int, default=1024,
+                   help="report the longest length as a multiple of this")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--report", choices=("claims", "table"), default=None,
+                   help="write the seed-claims check or the README 'How far can I go?' table")
+    p.add_argument("--output", default=None, help="file for --report (default: stdout)")
+
+
+def _kw(args) -> dict:
+    return dict(engine=args.engine, offload=args.offload, checkpointing=args.checkpointing,
+                dtype=args.dtype, loss_chunk=args.loss_chunk or None)
+
+
+def run_plan(args) -> int:
+    if args.report:
+        from .report import claims_markdown, how_far_markdown
+
+        text = claims_markdown() if args.report == "claims" else how_far_markdown()
+        if args.output:
+            with open(args.output, "w") as f:
+                f.write(text)
+            print(f"wrote {args.output}")
+        else:
+            print(text)
+        return 0
+    shape = load_shape(args.model)
+    budget = int(args.gpu_memory * GIB * args.usable)
+    n, kw = args.devices, _kw(args)
+    method = None if args.method == "auto" else args.method
+    result: dict = {"model": shape.name, "params_b": shape.num_params() / 1e9, "devices": n,
+                    "budget_gib": budget / GIB}
+    lines = [f"{shape.name}: {shape.num_params() / 1e9:.2f}B parameters, {shape.layers} layers, "
+             f"{shape.heads} heads / {shape.kv_heads} KV heads; {n} x {args.gpu_memory:g} GiB "
+             f"(planning with {budget / GIB:.1f} GiB each)"]
+    if args.seq_len:
+        if method is None:
+            choice = choose_method(shape, args.seq_len, n, budget, **kw)
+            est, rd = choice.estimate, choice.ring_degree
+            lines.append(f"method: {choice.method or 'none fits'} -- {choice.reason}")
+            result.update(method=choice.method, ring_degree=rd, reason=choice.reason,
+                          rejected=choice.rejected)
+        else:
+            rd = args.ring_degree if method == "usp_attn" else None
+            mult = required_multiple(method, n, rd)
+            length = -(-args.seq_len // mult) * mult
+            est = estimate_memory(shape, length, n, method, ring_degree=rd, **kw)
+            fits = est.total <= budget
+            lines.append(f"method: {method} -- {'fits' if fits else 'does NOT fit'}")
+            result.update(method=method, fits=fits)
+        if est is not None:
+            lines.append(est.table())
+            result["estimate"] = est.to_dict()
+    if args.max_seq_len or not args.seq_len:
+        rd = args.ring_degree if method == "usp_attn" else None
+        longest, m = max_sequence_length(shape, n, budget, method, rd,
+                                         granularity=args.granularity, **kw)
+        lines.append(f"longest sequence that fits: {longest:,} tokens"
+                     + (f" with {m}" if m else " (not even one step fits)"))
+        result.update(max_seq_len=longest, max_seq_len_method=m)
+    print(json.dumps(result, indent=1) if args.json else "\n".join(lines))
+    return 0
+
+
+def build_args(**kw) -> argparse.Namespace:
+    """Defaults of ``easy-context plan`` with some values changed (for scripts and tests)."""
+    p = argparse.ArgumentParser()
+    add_plan_args(p)
+    args = p.parse_args([])
+    for k, v in kw.items():
+        setattr(args, k, v)
+    return args
+
+
+__all__ = ["add_plan_args", "run_plan", "build_args", "with_overrides"]

@@ -1,0 +1,379 @@
+"""Per-device memory of one training step: model states, activations, attention, loss.
+
+A step's peak comes in one of two phases, and the estimate is the larger:
+
+    backward  = P + O + G_bwd + gathered + stored + max(mlp_bwd, attn_bwd + buffers, loss) + runtime
+    step      = P + O + G     + gathered + step temporaries                                 + runtime
+
+P, O: parameters and optimizer states (held all along); G: every gradient (at the end of
+backward); G_bwd: the gradients alive at the start of backward (the output head's and one
+layer's, as they are created layer by layer; DeepSpeed keeps a persistent partitioned buffer,
+so all of them); gathered: sharded engines' unsharded layer weights; stored: activations kept
+from forward to backward (every layer); then the largest transient of backward: the loss
+(every layer's stored activations are alive while it is computed), or the last layer's
+backward: its MLP half (the layer's recomputed activations plus MLP gradients) or its
+attention half (the MLP's saved tensors are freed by then; attention gradients and the
+method's communication buffers). runtime: the CUDA context / CPU runtime, a constant.
+
+Batch size 1 (one packed sequence per step), as long-context training does; token counts are
+per device: s = seq_len / world_size. Bytes per element: ``a`` for activations (2 in bf16
+mixed precision, 4 in fp32); softmax statistics (lse), norm statistics and attention
+accumulators are fp32 whatever ``a``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .shapes import ModelShape
+
+GIB = 2**30
+ENGINES = ("fsdp", "deepspeed", "replicated")
+OFFLOADS = ("none", "optimizer", "params")
+CHECKPOINTING = ("none", "full", "offload", "attention")
+DTYPES = ("bf16", "fp32")
+# What a CPU process adds on first use of the runtime (oneDNN, autograd engine, gloo buffers),
+# measured by benchmarks/plan_validation.py --calibrate on a model of a few MB (19.5 MiB).
+CPU_RUNTIME_BYTES = 20 * 2**20
+# CUDA context, NCCL communicators and cuBLAS workspaces: about 1-2 GiB in practice; we
+# reserve 2 GiB (allocator fragmentation comes on top: the CLI plans with 95% of the memory).
+GPU_RUNTIME_BYTES = 2 * GIB
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device; ``total`` is the predicted peak (see the module docstring)."""
+
+    model: str
+    seq_len: int
+    world_size: int
+    method: str
+    engine: str
+    offload: str
+    checkpointing: str
+    dtype: str
+    parameters: int
+    gradients: int  # all of them, at the end of backward
+    gradients_in_backward: int  # alive at the start of backward
+    optimizer: int
+    optimizer_step: int  # temporaries of the AdamW step
+    gathered_parameters: int
+    stored_activations: int
+    mlp_backward: int  # last layer's recomputed activations + its MLP-backward gradients
+    attention_backward: int  # ... once the MLP's are freed: + attention-backward gradients
+    attention_buffers: int  # the method's communication buffers (ring K/V, gathered K/V, a2a)
+    loss: int
+    runtime: int
+    host_bytes: int  # CPU memory per device for offloaded states / checkpoints (not in total)
+
+    COMPONENTS = ("parameters", "gradients", "gradients_in_backward", "optimizer",
+                  "optimizer_step", "gathered_parameters", "stored_activations", "mlp_backward",
+                  "attention_backward", "attention_buffers", "loss", "runtime")
+
+    @property
+    def layer_phase(self) -> int:
+        """The last layer's backward: the larger of its MLP and attention halves."""
+        return max(self.mlp_backward, self.attention_backward + self.attention_buffers)
+
+    @property
+    def backward_phase(self) -> int:
+        return (self.gradients_in_backward + self.stored_activations
+                + max(self.layer_phase, self.loss))
+
+    @property
+    def step_phase(self) -> int:
+        return self.gradients + self.optimizer_step
+
+    @property
+    def total(self) -> int:
+        held = self.parameters + self.optimizer + self.gathered_parameters + self.runtime
+        return held + max(self.backward_phase, self.step_phase)
+
+    def components(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.COMPONENTS}
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "total": self.total, "backward_phase": self.backward_phase,
+                "step_phase": self.step_phase}
+
+    def table(self) -> str:
+        """A text breakdown, GiB per device. Rows marked with the phase they belong to; only
+        the larger phase (and within backward, the larger transient) is in the total."""
+        bwd = self.backward_phase >= self.step_phase
+        if not bwd:
+            peak = {"gradients", "optimizer_step"}
+        elif self.loss > self.layer_phase:
+            peak = {"gradients_in_backward", "stored_activations", "loss"}
+        elif self.mlp_backward >= self.attention_backward + self.attention_buffers:
+            peak = {"gradients_in_backward", "stored_activations", "mlp_backward"}
+        else:
+            peak = {"gradients_in_backward", "stored_activations", "attention_backward",
+                    "attention_buffers"}
+        phase = {"gradients": "step", "optimizer_step": "step",
+                 "gradients_in_backward": "backward", "stored_activations": "backward",
+                 "mlp_backward": "backward, layer", "attention_backward": "backward, layer",
+                 "attention_buffers": "backward, layer", "loss": "backward, loss"}
+        lines = [f"{self.model}: L={self.seq_len:,} on {self.world_size} device(s), "
+                 f"{self.method}, {self.engine}, offload={self.offload}, "
+                 f"checkpointing={self.checkpointing}, {self.dtype}  (per device)"]
+        for name, value in self.components().items():
+            tag = phase.get(name, "held")
+            lines.append(f"  {name.replace('_', ' '):24s} {value / GIB:10.2f} GiB   [{tag}]"
+                         + ("" if tag == "held" or name in peak else " (not at peak)"))
+        lines.append(f"  {'total (peak)':24s} {self.total / GIB:10.2f} GiB   "
+                     f"[{'backward' if bwd else 'optimizer step'} phase]")
+        if self.host_bytes:
+            lines.append(f"  {'host memory (offloaded)':24s} {self.host_bytes / GIB:10.2f} GiB")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- model states
+@dataclass(frozen=True)
+class States:
+    params: int
+    grads: int
+    grads_in_backward: int
+    optim: int
+    step: int
+    gathered: int
+    host: int
+
+
+def model_states(shape: ModelShape, world_size: int, engine: str, offload: str,
+                 dtype: str) -> States:
+    """Parameters, gradients and optimizer states per device, and their host share.
+
+    AdamW keeps two fp32 moments (8 B/param). bf16 mixed precision keeps fp32 master weights:
+    - fsdp (FSDP2, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)): sharded fp32
+      params 4/N, fp32 grads 4/N, moments 8/N; offload=params (CPUOffloadPolicy) moves all
+      three to the host. FSDP has no optimizer-only offload.
+    - deepspeed (ZeRO-3, bf16): bf16 params 2/N, bf16 grads 2/N, fp32 master + moments 12/N;
+      offload=optimizer moves the 12/N (and fp32 gradient copies, 4/N) to the host,
+      offload=params also the bf16 params and grads.
+    - replicated (plain data parallelism, one process on CPU): everything on every device;
+      bf16 adds a bf16 working copy (autocast's weight cache) to fp32 params.
+    fp32 training: 4 (params) + 4 (grads) + 8 (moments), no master copy.
+    Gradients appear layer by layer in backward (set_to_none between steps): at its start
+    only the output head's and one layer's exist. DeepSpeed keeps its partitioned gradient
+    buffer between steps, so there all of them count from the start.
+    The AdamW step on the device (torch's foreach implementation) makes one temporary the
+    size of the moments it updates (sqrt of the second moment): 4 B per device-held param.
+    Sharded engines gather the full weights of the layer being computed and of the one being
+    prefetched, and hold that layer's unsharded gradients until they are reduce-scattered:
+    2 x (params + grads) of the largest unit, a decoder layer or the embedding/output head.
+    """
+    p = shape.num_params()
+    head, layer = shape.vocab * shape.hidden, shape.layer_params()
+    if engine == "fsdp" and offload == "optimizer":
+        raise ValueError("FSDP offloads parameters, gradients and optimizer states together "
+                         "(CPUOffloadPolicy): use offload='params', or engine='deepspeed'")
+    if engine == "replicated":
+        if offload != "none":
+            raise ValueError("offload needs a sharding engine (fsdp or deepspeed)")
+        param_b = 4 + (2 if dtype == "bf16" else 0)
+        return States(p * param_b, p * 4, (head + layer) * 4, p * 8, p * 4, 0, 0)
+    n = world_size
+    compute_b = 2 if dtype == "bf16" else 4
+    gathered = 2 * max(layer, head) * 2 * compute_b
+    if dtype == "bf16" and engine == "deepspeed":
+        per = {"params": 2, "grads": 2, "optim": 12}
+    else:
+        per = {"params": 4, "grads": 4, "optim": 8}
+    on_host = {"none": (), "optimizer": ("optim",), "params": ("params", "grads", "optim")}[offload]
+    dev = {k: 0 if k in on_host else -(-p * v // n) for k, v in per.items()}
+    host = sum(-(-p * per[k] // n) for k in on_host)
+    if engine == "deepspeed" and "optim" in on_host:
+        host += -(-p * 4 // n)  # ZeRO-Offload's fp32 gradient copies for the CPU Adam step
+    grads_bwd = dev["grads"] if engine == "deepspeed" else -(-(head + layer) * per["grads"] // n)
+    grads_bwd = min(grads_bwd, dev["grads"])
+    step = 0 if "optim" in on_host else -(-p * 4 // n)
+    return States(dev["params"], dev["grads"], grads_bwd, dev["optim"], step, gathered, host)
+
+
+# --------------------------------------------------------------------------- activations
+def layer_saved_per_token(shape: ModelShape, a: int, method: str, world_size: int,
+                          ring_degree: int | None = None) -> dict[str, int]:
+    """Bytes per local token that one decoder layer saves for backward (no checkpointing).
+
+    From what autograd keeps in a Llama block (transformers' code, our attention functions):
+    - each RMSNorm: its fp32 upcast input (4; in fp32 the input itself), the normalized value
+      in the input dtype (a) and its output (a), which the next projections save as their
+      input: H x (4 + 2a);
+    - attention: RoPE'd q, k and v (a), the attention output (a; o_proj saves the same
+      storage) and lse (fp32); Ulysses (and USP, over its U = N / ring_degree ranks) saves
+      its received head-sharded q/k/v instead (with KV heads replicated U/Hkv times when
+      Hkv < U) and its output in both layouts;
+    - gated MLP: gate, SiLU(gate), up and their product (down_proj's input): 4 x I x a.
+    """
+    h, hd, hq, hkv = shape.hidden, shape.hd, shape.heads, shape.kv_heads
+    norm = h * (4 + 2 * a)
+    u = {"ulysses_attn": world_size,
+         "usp_attn": world_size // (ring_degree or world_size)}.get(method, 1)
+    if u > 1:
+        rep = 1 if hkv % u == 0 else max(1, u // hkv)
+        attn = (hq + 2 * hkv * rep) * hd * a + 2 * hq * hd * a + hq * 4
+    else:
+        attn = (hq + 2 * hkv) * hd * a + hq * hd * a + hq * 4
+    return {"input_norm": norm, "attention": attn, "post_norm": norm,
+            "mlp": 4 * shape.intermediate * a}
+
+
+def backward_transients(shape: ModelShape, a: int) -> tuple[int, int]:
+    """(MLP half, attention half) gradient bytes per local token alive in a layer's backward.
+
+    Both carry the residual-stream gradient in and out (2 x H x a). MLP: autograd frees each
+    node's saved tensors once it has run, so while the gradients of the I-wide intermediates
+    are formed, one I-wide saved tensor has already gone: net one I x a. Attention: dout,
+    the dq/dk/dv results and one kernel call's dq/dk/dv, in the input dtype (the methods'
+    fp32 accumulators are in :func:`attention_buffers`).
+    """
+    h, hd, hq, hkv = shape.hidden, shape.hd, shape.heads, shape.kv_heads
+    residual = 2 * h * a
+    return (residual + shape.intermediate * a,
+            residual + hq * hd * a + 2 * (hq + 2 * hkv) * hd * a)
+
+
+def attention_buffers(shape: ModelShape, s: int, a: int, method: str, world_size: int,
+                      ring_degree: int | None = None) -> int:
+    """Method-specific communication buffers alive in one layer's backward, bytes.
+
+    kv = Hkv x D elements per token for K (same for V); s local tokens; g = Hq / Hkv.
+    - ring/zigzag run one KV-head group at a time (easy_context.parallel.head_groups): for
+      one KV head, K/V being sent (contiguous copies) and received (2 x 2D x a), the
+      travelling fp32 dK/dV accumulators, held and arriving (2 x 2D x 4), and the group's
+      fp32 dq accumulator (g D x 4);
+    - dist_flash: as ring, plus the group's relayed q, out and dout rows (3 x g D a);
+    - allgather: the fp32 dq (Hq D x 4), the whole sequence's K/V gathered (and reordered:
+      2 copies), its fp32 dK/dV and the reduce-scatter send buffer: N s x 2kv x (2a + 8);
+    - ulysses: all-to-all send and receive buffers of q, k, v (KV replicated if Hkv < N) in
+      backward, for the gradients: 2 x s x (Hq + 2 Hkv rep) D a;
+    - usp: the Ulysses buffers over U = N / ring_degree ranks plus the ring's, per KV-head
+      group, over the U x s tokens each ring rank holds after the all-to-all.
+    One device (N = 1): none.
+    """
+    if world_size == 1 or method == "local":
+        return 0
+    hd, hq, hkv = shape.hd, shape.heads, shape.kv_heads
+    kv, g = hkv * hd, hq // hkv
+    ring = s * (2 * 2 * hd * a + 2 * 2 * hd * 4 + g * hd * 4)
+    if method in ("ring_attn", "zigzag_ring_attn"):
+        return ring
+    if method == "dist_flash_attn":
+        return ring + s * 3 * g * hd * a
+    if method == "allgather_attn":
+        return s * hq * hd * 4 + world_size * s * 2 * kv * (2 * a + 8)
+
+    def ulysses(u: int) -> int:
+        rep = 1 if hkv % u == 0 else max(1, u // hkv)
+        return 2 * s * (hq + 2 * hkv * rep) * hd * a
+
+    if method == "ulysses_attn":
+        return ulysses(world_size)
+    if method == "usp_attn":
+        r = ring_degree or world_size
+        u = world_size // r
+        return (ulysses(u) if u > 1 else 0) + (u * ring if r > 1 else 0)
+    raise ValueError(f"unknown method {method!r}")
+
+
+def activations(shape: ModelShape, s: int, a: int, method: str, world_size: int,
+                checkpointing: str, ring_degree: int | None = None) -> tuple[int, int, int, int]:
+    """(stored on device, MLP-half and attention-half working sets, host) bytes, s tokens.
+
+    - none: every layer's saved tensors stay until its backward; the working sets are the
+      backward's gradients (the attention half starts once the MLP's saved tensors are gone).
+    - full: torch.utils.checkpoint per layer keeps only each layer's input (H x a); backward
+      recomputes one layer at a time: its saved tensors (less the input norm's fp32 input,
+      which in fp32 training is that stored input itself) plus its gradients.
+    - offload: as full, but the layer inputs go to host memory; the device keeps two (one
+      being copied out or prefetched back, one in use).
+    - attention (easy_context.attention.saving, LightSeq's rematerialisation-aware
+      checkpointing): as full, but each layer also keeps its attention output and lse, so
+      the recompute does not run attention (nor its communication) again.
+    Always stored besides: the final norm, its output (saved by the loss) and the RoPE
+    cos/sin tables (H x (4 + 2a) + 2 D a per token).
+    """
+    saved = layer_saved_per_token(shape, a, method, world_size, ring_degree)
+    mlp_tr, attn_tr = backward_transients(shape, a)
+    head = shape.hidden * (4 + 2 * a) + 2 * shape.hd * a
+    x = shape.hidden * a  # one layer's input
+    shared = shape.hidden * 4 if a == 4 else 0  # the input norm's fp32 input is x in fp32
+    mlp_half = saved["post_norm"] + saved["mlp"]
+    attn_half = saved["input_norm"] + saved["attention"]
+    n_layers, host = shape.layers, 0
+    if checkpointing == "none":
+        stored = n_layers * (attn_half + mlp_half)
+        mlp_w, attn_w = mlp_tr, max(0, attn_tr - mlp_half)
+    elif checkpointing in ("full", "offload"):
+        recomputed = attn_half + mlp_half - shared
+        stored = n_layers * x if checkpointing == "full" else 2 * x
+        host = n_layers * x * s if checkpointing == "offload" else 0
+        mlp_w, attn_w = recomputed + mlp_tr, attn_half - shared + attn_tr
+    elif checkpointing == "attention":
+        kept = shape.heads * shape.hd * a + shape.heads * 4  # out and lse
+        stored = n_layers * (x + kept)
+        recomputed = attn_half + mlp_half - shared - kept
+        mlp_w, attn_w = recomputed + mlp_tr, attn_half - shared - kept + attn_tr
+    else:
+        raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {checkpointing!r}")
+    return s * (stored + head), s * mlp_w, s * attn_w, host
+
+
+def loss_bytes(shape: ModelShape, s: int, a: int, chunk: int | None) -> int:
+    """The loss phase's extra bytes for s local tokens.
+
+    chunked (easy_context.memory.loss): one (C, V) block of fp32 logits (plus its matmul
+    output in bf16 before the upcast), the (V, H) product pc.T @ h formed before it is added
+    to the head's gradient (plus, in bf16, the fp32 accumulator of that gradient), the
+    gradient of the hidden states (s x H x a) and the per-token lse.
+    unchunked (transformers' path): the (s, V) logits in the model dtype, upcast to fp32, the
+    saved log-softmax, and the fp32 gradient: s x V x (a + 12).
+    """
+    v, h = shape.vocab, shape.hidden
+    if chunk is None:
+        return s * v * (a + 12)
+    c = min(chunk, s)
+    block = c * v * (4 + (a if a != 4 else 0))
+    head_grad = v * h * a + (v * h * 4 if a != 4 else 0)
+    return block + head_grad + s * h * a + s * 4
+
+
+def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, method: str,
+                    engine: str = "deepspeed", offload: str = "none", checkpointing: str = "full",
+                    dtype: str = "bf16", *, loss_chunk: int | None = 4096,
+                    ring_degree: int | None = None, runtime_bytes: int | None = None,
+                    device: str = "gpu") -> MemoryEstimate:
+    """Predicted peak memory per device of one training step (see the module docstring).
+
+    method: a key of easy_context.METHODS, or "local" on one device. loss_chunk: rows of the
+    chunked loss (None: the full-logits loss). runtime_bytes: the per-process constant
+    (default: GPU_RUNTIME_BYTES, or CPU_RUNTIME_BYTES with device="cpu").
+    """
+    for value, allowed, what in ((engine, ENGINES, "engine"), (offload, OFFLOADS, "offload"),
+                                 (checkpointing, CHECKPOINTING, "checkpointing"),
+                                 (dtype, DTYPES, "dtype")):
+        if value not in allowed:
+            raise ValueError(f"{what} must be one of {allowed}, got {value!r}")
+    if seq_len % world_size:
+        raise ValueError(f"seq_len {seq_len} is not divisible by world_size {world_size}")
+    a = 2 if dtype == "bf16" else 4
+    s = seq_len // world_size
+    st = model_states(model_shape, world_size, engine, offload, dtype)
+    stored, mlp_w, attn_w, act_host = activations(model_shape, s, a, method, world_size,
+                                                  checkpointing, ring_degree)
+    if runtime_bytes is None:
+        runtime_bytes = CPU_RUNTIME_BYTES if device == "cpu" else GPU_RUNTIME_BYTES
+    return MemoryEstimate(
+        model=model_shape.name, seq_len=seq_len, world_size=world_size, method=method,
+        engine=engine, offload=offload, checkpointing=checkpointing, dtype=dtype,
+        parameters=st.params, gradients=st.grads, gradients_in_backward=st.grads_in_backward,
+        optimizer=st.optim, optimizer_step=st.step, gathered_parameters=st.gathered,
+        stored_activations=stored, mlp_backward=mlp_w, attention_backward=attn_w,
+        attention_buffers=attention_buffers(model_shape, s, a, method, world_size, ring_degree),
+        loss=loss_bytes(model_shape, s, a, loss_chunk), runtime=runtime_bytes,
+        host_bytes=st.host + act_host)
+
+
+__all__ = ["MemoryEstimate", "States", "estimate_memory", "model_states", "activations",
+           "loss_bytes", "attention_buffers", "ENGINES", "OFFLOADS", "CHECKPOINTING", "DTYPES",
+           "CPU_RUNTIME_BYTES", "GPU_RUNTIME_BYTES"]

@@ -1,0 +1,133 @@
+"""Model shapes for the memory planner: a built-in table of common models, or a local config.
+
+Only what memory depends on is kept: widths, depth, heads, vocabulary, whether the output
+head shares the embedding's weights, and biases. The built-in values are copied from the
+models' public ``config.json`` files (Hugging Face Hub), so the planner works offline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A dense decoder-only transformer with Llama-style blocks (RMSNorm, RoPE, gated MLP)."""
+
+    name: str
+    hidden: int
+    """hidden_size"""
+    layers: int
+    """num_hidden_layers"""
+    heads: int
+    """num_attention_heads (query heads)"""
+    kv_heads: int
+    """num_key_value_heads (GQA: fewer than heads)"""
+    intermediate: int
+    """intermediate_size of the gated MLP (gate, up, down projections)"""
+    vocab: int
+    """vocab_size"""
+    tied_embeddings: bool = False
+    """tie_word_embeddings: the lm_head is the embedding matrix (one copy of V x hidden)"""
+    head_dim: int | None = None
+    """per-head width; None means hidden // heads"""
+    qkv_bias: bool = False
+    """biases on the q/k/v projections (Qwen2)"""
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer: q/k/v/o projections, gated MLP, two RMSNorms."""
+        h, hd = self.hidden, self.hd
+        attn = h * self.heads * hd + 2 * h * self.kv_heads * hd + self.heads * hd * h
+        if self.qkv_bias:
+            attn += (self.heads + 2 * self.kv_heads) * hd
+        return attn + 3 * h * self.intermediate + 2 * h
+
+    def embedding_params(self) -> int:
+        """Input embedding plus the output head (once when tied)."""
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+
+    def num_params(self) -> int:
+        return self.layers * self.layer_params() + self.embedding_params() + self.hidden  # final norm
+
+
+def _s(name, hidden, layers, heads, kv_heads, intermediate, vocab, tied=False, **kw) -> ModelShape:
+    return ModelShape(name, hidden, layers, heads, kv_heads, intermediate, vocab, tied, **kw)
+
+
+BUILTIN: dict[str, ModelShape] = {s.name.lower(): s for s in (
+    _s("Llama-2-7B", 4096, 32, 32, 32, 11008, 32000),
+    _s("Llama-2-13B", 5120, 40, 40, 40, 13824, 32000),
+    _s("Llama-2-70B", 8192, 80, 64, 8, 28672, 32000),
+    _s("Llama-3-8B", 4096, 32, 32, 8, 14336, 128256),
+    _s("Llama-3-70B", 8192, 80, 64, 8, 28672, 128256),
+    _s("Llama-3.2-1B", 2048, 16, 32, 8, 8192, 128256, tied=True, head_dim=64),
+    _s("Llama-3.2-3B", 3072, 28, 24, 8, 8192, 128256, tied=True, head_dim=128),
+    _s("Mistral-7B", 4096, 32, 32, 8, 14336, 32000),
+    _s("Qwen2.5-1.5B", 1536, 28, 12, 2, 8960, 151936, tied=True, qkv_bias=True),
+    _s("Qwen2.5-7B", 3584, 28, 28, 4, 18944, 152064, qkv_bias=True),
+    _s("Qwen2.5-14B", 5120, 48, 40, 8, 13824, 152064, qkv_bias=True),
+    _s("Qwen2.5-72B", 8192, 80, 64, 8, 29568, 152064, qkv_bias=True),
+    _s("TinyLlama-1.1B", 2048, 22, 32, 4, 5632, 32000),
+)}
+# Names people type for the same shapes (Llama 3.1 has Llama 3's shapes).
+_ALIASES = {"llama-3.1-8b": "llama-3-8b", "llama-3.1-70b": "llama-3-70b",
+            "meta-llama-3-8b": "llama-3-8b", "meta-llama-3-70b": "llama-3-70b",
+            "meta-llama-3.1-8b": "llama-3-8b", "meta-llama-3.1-70b": "llama-3-70b",
+            "mistral-7b-v0.1": "mistral-7b", "qwen2.5-7b-instruct": "qwen2.5-7b"}
+
+
+def _key(name: str) -> str:
+    key = name.strip().lower().rsplit("/", 1)[-1]  # drop "meta-llama/"
+    for suffix in ("-hf", "-chat", "-instruct"):
+        if key.endswith(suffix) and key[: -len(suffix)] in BUILTIN:
+            key = key[: -len(suffix)]
+    return _ALIASES.get(key, key)
+
+
+def shape_from_config(config, name: str = "config") -> ModelShape:
+    """A ModelShape from a transformers config object (its text part for multimodal ones)."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = c.num_attention_heads
+    return ModelShape(
+        name=name, hidden=c.hidden_size, layers=c.num_hidden_layers, heads=heads,
+        kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+        intermediate=c.intermediate_size, vocab=c.vocab_size,
+        tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        head_dim=getattr(c, "head_dim", None),
+        # Qwen2 puts biases on q/k/v without a config flag; others say attention_bias.
+        qkv_bias=bool(getattr(c, "attention_bias", False)) or getattr(c, "model_type", "") == "qwen2")
+
+
+def load_shape(name_or_path: str) -> ModelShape:
+    """A built-in shape by name (case-insensitive, "meta-llama/Llama-2-7b-hf" works), or the
+    shape of a local Hugging Face model folder / config.json (read offline)."""
+    if os.path.exists(name_or_path):
+        from transformers import AutoConfig
+
+        path = name_or_path
+        if os.path.isfile(path):  # a bare config.json: AutoConfig wants its folder
+            path = os.path.dirname(os.path.abspath(path))
+        try:
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+        except (ValueError, KeyError):  # an unknown model_type: read the fields directly
+            with open(os.path.join(path, "config.json")) as f:
+                from types import SimpleNamespace
+                config = SimpleNamespace(**json.load(f))
+        return shape_from_config(config, name=os.path.basename(os.path.normpath(path)))
+    key = _key(name_or_path)
+    if key not in BUILTIN:
+        known = ", ".join(s.name for s in BUILTIN.values())
+        raise ValueError(f"unknown model {name_or_path!r}: not a local folder or config.json, "
+                         f"and not a built-in shape ({known})")
+    return BUILTIN[key]
+
+
+def with_overrides(shape: ModelShape, **kw) -> ModelShape:
+    """The same shape with some fields changed (None values are ignored)."""
+    return replace(shape, **{k: v for k, v in kw.items() if v is not None})
