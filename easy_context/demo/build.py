@@ -1,8 +1,12 @@
 """The demo's ingredients, all generated here: a tokenizer, a tiny Llama, retrieval corpora.
 
 Documents are retrieval tasks in the needle eval's own wording (easy_context.eval.needle:
-"The magic Paris number is 48213." in a haystack, then the question and the answer), with
-0-3 distractor needles of other keys, plus passkey documents (easy_context.data.synthetic).
+"The magic Paris number is 48213." in a haystack, then the question and the answer), plus
+passkey documents (easy_context.data.synthetic). What makes a model this small learn to
+retrieve within a few hundred steps: one needle per task (no distractor keys), and mostly the
+passkey test's repeated noise sentences as the haystack (three tasks in four; the rest use
+varied sentences), so the needle is the one thing to attend to. The needle eval uses the
+repeated noise too (``filler_haystack``); the perplexity curves use varied text.
 The eval uses other numbers (a different seed) and its own haystack.
 
 Packing without cutting a task: prepare-data cuts the document that straddles a window
@@ -16,6 +20,7 @@ with position_ids restarting at every document.
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,10 +83,10 @@ def build_model(folder: Path, tokenizer, shape: ModelShape, seed: int) -> Path:
     return folder
 
 
-def _sentences(rng: random.Random, n_tokens: int, tokens_of) -> list[str]:
+def _sentences(rng: random.Random, n_tokens: int, tokens_of, noise: str = "mixed") -> list[str]:
     """Haystack sentences of about ``n_tokens`` tokens in total."""
     out, used = [], 0
-    for s in haystack_sentences(rng, "mixed"):
+    for s in haystack_sentences(rng, noise):
         n = tokens_of(" " + s)
         if used + n > n_tokens:
             return out
@@ -90,22 +95,24 @@ def _sentences(rng: random.Random, n_tokens: int, tokens_of) -> list[str]:
     return out
 
 
-def needle_document(rng: random.Random, n_tokens: int, tokens_of) -> str:
-    """One retrieval task of about ``n_tokens`` tokens: haystack with 1-4 needles (one per
-    key), the question about one key, and its answer."""
-    keys = rng.sample(KEYS, rng.randint(1, 4))
+def needle_document(rng: random.Random, n_tokens: int, tokens_of, noise: str = "filler",
+                    distractors: int = 0) -> str:
+    """One retrieval task of about ``n_tokens`` tokens: haystack with a needle (and
+    ``distractors`` needles of other keys), the question about the first key, its answer."""
+    keys = rng.sample(KEYS, 1 + distractors)
     values = [str(rng.randint(10 ** (DIGITS - 1), 10 ** DIGITS - 1)) for _ in keys]
     needles = [TEMPLATE.needle.format(key=k, value=v) for k, v in zip(keys, values)]
     question = TEMPLATE.question.format(key=keys[0]) + " " + values[0] + "."
     fixed = sum(tokens_of(" " + n) for n in needles) + tokens_of(question)
-    sentences = _sentences(rng, max(n_tokens - fixed, 0), tokens_of)
+    sentences = _sentences(rng, max(n_tokens - fixed, 0), tokens_of, noise)
     for needle in needles:
         sentences.insert(rng.randint(0, len(sentences)), needle)
     return " ".join(sentences) + question
 
 
-def passkey_document(rng: random.Random, n_tokens: int, chars_per_token: float) -> str:
-    record = passkey_record(rng, int(n_tokens * chars_per_token))
+def passkey_document(rng: random.Random, n_tokens: int, chars_per_token: float,
+                     noise: str = "filler") -> str:
+    record = passkey_record(rng, int(n_tokens * chars_per_token), noise)
     return f"{record['text']} {record['question']} The pass key is {record['answer']}."
 
 
@@ -121,7 +128,7 @@ def haystack_document(rng: random.Random, n_tokens: int, tokenizer) -> str:
 
 
 def write_corpus(path: Path, tokenizer, seq_length: int, windows: int, min_doc: int,
-                 seed: int, passkey_share: float = 0.15) -> dict:
+                 seed: int, passkey_share: float = 0.15, filler_share: float = 0.75) -> dict:
     """Write ``windows`` windows' worth of documents to a jsonl file (see the module
     docstring). Documents are ``min_doc`` to ``seq_length`` tokens long, BOS/EOS included.
     Returns counts."""
@@ -142,11 +149,14 @@ def write_corpus(path: Path, tokenizer, seq_length: int, windows: int, min_doc: 
         while offset < windows * window:
             room = window - offset % window
             if room >= min_doc + 8:
-                n = rng.randint(min_doc, room) - 2  # BOS + EOS
+                # Log-uniform lengths: many short tasks (retrieval is learnt from the number
+                # of tasks), and some as long as the window (positions up to its end).
+                n = int(math.exp(rng.uniform(math.log(min_doc), math.log(room)))) - 2  # BOS, EOS
+                noise = "filler" if rng.random() < filler_share else "mixed"
                 if rng.random() < passkey_share:
-                    text, kind = passkey_document(rng, n, chars_per_token), "passkey"
+                    text, kind = passkey_document(rng, n, chars_per_token, noise), "passkey"
                 else:
-                    text, kind = needle_document(rng, n, tokens_of), "needle"
+                    text, kind = needle_document(rng, n, tokens_of, noise), "needle"
                 used = len(tokenizer(text, add_special_tokens=False)["input_ids"]) + 2
                 if used > room:  # a rare overshoot: fill the window instead
                     text, kind = haystack_document(rng, max(room - 2, 1), tokenizer), "haystack"
@@ -162,14 +172,29 @@ def write_corpus(path: Path, tokenizer, seq_length: int, windows: int, min_doc: 
 
 def write_heldout(path: Path, tokenizer, n_docs: int, n_tokens: int, seed: int) -> list[str]:
     """Held-out documents of at least ``n_tokens`` tokens for the perplexity curves: long
-    haystacks with needles, which a model can only predict well where its positions work."""
+    varied haystacks with a needle, which a model predicts well only where its positions
+    work."""
     rng = random.Random(f"demo-heldout:{seed}")
     texts = []
     for _ in range(n_docs):
         doc = ""
         while len(tokenizer(doc, add_special_tokens=False)["input_ids"]) < n_tokens:
             doc = needle_document(rng, int(n_tokens * 1.1) + 32,
-                                  lambda s: len(tokenizer(s, add_special_tokens=False)["input_ids"]))
+                                  lambda s: len(tokenizer(s, add_special_tokens=False)["input_ids"]),
+                                  noise="mixed")
         texts.append(doc)
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     return texts
+
+
+def filler_haystack(tokenizer, min_tokens: int) -> "Haystack":
+    """The needle eval's haystack: the repeated noise sentences of the passkey test
+    (Mohtashami & Jaggi 2023), at least ``min_tokens`` tokens."""
+    from ..eval.needle import Haystack
+
+    parts, stream = [], haystack_sentences(random.Random(0), "filler")
+    while True:
+        parts += [next(stream) for _ in range(64)]
+        hay = Haystack.from_text(" ".join(parts), tokenizer)
+        if len(hay) >= min_tokens:
+            return hay

@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..eval.model_loading import load_model_and_tokenizer
-from ..eval.needle import NeedleConfig, build_haystack, evaluate_needle
+from ..eval.needle import NeedleConfig, evaluate_needle
 from ..eval.ppl import PplConfig, evaluate_ppl
-from .build import DIGITS, TEMPLATE
+from .build import DIGITS, TEMPLATE, filler_haystack
 
 log = logging.getLogger("easy_context.demo")
 
@@ -44,7 +44,7 @@ def evaluate_model(model_dir: Path, label: str, out_dir: Path, settings: EvalSet
     out_dir.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_model_and_tokenizer(str(model_dir))
     cfg = needle_config(settings)
-    hay = build_haystack(tokenizer, settings.max_length + 64, seed=settings.seed)
+    hay = filler_haystack(tokenizer, settings.max_length + 64)
     needle = evaluate_needle(model, tokenizer, hay, cfg, "data_parallel", progress=False)
     needle["config"] = {"model": label, "model_dir": str(model_dir),
                         "rope_parameters": model.config.rope_parameters,

@@ -160,16 +160,21 @@ def write_report(out: Path, recipe: Recipe) -> Path:
     lines += ["", "Peak memory: the rank's RSS high-water mark during the step (CPU); tokens/s: "
               "the median step, counting every token of the step once (a sequence split over "
               "the ranks counts once).", "", "![loss](loss.png) ![stages](stages.png)", "",
-              "## Time", "", "| phase | wall s | CPU s | load avg (start/end) |",
-              "|---|---:|---:|---|"]
-    lines += [f"| {name} | {t['wall_s']:.0f} | {t['cpu_s']:.0f} | {t['load_start']:.1f} / "
-              f"{t['load_end']:.1f} |" for name, t in timings.items()]
+              "## Time", "",
+              "| phase | wall s | CPU s | processes | idle estimate s | load avg (start/end) |",
+              "|---|---:|---:|---:|---:|---|"]
+    lines += [f"| {name} | {t['wall_s']:.0f} | {t['cpu_s']:.0f} | {t['processes']} | "
+              f"{t['cpu_s'] / t['processes']:.0f} | {t['load_start']:.1f} / {t['load_end']:.1f} |"
+              for name, t in timings.items()]
     wall = sum(t["wall_s"] for t in timings.values())
     cpu = sum(t["cpu_s"] for t in timings.values())
-    lines += [f"| **total** | {wall:.0f} | {cpu:.0f} | |", "",
-              f"{summary['cpu_count']} CPUs. CPU s counts this process and the training ranks. "
-              "On a shared machine (load average above the CPU count) wall time mostly measures "
-              "the other jobs; the CPU seconds do not.", ""]
+    idle = sum(t["cpu_s"] / t["processes"] for t in timings.values())
+    lines += [f"| **total** | {wall:.0f} | {cpu:.0f} | | {idle:.0f} | |", "",
+              f"{summary['cpu_count']} CPUs. CPU s counts this process and the training ranks "
+              "(one thread each). On a shared machine (load average above the CPU count) wall "
+              "time mostly measures the other jobs; the idle estimate, CPU seconds divided by "
+              "the processes that share the work, is what an idle machine with that many cores "
+              "would take (roughly: an overloaded machine also costs cache misses).", ""]
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path

@@ -89,12 +89,18 @@ class Timings:
         self.phases = json.loads(path.read_text()) if path.exists() else {}
 
     @contextmanager
-    def phase(self, name: str):
+    def phase(self, name: str, processes: int = 1):
+        """``processes``: how many processes do the work (one core each), for the estimate of
+        the wall time on an idle machine (CPU seconds / processes)."""
         wall, cpu = time.perf_counter(), _cpu_seconds()
         load = os.getloadavg()[0]
         yield
-        self.phases[name] = {"wall_s": time.perf_counter() - wall, "cpu_s": _cpu_seconds() - cpu,
-                             "load_start": load, "load_end": os.getloadavg()[0]}
+        # A rerun adds to the phase: the time a resumed demo spent on it, over all its runs.
+        prev = self.phases.get(name, {"wall_s": 0.0, "cpu_s": 0.0, "load_start": load})
+        self.phases[name] = {"wall_s": prev["wall_s"] + time.perf_counter() - wall,
+                             "cpu_s": prev["cpu_s"] + _cpu_seconds() - cpu,
+                             "load_start": prev["load_start"], "load_end": os.getloadavg()[0],
+                             "processes": processes}
         self.path.write_text(json.dumps(self.phases, indent=1))
         log.info("phase %s: %.1f s wall, %.1f s CPU", name, self.phases[name]["wall_s"],
                  self.phases[name]["cpu_s"])
@@ -132,6 +138,18 @@ def build_phase(out: Path, recipe: Recipe, settings: DemoSettings, seed: int) ->
     return write_heldout(heldout, tokenizer, settings.heldout_docs, settings.eval.max_length, seed)
 
 
+def _evaluate(model_dir: Path, label: str, out: Path, settings: DemoSettings,
+              heldout: list[str], timings: Timings) -> dict:
+    """The eval of one model, or its saved summary when a previous run finished it."""
+    done = out / "eval" / f"summary_{label}.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    with timings.phase(f"eval {label}"):
+        summary = evaluate_model(model_dir, label, out / "eval", settings.eval, heldout)
+    done.write_text(json.dumps(summary, indent=1))
+    return summary
+
+
 def run_demo_pipeline(output: str | Path, quick: bool = False, nproc_per_node: int = 2,
                       seed: int = 0) -> dict:
     """Run (or continue) the whole demo; returns summary.json's content."""
@@ -139,6 +157,14 @@ def run_demo_pipeline(output: str | Path, quick: bool = False, nproc_per_node: i
 
     out = Path(output).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    # A rerun continues the run in ``out``, so it must be the same run (step counts, data
+    # sizes and checkpoints depend on these).
+    run = {"quick": quick, "nproc_per_node": nproc_per_node, "seed": seed}
+    marker = out / "demo_run.json"
+    if marker.exists() and json.loads(marker.read_text()) != run:
+        raise ValueError(f"{out} holds a demo run with {marker.read_text().strip()}; this one is "
+                         f"{json.dumps(run)}: pass another --output, or delete that folder")
+    marker.write_text(json.dumps(run))
     settings = DemoSettings.quick() if quick else DemoSettings()
     # One thread in this process: on a shared machine OpenMP threads that wait for each other
     # slow small matmuls down many times; the training ranks already take one core each.
@@ -153,17 +179,13 @@ def run_demo_pipeline(output: str | Path, quick: bool = False, nproc_per_node: i
     (out / "plan.txt").write_text(plan + "\n")
     log.info("\n%s", plan)
     first = recipe.stages[0]
-    with timings.phase(f"train {first.name}"):
+    with timings.phase(f"train {first.name}", nproc_per_node):
         run_recipe(dataclasses.replace(recipe, stages=recipe.stages[:1]))
-    evals = {}
-    with timings.phase("eval before"):
-        evals["before"] = evaluate_model(first.model_dir, "before", out / "eval", settings.eval,
-                                         heldout)
-    with timings.phase("train extension stages"):
+    evals = {"before": _evaluate(first.model_dir, "before", out, settings, heldout, timings)}
+    with timings.phase("train extension stages", nproc_per_node):
         stages = run_recipe(recipe)
-    with timings.phase("eval after"):
-        evals["after"] = evaluate_model(recipe.stages[-1].model_dir, "after", out / "eval",
-                                        settings.eval, heldout)
+    evals["after"] = _evaluate(recipe.stages[-1].model_dir, "after", out, settings, heldout,
+                               timings)
     summary = {"quick": quick, "nproc_per_node": nproc_per_node, "seed": seed,
                "first_length": first.train["seq_length"],
                "stages": stages, "evals": evals, "timings": timings.phases,

@@ -1,0 +1,45 @@
+"""The demo's pieces that need no training: its corpus keeps every retrieval task inside one
+window, its eval haystack is long enough, and a rerun refuses another run's folder."""
+
+import json
+
+import pytest
+
+from easy_context.demo.build import build_tokenizer, filler_haystack, write_corpus
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return build_tokenizer(tmp_path_factory.mktemp("tok"), vocab_size=320, seed=0)
+
+
+def test_corpus_never_cuts_a_retrieval_task(tokenizer, tmp_path):
+    seq_length, windows = 256, 12
+    counts = write_corpus(tmp_path / "c.jsonl", tokenizer, seq_length, windows, min_doc=32, seed=1)
+    texts = [json.loads(line)["text"] for line in (tmp_path / "c.jsonl").read_text().splitlines()]
+    assert counts["needle"] + counts["passkey"] + counts["haystack"] == len(texts)
+    assert counts["needle"] > windows  # several tasks per window
+    window, offset = seq_length + 1, 0
+    for text in texts:
+        n = len(tokenizer(text, add_special_tokens=False)["input_ids"]) + 2  # BOS, EOS
+        if "What is" in text:  # a retrieval task: needle, question and answer in one window
+            assert offset // window == (offset + n - 1) // window, text[-80:]
+            answer = text.rsplit(" ", 1)[-1].rstrip(".")
+            assert answer.isdigit() and text.count(answer) >= 2
+        offset += n
+    assert counts["tokens"] == offset >= windows * window
+
+
+def test_filler_haystack_has_the_tokens_asked_for(tokenizer):
+    hay = filler_haystack(tokenizer, 700)
+    assert len(hay) >= 700 and hay.text.startswith("The grass is green.")
+    assert len(hay.boundaries) > 50
+
+
+def test_a_rerun_must_be_the_same_run(tmp_path):
+    from easy_context.demo.run import run_demo_pipeline
+
+    (tmp_path / "demo_run.json").write_text(json.dumps(
+        {"quick": True, "nproc_per_node": 2, "seed": 0}))
+    with pytest.raises(ValueError, match="pass another --output"):
+        run_demo_pipeline(tmp_path, quick=False)
