@@ -40,7 +40,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "LightSeq's balanced schedule: idle ranks compute blocks for busy ones"),
     Method("ulysses_attn", "contiguous", "ulysses", "all-to-all between sequence and heads"),
     Method("usp_attn", "usp", "usp", "Ulysses inside groups of neighbours, zigzag ring across them"),
-    Method("allgather_attn", "zigzag", "allgather", "K/V gathered once (Llama-3 style); cheap with GQA"),
+    Method("allgather_attn", "zigzag", "allgather", "K/V gathered once (Llama-3 style); cheap with GQA",
+           documents=True),
 )}
 
 

@@ -12,6 +12,9 @@ kernel's causal mask is top-left aligned, so causal is only ever used on the squ
 The zigzag layout gives every rank chunks j and 2N-1-j, i.e. the same 2N+1 chunk-pairs of
 work. Non-causal: every query sees all keys, one block.
 
+Packed documents: the document ids are gathered like K/V, and each block gets a mask that
+keeps queries inside their document (blocks no query can see are skipped).
+
 Backward re-gathers K/V (saving the gathered copies would keep O(S) per layer alive), calls
 the kernel's backward per block with the final out and lse, accumulates dK/dV for the whole
 sequence in float32, cuts them back into zigzag shards (layouts.shard) and reduce-scatters
@@ -25,8 +28,11 @@ import torch.distributed as dist
 
 from .. import layouts
 from ..attention.kernels import Kernel, default_scale, select_kernel
+from ..attention.documents import document_mask
 from ..attention.merge import merge_into
-from .ring import check_qkv
+from ..attention.saving import run_saved
+from .head_groups import backward_by_heads, forward_by_heads
+from .ring import check_document_ids, check_qkv
 
 Tensor = torch.Tensor
 # torch 2.13 renamed the *_tensor collectives (the old names warn); older torch has only those.
@@ -60,56 +66,92 @@ def _blocks(rank: int, world: int, c: int, causal: bool):
     return blocks
 
 
+def _gather_docs(doc: Tensor | None, group, world: int) -> Tensor | None:
+    """(B, S) document ids of the whole sequence, in sequence order."""
+    if doc is None or world == 1:
+        return doc
+    gathered = doc.new_empty(world * doc.size(0), doc.size(1))
+    _all_gather(gathered, doc.contiguous(), group=group)
+    return layouts.unshard(gathered.unflatten(0, (world, doc.size(0))).movedim(0, 1).flatten(1, 2),
+                           "zigzag", world, dim=1)
+
+
+def _block_calls(rank, world, s, causal, doc, all_docs):
+    """Per kernel call: (rows, keys, causal, mask), skipping blocks no query can see."""
+    for rows, keys, blk_causal in _blocks(rank, world, s // 2, causal):
+        skip, blk_causal, mask = document_mask(
+            None if doc is None else doc[:, rows], None if doc is None else all_docs[:, keys],
+            blk_causal)
+        if not skip:
+            yield rows, keys, blk_causal, mask
+
+
+def allgather_forward(q, k, v, group, causal, scale, kernel, doc=None):
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    kv = _gather_kv(k, v, group, world)
+    all_docs = _gather_docs(doc, group, world)
+    b, s, h, d = q.shape
+    out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
+    for rows, keys, blk_causal, mask in _block_calls(rank, world, s, causal, doc, all_docs):
+        block_out, block_lse = kernel.forward(q[:, rows], kv[0][:, keys], kv[1][:, keys],
+                                              causal=blk_causal, scale=scale, attn_mask=mask)
+        merge_into(out[:, rows], lse[:, :, rows], block_out, block_lse)
+    return out.to(q.dtype), lse
+
+
+def allgather_backward(dout, q, k, v, out, lse, group, causal, scale, kernel, doc=None):
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    kv = _gather_kv(k, v, group, world)
+    all_docs = _gather_docs(doc, group, world)
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    dkv = torch.zeros_like(kv, dtype=torch.float32)  # this rank's share, whole sequence
+    for rows, keys, blk_causal, mask in _block_calls(rank, world, q.size(1), causal, doc, all_docs):
+        dq_b, dk_b, dv_b = kernel.backward(
+            dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows],
+            lse[:, :, rows], causal=blk_causal, scale=scale, attn_mask=mask)
+        dq[:, rows] += dq_b
+        dkv[0][:, keys] += dk_b
+        dkv[1][:, keys] += dv_b
+    if world > 1:
+        # send[r] = rank r's zigzag shard of our share; the sum over ranks lands at r.
+        send = torch.stack([layouts.shard(dkv, "zigzag", r, world, dim=2) for r in range(world)])
+        dkv = torch.empty_like(send[0])
+        _reduce_scatter(dkv, send.flatten(0, 1), group=group)
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
 class AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal: bool, scale: float, kernel: Kernel):
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        kv = _gather_kv(k, v, group, world)
-        b, s, h, d = q.shape
-        out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
-        lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
-        for rows, keys, blk_causal in _blocks(rank, world, s // 2, causal):
-            block_out, block_lse = kernel.forward(q[:, rows], kv[0][:, keys], kv[1][:, keys],
-                                                  causal=blk_causal, scale=scale)
-            merge_into(out[:, rows], lse[:, :, rows], block_out, block_lse)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, group, causal: bool, scale: float, kernel: Kernel, doc):
+        out, lse = run_saved(lambda: forward_by_heads(
+            lambda qg, kg, vg: allgather_forward(qg, kg, vg, group, causal, scale, kernel, doc),
+            q, k, v))
+        ctx.save_for_backward(q, k, v, out, lse, doc)
         ctx.args = (group, causal, scale, kernel)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale, kernel = ctx.args
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        dout = dout.contiguous()
-        kv = _gather_kv(k, v, group, world)
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        dkv = torch.zeros_like(kv, dtype=torch.float32)  # this rank's share, whole sequence
-        for rows, keys, blk_causal in _blocks(rank, world, q.size(1) // 2, causal):
-            dq_b, dk_b, dv_b = kernel.backward(
-                dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows],
-                lse[:, :, rows], causal=blk_causal, scale=scale)
-            dq[:, rows] += dq_b
-            dkv[0][:, keys] += dk_b
-            dkv[1][:, keys] += dv_b
-        if world > 1:
-            # send[r] = rank r's zigzag shard of our share; the sum over ranks lands at r.
-            send = torch.stack([layouts.shard(dkv, "zigzag", r, world, dim=2)
-                                for r in range(world)])
-            dkv = torch.empty_like(send[0])
-            _reduce_scatter(dkv, send.flatten(0, 1), group=group)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        q, k, v, out, lse, doc = ctx.saved_tensors
+        dq, dk, dv = backward_by_heads(lambda *t: allgather_backward(*t, *ctx.args, doc=doc),
+                                       dout.contiguous(), q, k, v, out, lse)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def allgather_attn(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None = None,
-                   causal: bool = True, softmax_scale: float | None = None) -> Tensor:
-    """All-gather attention over zigzag shards. q: (B, S/N, Hq, D), k, v: (B, S/N, Hkv, D)."""
+                   causal: bool = True, softmax_scale: float | None = None,
+                   document_ids: Tensor | None = None) -> Tensor:
+    """All-gather attention over zigzag shards. q: (B, S/N, Hq, D), k, v: (B, S/N, Hkv, D).
+
+    ``document_ids`` (B, S/N), optional: packed documents; no token attends across them.
+    """
     check_qkv(q, k, v)
+    check_document_ids(q, document_ids)
     if q.size(1) % 2:
         raise ValueError(f"a zigzag shard holds two equal chunks; its length {q.size(1)} is odd. "
                          "Shard the sequence with the zigzag layout (length divisible by 2N)")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     scale = default_scale(q.size(-1)) if softmax_scale is None else softmax_scale
-    return AllGatherAttention.apply(q, k, v, group, causal, scale, select_kernel(q))
+    return AllGatherAttention.apply(q, k, v, group, causal, scale, select_kernel(q), document_ids)

@@ -1,4 +1,4 @@
-"""Point-to-point and all-to-all communication for the sequence-parallel methods.
+"""Point-to-point communication for the ring-shaped sequence-parallel methods.
 
 Every function takes the process group explicitly; ``None`` means the world group. Peers are
 given as ranks *within* the group and translated to global ranks here, because
@@ -66,35 +66,3 @@ def ring_pass(tensors: list[Tensor], group: dist.ProcessGroup | None) -> tuple[E
         ex.send(t, nxt)
         bufs.append(ex.recv(t, prv))
     return ex.start(), bufs
-
-
-def all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup | None) -> Tensor:
-    """Split ``x`` into N pieces along ``scatter_dim``, send piece j to rank j, and concatenate
-    what arrives, in rank order, along ``gather_dim``."""
-    world = dist.get_world_size(group)
-    if world == 1:
-        return x
-    pieces = [p.contiguous() for p in x.chunk(world, dim=scatter_dim)]
-    # all_to_all_single sends consecutive slices of dim 0: stack the pieces there.
-    send = torch.stack(pieces)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return torch.cat(recv.unbind(0), dim=gather_dim)
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scatter_dim, gather_dim, group):
-        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
-        return all_to_all(x, scatter_dim, gather_dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        scatter_dim, gather_dim = ctx.dims
-        return all_to_all(grad, gather_dim, scatter_dim, ctx.group), None, None, None
-
-
-def all_to_all_autograd(x: Tensor, scatter_dim: int, gather_dim: int,
-                        group: dist.ProcessGroup | None) -> Tensor:
-    """:func:`all_to_all` whose backward is the reverse all-to-all."""
-    return _AllToAll.apply(x, scatter_dim, gather_dim, group)
