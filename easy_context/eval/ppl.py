@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from ..compat import prepare_seq_parallel_inputs
-from ..integrations.hf import _plain_lm_head
+from ..integrations.hf import plain_lm_head
 from ..sequence_parallel import pad_for_sequence_parallel
 
 
@@ -79,7 +79,7 @@ def sliding_windows(n: int, length: int, stride: int) -> Iterator[tuple[int, int
 def _token_nll(model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor,
                targets: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """Per-position NLL (B, S) in fp32 (0 where the target is -100), from this rank's shard."""
-    head = _plain_lm_head(model)
+    head = plain_lm_head(model)
     if head is None:  # scaled or soft-capped logits: they must come from the model itself
         logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
         return F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")

@@ -168,7 +168,7 @@ def apply_sequence_parallel(model: nn.Module, method: str, group: dist.ProcessGr
 LOSS_CHUNK_BYTES = 64 * 2**20
 
 
-def _plain_lm_head(model: nn.Module) -> nn.Linear | None:
+def plain_lm_head(model: nn.Module) -> nn.Linear | None:
     """The output projection, if logits are exactly ``hidden @ W.T (+ b)``; else None."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     config = _text_config(model)
@@ -199,7 +199,7 @@ def causal_lm_loss(model: nn.Module, input_ids: Tensor, position_ids: Tensor, ta
     """
     from ..memory.loss import chunked_cross_entropy, logits_cross_entropy
 
-    head = _plain_lm_head(model)
+    head = plain_lm_head(model)
     if chunked is None:
         chunked = head is not None and head.out_features >= 16384
     if chunked and head is None:

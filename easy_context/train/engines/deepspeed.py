@@ -71,7 +71,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...integrations.hf import CausalLMLoss, _plain_lm_head
+from ...integrations.hf import CausalLMLoss, plain_lm_head
 from ..config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ class DeepSpeedEngine:
             dist_init_required=False)
         # The chunked loss uses the head's weight (and bias) outside the head's forward: ZeRO-3
         # must gather them whenever the root (the loss module) runs, forward and backward.
-        head = _plain_lm_head(model)
+        head = plain_lm_head(model)
         if head is not None:
             for p in head.parameters(recurse=False):
                 register_external_parameter(self.engine.module, p)
