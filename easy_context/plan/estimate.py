@@ -243,8 +243,9 @@ def attention_buffers(shape: ModelShape, s: int, a: int, method: str, world_size
       travelling fp32 dK/dV accumulators, held and arriving (2 x 2D x 4), and the group's
       fp32 dq accumulator (g D x 4);
     - dist_flash: as ring, plus the group's relayed q, out and dout rows (3 x g D a);
-    - allgather: the fp32 dq (Hq D x 4), the whole sequence's K/V gathered (and reordered:
-      2 copies), its fp32 dK/dV and the reduce-scatter send buffer: N s x 2kv x (2a + 8);
+    - allgather, also one KV-head group at a time: the group's fp32 dq (g D x 4), and for
+      its KV head the whole sequence's K/V gathered (and reordered: 2 copies), their fp32
+      dK/dV and the reduce-scatter send buffer: N s x 2D x (2a + 8);
     - ulysses: all-to-all send and receive buffers of q, k, v (KV replicated if Hkv < N) in
       backward, for the gradients: 2 x s x (Hq + 2 Hkv rep) D a;
     - usp: the Ulysses buffers over U = N / ring_degree ranks plus the ring's, per KV-head
@@ -254,14 +255,14 @@ def attention_buffers(shape: ModelShape, s: int, a: int, method: str, world_size
     if world_size == 1 or method == "local":
         return 0
     hd, hq, hkv = shape.hd, shape.heads, shape.kv_heads
-    kv, g = hkv * hd, hq // hkv
+    g = hq // hkv
     ring = s * (2 * 2 * hd * a + 2 * 2 * hd * 4 + g * hd * 4)
     if method in ("ring_attn", "zigzag_ring_attn"):
         return ring
     if method == "dist_flash_attn":
         return ring + s * 3 * g * hd * a
     if method == "allgather_attn":
-        return s * hq * hd * 4 + world_size * s * 2 * kv * (2 * a + 8)
+        return s * g * hd * 4 + world_size * s * 2 * hd * (2 * a + 8)
 
     def ulysses(u: int) -> int:
         rep = 1 if hkv % u == 0 else max(1, u // hkv)
