@@ -165,9 +165,6 @@ def apply_sequence_parallel(model: nn.Module, method: str, group: dist.ProcessGr
     return model
 
 
-LOSS_CHUNK_BYTES = 64 * 2**20
-
-
 def plain_lm_head(model: nn.Module) -> nn.Linear | None:
     """The output projection, if logits are exactly ``hidden @ W.T (+ b)``; else None."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -197,7 +194,7 @@ def causal_lm_loss(model: nn.Module, input_ids: Tensor, position_ids: Tensor, ta
     building the (tokens x vocab) logits; ``chunk_size`` rows at a time (default: about
     64 MiB of float32 logits per chunk, so the chunk does not dominate at any length).
     """
-    from ..memory.loss import chunked_cross_entropy, logits_cross_entropy
+    from ..memory.loss import chunked_cross_entropy, default_chunk_size, logits_cross_entropy
 
     head = plain_lm_head(model)
     if chunked is None:
@@ -208,7 +205,7 @@ def causal_lm_loss(model: nn.Module, input_ids: Tensor, position_ids: Tensor, ta
     extra = {} if document_ids is None else {"document_ids": document_ids}
     if chunked:
         if chunk_size is None:
-            chunk_size = max(128, LOSS_CHUNK_BYTES // (4 * head.out_features))
+            chunk_size = default_chunk_size(head.out_features)
         hidden = model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                      use_cache=False, **extra).last_hidden_state
         return chunked_cross_entropy(hidden, head.weight, target_ids, head.bias,

@@ -30,6 +30,15 @@ Tensor = torch.Tensor
 ProcessGroup = dist.ProcessGroup if dist.is_available() else object
 
 
+LOSS_CHUNK_BYTES = 64 * 2**20
+
+
+def default_chunk_size(vocab_size: int) -> int:
+    """Rows per chunk so that a chunk's float32 logits take about 64 MiB (at least 128 rows):
+    small enough never to dominate a step's memory, large enough for efficient matmuls."""
+    return max(128, LOSS_CHUNK_BYTES // (4 * vocab_size))
+
+
 def count_valid_targets(targets: Tensor, ignore_index: int = -100) -> Tensor:
     """Number of targets that count towards the loss, as an int64 scalar tensor."""
     return (targets != ignore_index).sum()

@@ -35,8 +35,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=ORDER + ("auto",), default="auto",
                    help="sequence-parallel method; auto: the fastest that fits")
     p.add_argument("--ring-degree", type=int, default=None, help="usp_attn's ring degree")
-    p.add_argument("--loss-chunk", type=int, default=4096,
-                   help="rows per chunk of the chunked loss; 0: the full-logits loss")
+    p.add_argument("--loss-chunk", type=int, default=None,
+                   help="rows per chunk of the chunked loss (default: what training uses, about "
+                        "64 MiB of logits per chunk); 0: the full-logits loss")
     p.add_argument("--max-seq-len", action="store_true",
                    help="find the longest sequence that fits (binary search)")
     p.add_argument("--granularity", type=int, default=1024,
@@ -49,7 +50,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
 
 def _kw(args) -> dict:
     return dict(engine=args.engine, offload=args.offload, checkpointing=args.checkpointing,
-                dtype=args.dtype, loss_chunk=args.loss_chunk or None)
+                dtype=args.dtype, loss_chunk="auto" if args.loss_chunk is None else (args.loss_chunk or None))
 
 
 def run_plan(args) -> int:

@@ -339,14 +339,23 @@ def loss_bytes(shape: ModelShape, s: int, a: int, chunk: int | None) -> int:
     return block + head_grad + s * h * a + s * 4
 
 
+def _chunk_rows(loss_chunk: int | str | None, shape: ModelShape) -> int | None:
+    if loss_chunk == "auto":
+        from ..memory.loss import default_chunk_size
+
+        return default_chunk_size(shape.vocab)
+    return loss_chunk
+
+
 def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, method: str,
                     engine: str = "deepspeed", offload: str = "none", checkpointing: str = "full",
-                    dtype: str = "bf16", *, loss_chunk: int | None = 4096,
+                    dtype: str = "bf16", *, loss_chunk: int | str | None = "auto",
                     ring_degree: int | None = None, runtime_bytes: int | None = None,
                     device: str = "gpu") -> MemoryEstimate:
     """Predicted peak memory per device of one training step (see the module docstring).
 
-    method: a key of easy_context.METHODS, or "local" on one device. loss_chunk: rows of the
+    method: a key of easy_context.METHODS, or "local" on one device. loss_chunk: "auto" (what
+    causal_lm_loss uses: easy_context.memory.loss.default_chunk_size), or rows of the
     chunked loss (None: the full-logits loss). runtime_bytes: the per-process constant
     (default: GPU_RUNTIME_BYTES, or CPU_RUNTIME_BYTES with device="cpu").
     """
@@ -371,7 +380,7 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
         optimizer=st.optim, optimizer_step=st.step, gathered_parameters=st.gathered,
         stored_activations=stored, mlp_backward=mlp_w, attention_backward=attn_w,
         attention_buffers=attention_buffers(model_shape, s, a, method, world_size, ring_degree),
-        loss=loss_bytes(model_shape, s, a, loss_chunk), runtime=runtime_bytes,
+        loss=loss_bytes(model_shape, s, a, _chunk_rows(loss_chunk, model_shape)), runtime=runtime_bytes,
         host_bytes=st.host + act_host)
 
 

@@ -43,16 +43,16 @@ CLAIMS = [
              "with parameter+optimizer offload, full checkpointing, full-logits loss)",
              "Llama-2-7B", 700_000, 8, "deepspeed", "params", "full", None),
     Scenario("Seed claim 1 with our chunked loss", "Llama-2-7B", 700_000, 8, "deepspeed",
-             "params", "full", 4096),
+             "params", "full", "auto"),
     Scenario("Seed claim 2: Llama-2-13B, 1M tokens, 16 x A100-80GB (ZeRO-3 offload, full "
              "checkpointing, full-logits loss)", "Llama-2-13B", 1_000_000, 16, "deepspeed",
              "params", "full", None),
     Scenario("Seed claim 2 with our chunked loss", "Llama-2-13B", 1_000_000, 16, "deepspeed",
-             "params", "full", 4096),
+             "params", "full", "auto"),
     Scenario("Further: Llama-2-7B, 1M tokens on 8 x A100 with the chunked loss and offloaded "
-             "checkpoints", "Llama-2-7B", 1_000_000, 8, "deepspeed", "params", "offload", 4096),
+             "checkpoints", "Llama-2-7B", 1_000_000, 8, "deepspeed", "params", "offload", "auto"),
     Scenario("Further: Llama-2-13B, 1M tokens on 8 x A100 with the chunked loss and offloaded "
-             "checkpoints", "Llama-2-13B", 1_000_000, 8, "deepspeed", "params", "offload", 4096),
+             "checkpoints", "Llama-2-13B", 1_000_000, 8, "deepspeed", "params", "offload", "auto"),
 ]
 
 ASSUMPTIONS = f"""Assumptions (see easy_context/plan/estimate.py for every formula):
@@ -63,8 +63,8 @@ ASSUMPTIONS = f"""Assumptions (see easy_context/plan/estimate.py for every formu
 - Full checkpointing keeps one bf16 hidden state per token per layer; `offload` checkpointing
   keeps those on the host (two layers' worth stay on the device).
 - Full-logits loss: the (tokens x vocab) logits in bf16, their fp32 upcast, log-softmax and
-  gradient (12 + 2 bytes per logit) at once, as transformers' loss does; chunked loss: 4096
-  rows at a time. If the seed's run used a fused cross-entropy kernel (bf16 logits, gradient
+  gradient (12 + 2 bytes per logit) at once, as transformers' loss does; chunked loss: about
+  64 MiB of fp32 logits per chunk (524 rows at a 32K vocabulary). If the seed's run used a fused cross-entropy kernel (bf16 logits, gradient
   written in place: 2-4 bytes per logit) its loss phase was 4-7x smaller than the full-logits
   rows show; the verdicts below do not change.
 - {GPU_RUNTIME_BYTES / GIB:.0f} GiB per GPU for the CUDA context, NCCL and cuBLAS workspaces; a
@@ -138,7 +138,7 @@ def how_far_markdown() -> str:
             cells = []
             for n in TABLE_DEVICES:
                 longest, m = max_sequence_length(shape, n, budget, granularity=1024, dtype="bf16",
-                                                 loss_chunk=4096, **kw)
+                                                 loss_chunk="auto", **kw)
                 cells.append(f"{_fmt_len(longest)} ({abbrev[m]})" if m and n > 1 else _fmt_len(longest))
             out.append(f"| {name} | " + " | ".join(cells) + " |")
         out.append("")

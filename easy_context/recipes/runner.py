@@ -106,7 +106,7 @@ def _estimates(stage: Stage, shape, world: int):
     est = estimate_memory(shape, train["seq_length"], sp, "local" if sp == 1 else method,
                           engine=train["engine"], offload=train["offload"],
                           checkpointing=train["checkpointing"], dtype=train["mixed_precision"],
-                          loss_chunk=4096 if train["chunked_loss"] else None,
+                          loss_chunk="auto" if train["chunked_loss"] else None,
                           ring_degree=train.get("ring_degree"))
     # time: 6 * params * tokens for the dense part, plus causal attention (fwd+bwd, 2/3 of a
     # full 4 * L^2 * hidden per layer, times 3 for backward), at an assumed 40% of 312 TFLOP/s
