@@ -30,5 +30,7 @@ def test_attention_benchmark_quick(tmp_path):
     assert ring["time_ms"] > 0 and ring["peak_mb"] > 0 and len(ring["time_ms_per_rank"]) == 2
     # ring_attn's causal schedule: rank 1 computes 3x the score entries of rank 0
     assert ring["schedule_imbalance"] == pytest.approx(3.0, rel=0.01)
-    assert ring["kernel_calls_per_rank"] == [2, 4]  # fwd+bwd: 1 block on rank 0, 2 on rank 1
+    # fwd+bwd: 1 block on rank 0, 2 on rank 1, each once per KV head (one head group a pass)
+    hkv = ring["kv_heads"]
+    assert ring["kernel_calls_per_rank"] == [2 * hkv, 4 * hkv]
     assert "ring_attn" in data["table"]
