@@ -28,13 +28,12 @@ from pathlib import Path
 from ..data.synthetic import generate_texts, haystack_sentences, passkey_record
 from ..eval.needle import KEYS, NeedleTemplate
 
-# Short wording: at 512 tokens most of the window stays haystack.
-TEMPLATE = NeedleTemplate(
-    prefix="",
-    needle="The magic {key} number is {value}.",
-    question=" What is the magic {key} number? The magic {key} number is",
-    question_multi_value=" List the magic {key} numbers:",
-)
+# "code=" occurs only in the needle and the question, and the haystack has no digits, so a
+# 2-layer induction circuit (find the earlier "=", copy what followed) solves the task (the
+# wording of the eval tests' tiny model, tests/unit/eval_fixtures.py).
+TEMPLATE = NeedleTemplate(prefix="", needle="The {key} code={value}.",
+                          question=" Recall the {key} code=",
+                          question_multi_value=" Recall all {key} codes=", answer_prefix="")
 DIGITS = 5
 
 
@@ -102,12 +101,21 @@ def needle_document(rng: random.Random, n_tokens: int, tokens_of, noise: str = "
     keys = rng.sample(KEYS, 1 + distractors)
     values = [str(rng.randint(10 ** (DIGITS - 1), 10 ** DIGITS - 1)) for _ in keys]
     needles = [TEMPLATE.needle.format(key=k, value=v) for k, v in zip(keys, values)]
-    question = TEMPLATE.question.format(key=keys[0]) + " " + values[0] + "."
+    question = TEMPLATE.question.format(key=keys[0]) + TEMPLATE.answer_prefix + values[0] + "."
     fixed = sum(tokens_of(" " + n) for n in needles) + tokens_of(question)
     sentences = _sentences(rng, max(n_tokens - fixed, 0), tokens_of, noise)
     for needle in needles:
         sentences.insert(rng.randint(0, len(sentences)), needle)
     return " ".join(sentences) + question
+
+
+def copy_drill(rng: random.Random, n_tokens: int, tokens_of) -> str:
+    """"=" + a random string, haystack, "=" + the same string: copy drills make induction
+    heads form within a few hundred steps (without them a model this small plateaus for
+    thousands); the needle task then only has to point them at "code="."""
+    code = "".join(rng.choice("0123456789abcdefghijklmnopqrstuvwxyz") for _ in range(12))
+    gap = _sentences(rng, max(n_tokens - 2 * tokens_of("=" + code) - 2, 0), tokens_of, "filler")
+    return f"={code}. {' '.join(gap)} ={code}"
 
 
 def passkey_document(rng: random.Random, n_tokens: int, chars_per_token: float,
@@ -128,7 +136,8 @@ def haystack_document(rng: random.Random, n_tokens: int, tokenizer) -> str:
 
 
 def write_corpus(path: Path, tokenizer, seq_length: int, windows: int, min_doc: int,
-                 seed: int, passkey_share: float = 0.15, filler_share: float = 0.75) -> dict:
+                 seed: int, passkey_share: float = 0.1, filler_share: float = 0.75,
+                 drill_share: float = 0.3) -> dict:
     """Write ``windows`` windows' worth of documents to a jsonl file (see the module
     docstring). Documents are ``min_doc`` to ``seq_length`` tokens long, BOS/EOS included.
     Returns counts."""
@@ -143,7 +152,7 @@ def write_corpus(path: Path, tokenizer, seq_length: int, windows: int, min_doc: 
     sample = " ".join(_sentences(random.Random(seed), 400, lambda s: len(s) // 3))
     chars_per_token = len(sample) / max(tokens_of(sample), 1)
     window = seq_length + 1
-    offset, counts = 0, {"needle": 0, "passkey": 0, "haystack": 0, "tokens": 0}
+    offset, counts = 0, {"needle": 0, "drill": 0, "passkey": 0, "haystack": 0, "tokens": 0}
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         while offset < windows * window:
@@ -153,7 +162,10 @@ def write_corpus(path: Path, tokenizer, seq_length: int, windows: int, min_doc: 
                 # of tasks), and some as long as the window (positions up to its end).
                 n = int(math.exp(rng.uniform(math.log(min_doc), math.log(room)))) - 2  # BOS, EOS
                 noise = "filler" if rng.random() < filler_share else "mixed"
-                if rng.random() < passkey_share:
+                kind = rng.random()
+                if kind < drill_share:
+                    text, kind = copy_drill(rng, n, tokens_of), "drill"
+                elif kind < drill_share + passkey_share:
                     text, kind = passkey_document(rng, n, chars_per_token, noise), "passkey"
                 else:
                     text, kind = needle_document(rng, n, tokens_of, noise), "needle"

@@ -120,12 +120,12 @@ def write_report(out: Path, recipe: Recipe) -> Path:
                   "meet) the accuracy targets. Run `easy-context demo` for the real figures.", ""]
     lines += [
         f"A {_params(out)} Llama (byte-level BPE tokenizer "
-        "trained on generated text) learns needle retrieval at "
+        "trained on generated text) is trained on retrieval tasks at "
         f"{first} tokens with RoPE theta {rows[0]['rope_theta']:g}, then the recipe "
         f"`{recipe.name}` extends it in {len(rows) - 1} stages that raise theta and the context "
         "together, with zigzag ring attention over "
         f"{rows[-1]['ranks']} processes. Needle: teacher-forced exact match of the "
-        "5-digit answer (chance 1e-5), on numbers and a haystack the training never saw.", "",
+        "5-digit answer (chance 1e-5), on numbers the training never saw.", "",
         "## Targets", ""]
     b2, a2 = nb.get(target_len, float("nan")), na.get(target_len, float("nan"))
     p_b = pb.get(target_len, {}).get("ppl", float("nan"))
@@ -138,6 +138,14 @@ def write_report(out: Path, recipe: Recipe) -> Path:
                p_a < p_b)]
     lines += ["| target | measured | met |", "|---|---|---|"]
     lines += [f"| {name} | {value} | {'yes' if ok else '**no**'} |" for name, value, ok in checks]
+    trained = max((v for n, v in nb.items() if n <= first), default=float("nan"))
+    if not summary["quick"] and not trained >= TARGET_AFTER:
+        lines += ["", f"The model retrieves {_fmt(trained, '.0%')} of the needles even at the "
+                  "lengths it was trained on, so the needle targets say nothing about the "
+                  "extension here: within this run's step budget it never learnt to retrieve "
+                  "(the answer digits stay a guess; see the loss curve's plateau). The "
+                  "perplexity curves still show the extension: before it, perplexity rises "
+                  "past the training length; after it, it stays flat to the new length."]
     lines += ["", "## Needle accuracy by context length", "",
               "| context | before | after |", "|---:|---:|---:|"]
     lines += [f"| {n}{' (trained)' if n <= first else ''} | {_fmt(nb[n], '.0%')} | "

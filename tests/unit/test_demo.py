@@ -2,6 +2,7 @@
 window, its eval haystack is long enough, and a rerun refuses another run's folder."""
 
 import json
+import re
 
 import pytest
 
@@ -17,17 +18,19 @@ def test_corpus_never_cuts_a_retrieval_task(tokenizer, tmp_path):
     seq_length, windows = 256, 12
     counts = write_corpus(tmp_path / "c.jsonl", tokenizer, seq_length, windows, min_doc=32, seed=1)
     texts = [json.loads(line)["text"] for line in (tmp_path / "c.jsonl").read_text().splitlines()]
-    assert counts["needle"] + counts["passkey"] + counts["haystack"] == len(texts)
+    assert sum(counts[k] for k in ("needle", "drill", "passkey", "haystack")) == len(texts)
     assert counts["needle"] > windows  # several tasks per window
-    window, offset = seq_length + 1, 0
+    window, offset, tasks = seq_length + 1, 0, 0
     for text in texts:
         n = len(tokenizer(text, add_special_tokens=False)["input_ids"]) + 2  # BOS, EOS
-        if "What is" in text:  # a retrieval task: needle, question and answer in one window
-            assert offset // window == (offset + n - 1) // window, text[-80:]
-            answer = text.rsplit(" ", 1)[-1].rstrip(".")
-            assert answer.isdigit() and text.count(answer) >= 2
+        if "code=" in text or text.startswith("=") or "pass key" in text:  # a task
+            answer = re.search(r"[= ](\w+)\.?$", text).group(1)
+            assert text.count(answer) >= 2  # the needle holds the answer
+            assert offset // window == (offset + n - 1) // window, text[-80:]  # one window
+            tasks += 1
         offset += n
     assert counts["tokens"] == offset >= windows * window
+    assert tasks == counts["needle"] + counts["drill"] + counts["passkey"]
 
 
 def test_filler_haystack_has_the_tokens_asked_for(tokenizer):
