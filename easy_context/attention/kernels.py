@@ -178,7 +178,7 @@ def _cuda_backward(dout, q, k, v, out, lse, causal=False, scale=None, attn_mask=
     lse = _finite_lse(lse).contiguous()
     qh, kh, vh, oh, doh = map(_heads_first, (q, kr, vr, out, dout))
     if q.dtype in (torch.float16, torch.bfloat16) and attn_mask is None and q.size(-1) <= 256:
-        b, sq, sk = q.size(0), q.size(1), k.size(1)
+        sq, sk = q.size(1), k.size(1)
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             doh, qh, kh, vh, oh, lse, None, None, sq, sk, 0.0, causal, seed, seed, scale=scale)

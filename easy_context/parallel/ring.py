@@ -94,7 +94,7 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     dk_acc = torch.zeros_like(k, dtype=torch.float32)  # for the K/V shard currently held
     dv_acc = torch.zeros_like(v, dtype=torch.float32)
     held = [k, v] if doc is None else [k, v, doc]
-    grad_exchange = None
+    grad_exchange, dkv_in = None, None
     for step in range(world):
         if step + 1 < world:
             exchange, arriving = ring_pass(held, group)
