@@ -227,3 +227,23 @@ def fmt_table(header: list[str], rows: list[list[Any]], markdown: bool = False) 
                  for r in cells]
         lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def meminfo_bytes(field: str) -> int:
+    """A field of /proc/meminfo (MemTotal, MemAvailable, ...) in bytes."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def cap_address_space(share: float = 1.0) -> None:
+    """Let this process grow by at most 90% of ``share`` of the memory free now, so a run
+    that does not fit fails with MemoryError instead of waking the OOM killer on others."""
+    import resource
+
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    cap = vm + int(0.9 * share * meminfo_bytes("MemAvailable"))
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))

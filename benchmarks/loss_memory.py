@@ -19,30 +19,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import common  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results" / "loss_memory.json"
 TARGET_RATIO = 0.1
 
 
-def _meminfo_bytes(field: str) -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
-def _cap_address_space() -> None:
-    """Let this process grow by at most 90% of the memory free now."""
-    with open("/proc/self/status") as f:
-        vm = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:"))
-    cap = vm + int(0.9 * _meminfo_bytes("MemAvailable"))
-    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
 
 def worker(mode: str, tokens: int, vocab: int, hidden: int, chunk_size: int) -> dict:
@@ -57,7 +47,7 @@ def worker(mode: str, tokens: int, vocab: int, hidden: int, chunk_size: int) -> 
     w = (torch.randn(vocab, hidden) / hidden**0.5).to(dtype).requires_grad_()
     y = torch.randint(0, vocab, (tokens,))
     y[: tokens // 10] = -100  # some ignored targets, as with prompt masking
-    _cap_address_space()
+    common.cap_address_space()
     t0 = time.perf_counter()
     with PeakMemory("cpu") as pm:
         if mode == "logits":

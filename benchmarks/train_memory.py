@@ -48,11 +48,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import common  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -65,12 +67,6 @@ MB = 2**20
 
 
 # --------------------------------------------------------------------------- measurement
-def _meminfo_bytes(field: str) -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def _status_kib(field: str) -> int:
@@ -78,10 +74,6 @@ def _status_kib(field: str) -> int:
         return next(int(l.split()[1]) for l in f if l.startswith(field + ":"))
 
 
-def _cap_address_space(share: float) -> None:
-    """Let this process grow by at most ``share`` of 90% of the memory free now."""
-    cap = _status_kib("VmSize") * 1024 + int(0.9 * share * _meminfo_bytes("MemAvailable"))
-    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
 
 def _model(vocab: int):
@@ -146,7 +138,7 @@ def measure(mode: str, length: int, kind: str, vocab: int, world: int, mem_share
             return model(input_ids=input_ids, labels=labels, use_cache=False).loss
 
     opt = _optimizer_with_state(model.parameters())
-    _cap_address_space(mem_share)
+    common.cap_address_space(mem_share)
     if world > 1:
         dist.barrier()
     out = {"rank": rank, "params": n_params}
@@ -380,7 +372,7 @@ def main(argv=None) -> int:
             "plain": "transformers sdpa, model(input_ids, labels=...) full logits, AdamW, one "
                      "process with 2 threads; kind none or hf_checkpointing",
         },
-        "machine": {"cpus": os.cpu_count(), "mem_total_gib": round(_meminfo_bytes("MemTotal") / 2**30, 1),
+        "machine": {"cpus": os.cpu_count(), "mem_total_gib": round(common.meminfo_bytes("MemTotal") / 2**30, 1),
                     "torch": torch.__version__, "load_average_before": load_before,
                     "load_average_after": [round(x, 2) for x in os.getloadavg()],
                     "note": "a shared 2-core machine, heavily loaded by other jobs: times are "
