@@ -53,9 +53,9 @@ def _make_engine(config: TrainConfig, model, device):
                       chunked_loss=config.chunked_loss)
 
 
-def _step_target_count(batches: TrainBatches, first_micro: int, n_micro: int, dp_group, device) -> torch.Tensor:
+def _step_target_count(micro_batches: list[dict], dp_group, device) -> torch.Tensor:
     """Valid targets in this optimizer step, over every dp rank and micro-batch."""
-    count = sum(int((batches.get(first_micro + i)["target_ids"] != -100).sum()) for i in range(n_micro))
+    count = sum(int((b["target_ids"] != -100).sum()) for b in micro_batches)
     total = torch.tensor([count], dtype=torch.float64, device=device)
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(total, group=dp_group)
@@ -112,12 +112,11 @@ def train(config: TrainConfig, device: torch.device) -> dict:
     last = {}
     while step < config.max_train_steps:
         start = time.perf_counter()
-        first_micro = step * accum
-        denom = _step_target_count(batches, first_micro, accum, mesh.dp_group, device)
+        micro_batches = [batches.get(step * accum + i) for i in range(accum)]
+        denom = _step_target_count(micro_batches, mesh.dp_group, device)
         step_loss = 0.0
         with PeakMemory(device) as peak:
-            for i in range(accum):
-                batch = batches.get(first_micro + i)
+            for batch in micro_batches:
                 local = prepare_seq_parallel_inputs(
                     method, batch["input_ids"], batch["position_ids"], batch["target_ids"],
                     mesh.sp_rank, sp, device, ring_degree=config.ring_degree)
