@@ -39,16 +39,15 @@ class MethodChoice:
 
 
 def required_multiple(method: str, world_size: int, ring_degree: int | None = None) -> int:
-    """What seq_len must be divisible by (mirrors easy_context.layouts without torch)."""
+    """What seq_len must be divisible by: the method's layout rule (easy_context.layouts);
+    "local" (one device) needs nothing; usp without a ring degree plans a pure ring."""
     if method == "local" or world_size == 1:
         return 1
-    if method in ("ring_attn", "dist_flash_attn", "ulysses_attn"):
-        return world_size
-    if method in ("zigzag_ring_attn", "allgather_attn"):
-        return 2 * world_size
-    if method == "usp_attn":
-        return math.lcm(2 * (ring_degree or world_size), world_size)
-    raise ValueError(f"unknown method {method!r}")
+    from ..sequence_parallel import required_multiple as layout_multiple
+
+    if method == "usp_attn" and ring_degree is None:
+        ring_degree = world_size
+    return layout_multiple(method, world_size, ring_degree)
 
 
 def _kv_ok(kv_heads: int, n: int) -> bool:
