@@ -13,7 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ..eval.plots import plot_needle_heatmap, plot_ppl  # noqa: E402
+from ..eval.plots import plot_needle_heatmap, plot_ppl, save_figure  # noqa: E402
 from ..recipes.recipe import Recipe  # noqa: E402
 
 ARTIFACTS = ("report.md", "needle_before.png", "needle_after.png", "ppl.png", "ppl_last_k.png",
@@ -58,9 +58,7 @@ def plot_loss(rows: list[dict], path: Path) -> None:
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_stages(rows: list[dict], path: Path) -> None:
@@ -72,9 +70,7 @@ def plot_stages(rows: list[dict], path: Path) -> None:
     b.set_ylabel("tokens/s (median step, all ranks)")
     for ax in (a, b):
         ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _needle_by_length(path: Path) -> dict[int, float]:

@@ -47,12 +47,17 @@ def plot_needle_heatmap(results_json: str | Path, output_png: str | Path,
     average = results.get("average_score")
     name = title or results.get("config", {}).get("model", "")
     ax.set_title(f"{name}  average {average:.3f}" if average is not None else name)
+    return save_figure(fig, output_png)
+
+
+def save_figure(fig, path: str | Path) -> Path:
+    """Lay out, write (creating the folder) and close a figure; returns the path."""
     fig.tight_layout()
-    output_png = Path(output_png)
-    output_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output_png, dpi=100)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
-    return output_png
+    return path
 
 
 def _short(n: int) -> str:
@@ -89,9 +94,4 @@ def plot_ppl(csv_paths: list[str | Path], output_png: str | Path, column: str = 
     ax.set_ylim(bottom=ymin, top=ymax)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    output_png = Path(output_png)
-    output_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output_png, dpi=100)
-    plt.close(fig)
-    return output_png
+    return save_figure(fig, output_png)
