@@ -22,7 +22,8 @@ has rank a compute (a, (a - t) mod N), kv coming straight from its owner (a ring
 
 Backward replays the schedule with the final out and lse. A block computed by the query owner
 sends its dK/dV partial to the kv owner; a block computed by a helper needs q, out, lse and
-dout rows from the query owner and sends dQ back. Partials are summed in float32.
+dout rows from the query owner and sends dQ back. Partials are summed as a float32
+accumulator would (accumulate.py), in the output buffer where that is exact.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ import torch.distributed as dist
 from ..attention.kernels import Kernel, default_scale, select_kernel
 from ..attention.merge import merge_into
 from ..attention.saving import run_saved
+from .accumulate import GradSum, max_cover, span
 from .comm import Exchange, group_rank_size
-from .head_groups import backward_by_heads, forward_by_heads
+from .head_groups import backward_into_heads, forward_by_heads
 from .ring import check_qkv
 
 Tensor = torch.Tensor
@@ -165,15 +167,32 @@ def dist_flash_forward(q: Tensor, k: Tensor, v: Tensor, group, causal: bool, sca
     return out.to(q.dtype), lse
 
 
+def dist_flash_terms(steps: list[list[Task]], rank: int, length: int) -> tuple[int, int]:
+    """The most block partials any element of ``rank``'s dQ, and of its dK/dV, receives."""
+    tasks = [t for step in steps for t in step]
+    dq = [span(_rows(t.rows, length), length) for t in tasks if t.q_owner == rank]
+    dkv = [(0, length) for t in tasks if t.kv_owner == rank]
+    return max_cover(dq), max_cover(dkv)
+
+
 def dist_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                        group, causal: bool, scale: float,
-                        kernel: Kernel) -> tuple[Tensor, Tensor, Tensor]:
+                        group, causal: bool, scale: float, kernel: Kernel,
+                        grads: tuple[Tensor, Tensor, Tensor] | None = None,
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv in the inputs' dtypes, written into ``grads`` (views to fill) when given.
+
+    Partials are summed by accumulate.GradSum (in the output buffer when no element gets more
+    than two, else in float32). A step's inputs are fetched after the previous step's kernel
+    calls, together with that step's results: per head group the transfers are small next to
+    the kernel, and buffers in flight during a kernel call would add to the peak memory.
+    """
     rank, world = group_rank_size(group)
     s = q.size(1)
-    dq = torch.zeros_like(q, dtype=torch.float32)
-    dk = torch.zeros_like(k, dtype=torch.float32)
-    dv = torch.zeros_like(v, dtype=torch.float32)
+    if grads is None:
+        grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     steps = _steps(world, causal, s)
+    dq_terms, dkv_terms = dist_flash_terms(steps, rank, s)
+    dq, dk, dv = GradSum(grads[0], dq_terms), GradSum(grads[1], dkv_terms), GradSum(grads[2], dkv_terms)
 
     def inputs(task, side):
         if side == "kv":
@@ -182,41 +201,22 @@ def dist_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
         return [q[:, rows], out[:, rows], dout[:, rows], lse[:, :, rows]]
 
     def add_results(received):
-        for (task, side), grads in received.items():
+        for (task, side), parts in received.items():
             if side == "q":
-                dq[:, _rows(task.rows, s)] += grads[0]
+                dq.add(parts[0], _rows(task.rows, s))
             else:
-                dk.add_(grads[0])
-                dv.add_(grads[1])
+                dk.add(parts[0])
+                dv.add(parts[1])
 
-    nxt = _route(group, rank, steps[0], inputs, to_computer=True)
-    pending = None
+    exchange, got = _route(group, rank, steps[0], inputs, to_computer=True)
     for i, tasks in enumerate(steps):
-        exchange, got = nxt
-        if i + 1 < len(steps):
-            nxt = _route(group, rank, steps[i + 1], inputs, to_computer=True)
         exchange.wait()
         done = {}  # partial gradients owed to other ranks: {(task, side): tensors}
         for task in tasks:
-            if task.rank != rank:
-                continue
-            rows = _rows(task.rows, s)
-            q_in = ([q[:, rows], out[:, rows], dout[:, rows], lse[:, :, rows]]
-                    if task.q_owner == rank else got[(task, "q")])
-            k_blk, v_blk = (k, v) if task.kv_owner == rank else got[(task, "kv")]
-            q_blk, o_blk, do_blk, lse_blk = q_in
-            dq_b, dk_b, dv_b = kernel.backward(do_blk, q_blk, k_blk, v_blk, o_blk, lse_blk,
-                                               causal=causal and task.q_owner == task.kv_owner,
-                                               scale=scale)
-            if task.q_owner == rank:
-                dq[:, rows] += dq_b
-            else:
-                done[(task, "q")] = [dq_b.to(q.dtype)]
-            if task.kv_owner == rank:
-                dk.add_(dk_b)
-                dv.add_(dv_b)
-            else:
-                done[(task, "kv")] = [dk_b.to(k.dtype), dv_b.to(v.dtype)]
+            if task.rank == rank:
+                done.update(_task_backward(task, rank, got, inputs, kernel, causal, scale,
+                                           q.dtype, s, dq, dk, dv))
+        got = {}  # the received inputs are no longer needed
 
         def results(task, side):
             if task.rank == rank:
@@ -224,13 +224,39 @@ def dist_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
             return [q[:, _rows(task.rows, s)]] if side == "q" else [k, v]
 
         returned = _route(group, rank, tasks, results, to_computer=False)
-        if pending is not None:
-            pending[0].wait()
-            add_results(pending[1])
-        pending = returned
-    pending[0].wait()
-    add_results(pending[1])
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        if i + 1 < len(steps):  # the next step's inputs travel with this step's results
+            exchange, got = _route(group, rank, steps[i + 1], inputs, to_computer=True)
+        returned[0].wait()
+        done.clear()
+        add_results(returned[1])
+        returned = None
+    for acc in (dq, dk, dv):
+        acc.finish()
+    return grads
+
+
+def _task_backward(task: Task, rank: int, got: dict, inputs, kernel: Kernel, causal: bool,
+                   scale: float, dtype, s: int, dq: GradSum, dk: GradSum, dv: GradSum) -> dict:
+    """One kernel call; adds the partials this rank owns, returns those owed to others."""
+    rows = _rows(task.rows, s)
+    q_blk, o_blk, do_blk, lse_blk = (inputs(task, "q") if task.q_owner == rank
+                                     else got[(task, "q")])
+    k_blk, v_blk = inputs(task, "kv") if task.kv_owner == rank else got[(task, "kv")]
+    dq_b, dk_b, dv_b = kernel.backward(do_blk, q_blk, k_blk, v_blk, o_blk, lse_blk,
+                                       causal=causal and task.q_owner == task.kv_owner,
+                                       scale=scale)
+    owed = {}
+    if task.q_owner == rank:
+        dq.add(dq_b, rows)
+    else:
+        owed[(task, "q")] = [dq_b.to(dtype)]
+    del dq_b
+    if task.kv_owner == rank:
+        dk.add(dk_b)
+        dv.add(dv_b)
+    else:
+        owed[(task, "kv")] = [dk_b.to(dtype), dv_b.to(dtype)]
+    return owed
 
 
 class DistFlashAttention(torch.autograd.Function):
@@ -245,8 +271,9 @@ class DistFlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = backward_by_heads(lambda *t: dist_flash_backward(*t, *ctx.args),
-                                       dout.contiguous(), q, k, v, out, lse)
+        dq, dk, dv = backward_into_heads(
+            lambda *t: dist_flash_backward(*t[:6], *ctx.args, grads=t[6:]), dout.contiguous(),
+            q, k, v, out, lse)
         return dq, dk, dv, None, None, None, None
 
 

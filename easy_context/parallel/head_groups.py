@@ -10,6 +10,9 @@ where sequence parallelism matters the calls stay large.
 ``forward_by_heads`` / ``backward_by_heads`` wrap a method's forward ``(q, k, v) -> (out,
 lse)`` and backward ``(dout, q, k, v, out, lse) -> (dq, dk, dv)`` (shapes (B, S, H, D), lse
 (B, H, S)) and write each group's result into full-size outputs in the inputs' dtypes.
+``backward_into_heads`` takes a backward that writes a group's gradients straight into views
+of the full-size outputs, ``(dout, q, k, v, out, lse, dq, dk, dv) -> None``: no per-group
+result tensors exist beside the outputs (see accumulate.py for summing into them exactly).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def forward_by_heads(forward: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, T
         o, l = forward(q[:, :, qs], k[:, :, ks], v[:, :, ks])
         out[:, :, qs] = o
         lse[:, qs] = l
+        del o, l
     return out, lse
 
 
@@ -53,4 +57,14 @@ def backward_by_heads(backward: Callable[..., tuple[Tensor, Tensor, Tensor]], do
         dq[:, :, qs] = dq_g
         dk[:, :, ks] = dk_g
         dv[:, :, ks] = dv_g
+        del dq_g, dk_g, dv_g  # not alive during the next group's backward
+    return dq, dk, dv
+
+
+def backward_into_heads(backward: Callable[..., None], dout: Tensor, q: Tensor, k: Tensor,
+                        v: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    for qs, ks in kv_head_groups(q.size(2), k.size(2)):
+        backward(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs], lse[:, qs],
+                 dq[:, :, qs], dk[:, :, ks], dv[:, :, ks])
     return dq, dk, dv

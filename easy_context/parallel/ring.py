@@ -5,8 +5,9 @@ queries against that shard (only the parts the mask allows, as told by a *schedu
 the (out, lse) into its running result, and meanwhile passes the shard on to rank r + 1.
 
 Backward replays the ring with the final out and lse: each block's gradient is then exactly
-its share of the full gradient. dQ stays home; the dK/dV accumulators travel with their K/V
-shard and, after N passes, arrive back at their owner.
+its share of the full gradient. dQ stays home; each block's dK/dV partial goes straight back to
+the owner of its K/V shard, which sums them (in its output buffer when no element gets more
+than two partials, as at N = 2: bitwise the float32 sum; see accumulate.py).
 
 The engine here serves every ring-shaped method; a method is a layout plus a schedule.
 ``ring_attn`` uses the contiguous layout, where rank r's queries see shards 0..r: simple, but
@@ -25,8 +26,9 @@ from ..attention.kernels import Kernel, default_scale, select_kernel
 from ..attention.documents import document_mask
 from ..attention.merge import merge_into
 from ..attention.saving import run_saved
-from .comm import group_rank_size, ring_pass
-from .head_groups import backward_by_heads, forward_by_heads
+from .accumulate import GradSum, max_cover, span
+from .comm import Exchange, group_rank_size, ring_pass
+from .head_groups import backward_into_heads, forward_by_heads
 
 Tensor = torch.Tensor
 ALL = slice(None)
@@ -85,42 +87,92 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, group, causal: bool, scale: fl
     return out.to(q.dtype), lse
 
 
+def ring_terms(schedule: Schedule, rank: int, world: int, local_len: int,
+               causal: bool) -> tuple[int, int]:
+    """The most block partials any element of ``rank``'s dQ, and of its dK/dV, receives."""
+    dq = [span(blk.q, local_len) for src in range(world)
+          for blk in schedule(src, rank, local_len, causal)]
+    dkv = [span(blk.kv, local_len) for computer in range(world)
+           for blk in schedule(rank, computer, local_len, causal)]
+    return max_cover(dq), max_cover(dkv)
+
+
 def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                   group, causal: bool, scale: float, schedule: Schedule,
-                  kernel: Kernel, doc: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                  kernel: Kernel, doc: Tensor | None = None,
+                  grads: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv in the inputs' dtypes, written into ``grads`` (views to fill) when given.
+
+    K/V travel as in forward. Each block's dK/dV partial goes straight back to the shard's
+    owner, which sums its partials (accumulate.GradSum: in the output buffer when an element
+    gets at most two, else in float32). Transfers are posted after a step's kernel calls, not
+    before: per head group they are small next to the kernel, and buffers in flight during a
+    kernel call would add to the peak memory.
+    """
     rank, world = group_rank_size(group)
     s = q.size(1)
-    dq = torch.zeros_like(q, dtype=torch.float32)
-    dk_acc = torch.zeros_like(k, dtype=torch.float32)  # for the K/V shard currently held
-    dv_acc = torch.zeros_like(v, dtype=torch.float32)
-    held = [k, v] if doc is None else [k, v, doc]
-    grad_exchange, dkv_in = None, None
+    if grads is None:
+        grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    dq_terms, dkv_terms = ring_terms(schedule, rank, world, s, causal)
+    dq, dk, dv = GradSum(grads[0], dq_terms), GradSum(grads[1], dkv_terms), GradSum(grads[2], dkv_terms)
+    held = [k, v] if doc is None else [k, v, doc]  # what travels: K, V (and their doc ids)
     for step in range(world):
-        if step + 1 < world:
-            exchange, arriving = ring_pass(held, group)
-        k_cur, v_cur, kv_doc = held[0], held[1], held[2] if doc is not None else None
-        if grad_exchange is not None:  # the accumulators of the shard we now hold
-            grad_exchange.wait()
-            dk_acc, dv_acc = dkv_in
-        for blk in schedule((rank - step) % world, rank, s, causal):
-            skip, blk_causal, mask = document_mask(_rows(doc, blk.q), _rows(kv_doc, blk.kv), blk.causal)
-            if skip:
-                continue
-            dq_b, dk_b, dv_b = kernel.backward(
-                dout[:, blk.q], q[:, blk.q], k_cur[:, blk.kv], v_cur[:, blk.kv], out[:, blk.q],
-                lse[:, :, blk.q], causal=blk_causal, scale=scale, attn_mask=mask)
-            dq[:, blk.q] += dq_b
-            dk_acc[:, blk.kv] += dk_b
-            dv_acc[:, blk.kv] += dv_b
-        if world > 1:
-            grad_exchange, dkv_in = ring_pass([dk_acc, dv_acc], group)
-        if step + 1 < world:
-            exchange.wait()
-            held = arriving
-    if grad_exchange is not None:  # after N passes our own accumulators are home
-        grad_exchange.wait()
-        dk_acc, dv_acc = dkv_in
-    return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+        src = (rank - step) % world
+        owed = _ring_step_backward(dout, q, k, v, out, lse, held, doc, src, rank, causal, scale,
+                                   schedule, kernel, dq, dk, dv)
+        if world == 1:
+            break
+        ex = Exchange(group)
+        if step + 1 < world:  # the next K/V shard
+            for t in held:
+                ex.send(t, (rank + 1) % world)
+            arriving = [ex.recv(t, (rank - 1) % world) for t in held]
+        if step > 0:  # partials owed to src; ours from the rank that now holds our shard
+            for t in owed:
+                ex.send(t, src)
+            computer = (rank + step) % world
+            mine = [ex.recv(t[:, blk.kv], computer)
+                    for blk in schedule(rank, computer, s, causal) for t in (k, v)]
+        ex.start().wait()
+        del owed
+        held, arriving = (arriving if step + 1 < world else None), None
+        if step > 0:
+            blocks = schedule(rank, computer, s, causal)
+            for blk, dk_b, dv_b in zip(blocks, mine[0::2], mine[1::2]):
+                dk.add(dk_b, blk.kv)
+                dv.add(dv_b, blk.kv)
+            del mine
+    for acc in (dq, dk, dv):
+        acc.finish()
+    return grads
+
+
+def _ring_step_backward(dout, q, k, v, out, lse, held, doc, src, rank, causal, scale, schedule,
+                        kernel, dq: GradSum, dk: GradSum, dv: GradSum) -> list[Tensor]:
+    """One step's blocks against src's shard (``held``); adds what stays home, returns the
+    dK/dV partials owed to src (one pair per block, zeros for a block masked out)."""
+    s = q.size(1)
+    k_cur, v_cur, kv_doc = held[0], held[1], held[2] if doc is not None else None
+    owed = []
+    for blk in schedule(src, rank, s, causal):
+        skip, blk_causal, mask = document_mask(_rows(doc, blk.q), _rows(kv_doc, blk.kv), blk.causal)
+        if skip:
+            if src != rank:
+                owed += [torch.zeros_like(t[:, blk.kv], memory_format=torch.contiguous_format)
+                         for t in (k_cur, v_cur)]
+            continue
+        dq_b, dk_b, dv_b = kernel.backward(
+            dout[:, blk.q], q[:, blk.q], k_cur[:, blk.kv], v_cur[:, blk.kv], out[:, blk.q],
+            lse[:, :, blk.q], causal=blk_causal, scale=scale, attn_mask=mask)
+        dq.add(dq_b, blk.q)
+        del dq_b
+        if src == rank:
+            dk.add(dk_b, blk.kv)
+            dv.add(dv_b, blk.kv)
+        else:
+            owed += [dk_b, dv_b]
+        del dk_b, dv_b
+    return owed
 
 
 class RingAttention(torch.autograd.Function):
@@ -136,8 +188,9 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, doc = ctx.saved_tensors
-        dq, dk, dv = backward_by_heads(
-            lambda *t: ring_backward(*t, *ctx.args, doc=doc), dout.contiguous(), q, k, v, out, lse)
+        dq, dk, dv = backward_into_heads(
+            lambda *t: ring_backward(*t[:6], *ctx.args, doc=doc, grads=t[6:]), dout.contiguous(),
+            q, k, v, out, lse)
         return dq, dk, dv, None, None, None, None, None, None
 
 
