@@ -1,10 +1,10 @@
 """Run a sequence-parallel method one KV-head group at a time.
 
-A block method keeps float32 accumulators the size of its inputs (out in forward; dq, and
-the travelling dk/dv with their receive buffers, in backward): several times the memory of
-the bf16 tensors themselves. Attention heads are independent, so the same method run on one
-KV head and its query heads at a time gives identical results while those buffers shrink by
-the number of KV heads. The cost is more, smaller messages and kernel calls; at the lengths
+A block method keeps working buffers the size of its inputs (the float32 out accumulator in
+forward; K/V in flight and the kernel's per-block gradients in backward): several times the
+memory of the bf16 tensors themselves. Attention heads are independent, so the same method
+run on one KV head and its query heads at a time gives identical results while those buffers
+shrink by the number of KV heads. The cost is more, smaller messages and kernel calls; at the lengths
 where sequence parallelism matters the calls stay large.
 
 ``forward_by_heads`` / ``backward_by_heads`` wrap a method's forward ``(q, k, v) -> (out,
