@@ -37,7 +37,12 @@ class Exchange:
         self._ops.append(dist.P2POp(dist.isend, tensor.contiguous(), _global(self.group, to), self.group))
 
     def recv(self, like: Tensor, frm: int) -> Tensor:
-        buf = torch.empty_like(like, memory_format=torch.contiguous_format)
+        return self.recv_into(torch.empty_like(like, memory_format=torch.contiguous_format), frm)
+
+    def recv_into(self, buf: Tensor, frm: int) -> Tensor:
+        """Receive into ``buf`` (contiguous: a view of a larger tensor saves the copy out)."""
+        if not buf.is_contiguous():
+            raise ValueError("a receive buffer must be contiguous")
         self._ops.append(dist.P2POp(dist.irecv, buf, _global(self.group, frm), self.group))
         return buf
 

@@ -105,9 +105,26 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
 
     K/V travel as in forward. Each block's dK/dV partial goes straight back to the shard's
     owner, which sums its partials (accumulate.GradSum: in the output buffer when an element
-    gets at most two, else in float32). Transfers are posted after a step's kernel calls, not
-    before: per head group they are small next to the kernel, and buffers in flight during a
-    kernel call would add to the peak memory.
+    gets at most two, else in float32).
+
+    When transfers are posted (memory against overlap; per-rank figures at L=16K, N=2, bf16,
+    8 KV heads, in units U of one KV head's K for the local rows, 1 MB there): a kernel call
+    is where a step's memory peaks (its dq/dk/dv blocks and its own float32 working buffers,
+    ~5.6U above the outputs on the diagonal), so every buffer in flight during one adds to
+    the peak.
+    - Steps 1 .. N-2 (N >= 3): the shard held came in from the previous rank, contiguous, so
+      it is passed on as it is before the kernel runs, and the next shard lands in a reused
+      double buffer (the receive buffers of the shard passed on a step earlier): +2U during
+      the call, the price of hiding the transfer, and a rank need not wait for its
+      predecessor's kernel to end before starting the next step (zigzag at N = 4, L = 16K:
+      per-rank peak 24.5 -> 25.4 MB, 0.36 -> 0.37 of single-process attention).
+    - Step 0: our own shard is a view of one KV head of k, v, not contiguous: posting it
+      before the diagonal call would hold a 2U send copy and a 2U receive buffer through it
+      (measured with zigzag at N = 2: peak 39.1 -> 42.3 MB per rank, 0.57 -> 0.62 of
+      single-process attention, over the 0.6 target) to hide a transfer of ~2-3 ms per head
+      group, under 1% of the backward. So step 0's shard is posted after the call, with the
+      first partials; at N = 2 that is the only shard that travels.
+    - The dK/dV partials exist only after the kernel: posted after it.
     """
     rank, world = group_rank_size(group)
     s = q.size(1)
@@ -115,18 +132,26 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
         grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     dq_terms, dkv_terms = ring_terms(schedule, rank, world, s, causal)
     dq, dk, dv = GradSum(grads[0], dq_terms), GradSum(grads[1], dkv_terms), GradSum(grads[2], dkv_terms)
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
     held = [k, v] if doc is None else [k, v, doc]  # what travels: K, V (and their doc ids)
+    spare = None  # receive buffers whose shard has been passed on: the next one lands there
     for step in range(world):
         src = (rank - step) % world
+        more = step + 1 < world
+        early = more and step > 0
+        if early:  # pass the received shard on and fetch the next while the kernel runs
+            kv_ex = Exchange(group)
+            arriving = _pass_on(kv_ex, held, spare, nxt, prv)
+            kv_ex.start()
         owed = _ring_step_backward(dout, q, k, v, out, lse, held, doc, src, rank, causal, scale,
                                    schedule, kernel, dq, dk, dv)
         if world == 1:
             break
         ex = Exchange(group)
-        if step + 1 < world:  # the next K/V shard
-            for t in held:
-                ex.send(t, (rank + 1) % world)
-            arriving = [ex.recv(t, (rank - 1) % world) for t in held]
+        if more and not early:  # step 0: our own shard, after the kernel (see above)
+            arriving = _pass_on(ex, held, None, nxt, prv)
+        if not more:
+            held = None  # the last shard: done with
         if step > 0:  # partials owed to src; ours from the rank that now holds our shard
             for t in owed:
                 ex.send(t, src)
@@ -134,8 +159,11 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
             mine = [ex.recv(t[:, blk.kv], computer)
                     for blk in schedule(rank, computer, s, causal) for t in (k, v)]
         ex.start().wait()
+        if early:
+            kv_ex.wait()
         del owed
-        held, arriving = (arriving if step + 1 < world else None), None
+        if more:
+            spare, held, arriving = (held if step > 0 else None), arriving, None
         if step > 0:
             blocks = schedule(rank, computer, s, causal)
             for blk, dk_b, dv_b in zip(blocks, mine[0::2], mine[1::2]):
@@ -145,6 +173,17 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     for acc in (dq, dk, dv):
         acc.finish()
     return grads
+
+
+def _pass_on(ex: Exchange, held: list[Tensor], spare: list[Tensor] | None, nxt: int,
+             prv: int) -> list[Tensor]:
+    """Add to ``ex`` sending ``held`` to the next rank and receiving the previous rank's shard
+    (into ``spare`` when given); returns the receive buffers."""
+    for t in held:
+        ex.send(t, nxt)
+    if spare is None:
+        return [ex.recv(t, prv) for t in held]
+    return [ex.recv_into(buf, prv) for buf in spare]
 
 
 def _ring_step_backward(dout, q, k, v, out, lse, held, doc, src, rank, causal, scale, schedule,
