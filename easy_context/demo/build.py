@@ -1,20 +1,32 @@
 """The demo's ingredients, all generated here: a tokenizer, a tiny Llama, retrieval corpora.
 
-Documents are retrieval tasks in the needle eval's own wording (easy_context.eval.needle:
-"The magic Paris number is 48213." in a haystack, then the question and the answer), plus
-passkey documents (easy_context.data.synthetic). What makes a model this small learn to
-retrieve within a few hundred steps: one needle per task (no distractor keys), and mostly the
-passkey test's repeated noise sentences as the haystack (three tasks in four; the rest use
-varied sentences), so the needle is the one thing to attend to. The needle eval uses the
-repeated noise too (``filler_haystack``); the perplexity curves use varied text.
-The eval uses other numbers (a different seed) and its own haystack.
+Retrieval in a model this small is an induction circuit: a previous-token head in layer 1,
+and in layer 2 a head that finds the earlier occurrence of the current token and copies what
+followed it. Such circuits form only after a long loss plateau (Olsson et al. 2022; Aoyama
+et al. 2025 put it at millions of tokens), too long for a CPU demo, unless the data makes
+each half useful on its own. So the corpus mixes three kinds of short documents:
+
+- period documents, short random units repeated ("K3FK3FK3F..."): predicting them needs the
+  token one, two or three places back, which trains the previous-token head directly;
+- copy drills, random strings repeated after some haystack ("Q7XZ2 <haystack> Q7XZ2"),
+  which need the full induction circuit; the two together cut the plateau from thousands of
+  steps to about a thousand (measured: drill copy accuracy 1% -> 65% in 1750 steps of
+  32 x 64 tokens with period documents, 7% after 3500 without them);
+- retrieval tasks in the needle eval's own wording ("The Paris code=48213." in a haystack,
+  then the question and the answer), with log-uniform lengths up to the window so that every
+  position is trained; the haystack is mostly the passkey test's repeated noise sentences,
+  as in the eval (``filler_haystack``); the perplexity curves use varied text.
+
+Random strings use upper-case letters and digits: this tokenizer has no merges among them,
+so every character is one token and a repeated string is a repeated token sequence. The eval
+uses other numbers (a different seed) and its own haystack.
 
 Packing without cutting a task: prepare-data cuts the document that straddles a window
 boundary into two segments, and a retrieval task cut in two teaches guessing (the question
-without its needle). So the corpus is planned window by window in tokens: retrieval
-documents while they fit, then a plain haystack document that fills the rest of the window
-(cutting a haystack is harmless). The windows are then packed by prepare-data as usual,
-with position_ids restarting at every document.
+without its needle). So the corpus is planned window by window in tokens: documents while
+they fit, then a plain haystack document that fills the rest of the window (cutting a
+haystack is harmless). The windows are then packed by prepare-data as usual, with
+position_ids restarting at every document (and attention kept inside each document).
 """
 
 from __future__ import annotations
@@ -39,11 +51,12 @@ DIGITS = 5
 
 @dataclass
 class ModelShape:
-    """The tiny Llama: ~0.9M parameters, 4 layers, head_dim 32."""
+    """The tiny Llama: ~0.45M parameters, 2 layers (the fewest an induction circuit needs:
+    twice as many tokens per second as 4), head_dim 32."""
 
     hidden_size: int = 128
     intermediate_size: int = 384
-    num_hidden_layers: int = 4
+    num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 4
     rope_theta: float = 10_000.0
@@ -109,13 +122,38 @@ def needle_document(rng: random.Random, n_tokens: int, tokens_of, noise: str = "
     return " ".join(sentences) + question
 
 
-def copy_drill(rng: random.Random, n_tokens: int, tokens_of) -> str:
-    """"=" + a random string, haystack, "=" + the same string: copy drills make induction
-    heads form within a few hundred steps (without them a model this small plateaus for
-    thousands); the needle task then only has to point them at "code="."""
-    code = "".join(rng.choice("0123456789abcdefghijklmnopqrstuvwxyz") for _ in range(12))
-    gap = _sentences(rng, max(n_tokens - 2 * tokens_of("=" + code) - 2, 0), tokens_of, "filler")
-    return f"={code}. {' '.join(gap)} ={code}"
+SYMBOLS = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def _random_string(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(SYMBOLS) for _ in range(n))
+
+
+def period_document(rng: random.Random, n_tokens: int) -> str:
+    """Random units of 2-4 symbols, each repeated 3-8 times ("K3FK3FK3F Q9Q9Q9Q9"): about
+    ``n_tokens`` tokens whose prediction needs the previous tokens (see the module docstring)."""
+    parts, used = [], 0
+    while used < n_tokens:
+        unit = _random_string(rng, rng.randint(2, 4))
+        part = unit * rng.randint(3, 8)
+        parts.append(part)
+        used += len(part) + 1
+    return " ".join(parts)
+
+
+def copy_drill(rng: random.Random, n_tokens: int, tokens_of, max_gap: int = 16) -> str:
+    """Random strings of 8-20 symbols, each repeated after up to ``max_gap`` tokens of
+    haystack ("Q7XZ2 <haystack> Q7XZ2 ..."), about ``n_tokens`` tokens: the second copy is
+    predictable only by looking up the first, which is what the induction circuit does.
+    Short gaps grow the circuit fastest; long ones teach it to look far back."""
+    parts, used = [], 0
+    while used < n_tokens:
+        code = _random_string(rng, rng.randint(8, 20))
+        room = max(n_tokens - used - 2 * len(code) - 4, 0)  # a gap that fits the document
+        gap = " ".join(_sentences(rng, rng.randint(0, min(max_gap, room)), tokens_of, "filler"))
+        parts.append(f"{code} {gap} {code}." if gap else f"{code} {code}.")
+        used += tokens_of(" " + parts[-1])
+    return " ".join(parts)
 
 
 def passkey_document(rng: random.Random, n_tokens: int, chars_per_token: float,
@@ -136,11 +174,13 @@ def haystack_document(rng: random.Random, n_tokens: int, tokenizer) -> str:
 
 
 def write_corpus(path: Path, tokenizer, seq_length: int, windows: int, min_doc: int,
-                 seed: int, passkey_share: float = 0.1, filler_share: float = 0.75,
-                 drill_share: float = 0.3) -> dict:
+                 seed: int, passkey_share: float = 0.05, filler_share: float = 0.75,
+                 drill_share: float = 0.35, period_share: float = 0.25,
+                 drill_tokens: tuple[int, int] = (32, 128), drill_gap: int = 16) -> dict:
     """Write ``windows`` windows' worth of documents to a jsonl file (see the module
-    docstring). Documents are ``min_doc`` to ``seq_length`` tokens long, BOS/EOS included.
-    Returns counts."""
+    docstring). Retrieval documents are ``min_doc`` to ``seq_length`` tokens long, period
+    documents and drills ``drill_tokens`` (short: the more of them, the denser the signal)
+    with gaps of up to ``drill_gap`` tokens, BOS/EOS included. Returns counts."""
     rng = random.Random(f"demo-corpus:{seed}:{seq_length}")
     cache: dict[str, int] = {}
 
@@ -152,29 +192,34 @@ def write_corpus(path: Path, tokenizer, seq_length: int, windows: int, min_doc: 
     sample = " ".join(_sentences(random.Random(seed), 400, lambda s: len(s) // 3))
     chars_per_token = len(sample) / max(tokens_of(sample), 1)
     window = seq_length + 1
-    offset, counts = 0, {"needle": 0, "drill": 0, "passkey": 0, "haystack": 0, "tokens": 0}
+    offset = 0
+    counts = {"needle": 0, "drill": 0, "period": 0, "passkey": 0, "haystack": 0, "tokens": 0}
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         while offset < windows * window:
             room = window - offset % window
-            if room >= min_doc + 8:
+            kind = rng.random()
+            short = rng.randint(*drill_tokens) - 2  # BOS, EOS
+            if kind < period_share + drill_share and short + 8 <= room:
+                if kind < period_share:
+                    text, kind = period_document(rng, short), "period"
+                else:
+                    text, kind = copy_drill(rng, short, tokens_of, drill_gap), "drill"
+            elif room >= min_doc + 8:
                 # Log-uniform lengths: many short tasks (retrieval is learnt from the number
                 # of tasks), and some as long as the window (positions up to its end).
-                n = int(math.exp(rng.uniform(math.log(min_doc), math.log(room)))) - 2  # BOS, EOS
+                n = int(math.exp(rng.uniform(math.log(min_doc), math.log(room)))) - 2
                 noise = "filler" if rng.random() < filler_share else "mixed"
-                kind = rng.random()
-                if kind < drill_share:
-                    text, kind = copy_drill(rng, n, tokens_of), "drill"
-                elif kind < drill_share + passkey_share:
+                if rng.random() < passkey_share:
                     text, kind = passkey_document(rng, n, chars_per_token, noise), "passkey"
                 else:
                     text, kind = needle_document(rng, n, tokens_of, noise), "needle"
-                used = len(tokenizer(text, add_special_tokens=False)["input_ids"]) + 2
-                if used > room:  # a rare overshoot: fill the window instead
-                    text, kind = haystack_document(rng, max(room - 2, 1), tokenizer), "haystack"
             else:
                 text, kind = haystack_document(rng, max(room - 2, 1), tokenizer), "haystack"
             used = len(tokenizer(text, add_special_tokens=False)["input_ids"]) + 2
+            if used > room:  # a rare overshoot: fill the window instead
+                text, kind = haystack_document(rng, max(room - 2, 1), tokenizer), "haystack"
+                used = len(tokenizer(text, add_special_tokens=False)["input_ids"]) + 2
             f.write(json.dumps({"text": text}) + "\n")
             offset += used
             counts[kind] += 1

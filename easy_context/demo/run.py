@@ -43,12 +43,19 @@ class DemoSettings:
     shape: ModelShape = field(default_factory=ModelShape)
     steps: tuple[int, ...] | None = None  # per recipe stage; None: the recipe's own
     min_doc: dict = field(default_factory=lambda: {512: 64, 1024: 256, 2048: 512})
+    # Per dataset folder, write_corpus settings that differ from its defaults: the copy
+    # curriculum is short period documents and copy drills only (easy_context.demo.build).
+    corpus: dict = field(default_factory=lambda: {
+        "data_copy_512": {"period_share": 0.2, "drill_share": 0.8, "drill_tokens": (48, 80)},
+        # retrieval: mostly needle tasks, with drills whose copies lie far apart
+        "data_512": {"period_share": 0.05, "drill_share": 0.2, "drill_tokens": (64, 512),
+                     "drill_gap": 400}})
     heldout_docs: int = 8
     eval: EvalSettings = field(default_factory=EvalSettings)
 
     @classmethod
     def quick(cls) -> "DemoSettings":
-        return cls(steps=(4, 2, 2), heldout_docs=2,
+        return cls(steps=(4, 4, 2, 2), heldout_docs=2,
                    eval=EvalSettings(min_length=512, length_step=512, depth_interval=0.5,
                                      samples=1))
 
@@ -72,6 +79,17 @@ def demo_recipe(output: Path, settings: DemoSettings, nproc_per_node: int, seed:
         train["nproc_per_node"] = nproc_per_node
         train["seed"] = seed
     return recipe
+
+
+def short_stages(recipe: Recipe) -> int:
+    """How many leading stages train at the first length and RoPE base: the model before
+    extension is the last of them."""
+    t0 = recipe.stages[0].train
+    n = 1
+    while n < len(recipe.stages) and all(
+            recipe.stages[n].train[k] == t0[k] for k in ("seq_length", "rope_theta")):
+        n += 1
+    return n
 
 
 def _cpu_seconds() -> float:
@@ -128,7 +146,8 @@ def build_phase(out: Path, recipe: Recipe, settings: DemoSettings, seed: int) ->
             windows *= t["nproc_per_node"]
         corpus = out / "corpus" / f"{data.name}.jsonl"
         counts = write_corpus(corpus, tokenizer, t["seq_length"], windows + 1,
-                              settings.min_doc.get(t["seq_length"], 64), seed)
+                              settings.min_doc.get(t["seq_length"], 64), seed,
+                              **settings.corpus.get(data.name, {}))
         log.info("%s: %s", data.name, counts)
         prepare_data(PrepareConfig(inputs=[str(corpus)], tokenizer=str(tok_dir), output=str(data),
                                    seq_length=t["seq_length"], seed=seed))
@@ -178,9 +197,10 @@ def run_demo_pipeline(output: str | Path, quick: bool = False, nproc_per_node: i
     plan = plan_text(recipe)  # after the build: the planner reads the base model's shape
     (out / "plan.txt").write_text(plan + "\n")
     log.info("\n%s", plan)
-    first = recipe.stages[0]
+    short = short_stages(recipe)
+    first = recipe.stages[short - 1]
     with timings.phase(f"train {first.name}", nproc_per_node):
-        run_recipe(dataclasses.replace(recipe, stages=recipe.stages[:1]))
+        run_recipe(dataclasses.replace(recipe, stages=recipe.stages[:short]))
     evals = {"before": _evaluate(first.model_dir, "before", out, settings, heldout, timings)}
     with timings.phase("train extension stages", nproc_per_node):
         stages = run_recipe(recipe)

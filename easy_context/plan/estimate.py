@@ -239,9 +239,10 @@ def attention_buffers(shape: ModelShape, s: int, a: int, method: str, world_size
 
     kv = Hkv x D elements per token for K (same for V); s local tokens; g = Hq / Hkv.
     - ring/zigzag run one KV-head group at a time (easy_context.parallel.head_groups): for
-      one KV head, K/V being sent (contiguous copies) and received (2 x 2D x a), the
-      travelling fp32 dK/dV accumulators, held and arriving (2 x 2D x 4), and the group's
-      fp32 dq accumulator (g D x 4);
+      one KV head, K/V being sent (contiguous copies) and received (2 x 2D x a), the dK/dV
+      partials sent back to their owner and arriving, in the input dtype (2 x 2D x a;
+      partial gradients are summed in the output buffers, easy_context.parallel.accumulate),
+      and the group's fp32 dq sum, which exists from N = 3 up (g D x 4; counted always);
     - dist_flash: as ring, plus the group's relayed q, out and dout rows (3 x g D a);
     - allgather, also one KV-head group at a time: the group's fp32 dq (g D x 4), and for
       its KV head the whole sequence's K/V gathered (and reordered: 2 copies), their fp32
@@ -256,7 +257,7 @@ def attention_buffers(shape: ModelShape, s: int, a: int, method: str, world_size
         return 0
     hd, hq, hkv = shape.hd, shape.heads, shape.kv_heads
     g = hq // hkv
-    ring = s * (2 * 2 * hd * a + 2 * 2 * hd * 4 + g * hd * 4)
+    ring = s * (2 * 2 * hd * a + 2 * 2 * hd * a + g * hd * 4)
     if method in ("ring_attn", "zigzag_ring_attn"):
         return ring
     if method == "dist_flash_attn":

@@ -1,13 +1,16 @@
-"""A tiny Llama that learns needle retrieval in seconds, shared by the eval tests.
+"""A tiny Llama that learns needle retrieval in a couple of minutes, shared by the eval tests.
 
 Byte-level tokenizer with no merges (a character-level vocabulary of 259), 2 layers, width
-64, trained with plain AdamW on prompts built by the needle eval itself (other numbers than
-the eval's), so the test checks that the eval measures retrieval, not that a big model can
-retrieve. The folder is built once per test session under pytest's base temp directory.
+128, trained with plain AdamW in two phases: the demo's copy curriculum (short period
+documents and copy drills, easy_context.demo.build, which grow the induction circuit), then
+prompts built by the needle eval itself (other numbers than the eval's). So the test checks
+that the eval measures retrieval, not that a big model can retrieve. The folder is built
+once per test session under pytest's base temp directory.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from pathlib import Path
@@ -35,18 +38,36 @@ def eval_config(**kw) -> NeedleConfig:
     return NeedleConfig(**{**base, **kw})
 
 
-def _llama_config(vocab: int):
+def _llama_config(vocab: int, hidden: int = 64):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=16, max_position_embeddings=1024, attention_dropout=0.0,
+                       head_dim=hidden // 4, max_position_embeddings=1024, attention_dropout=0.0,
                        bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=True)
 
 
-def train_needle_model(folder: Path, steps: int = 300, batch: int = 8, seed: int = 0,
+def _batch(seqs: list[tuple[list[int], int]], pad: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor]:
+    """Padded input ids, next-token targets, and targets of the answer span only (from each
+    sequence's answer start; the whole sequence for start 0)."""
+    width = max(len(x) for x, _ in seqs)
+    ids = torch.full((len(seqs), width), pad)
+    for i, (x, _) in enumerate(seqs):
+        ids[i, :len(x)] = torch.tensor(x)
+    targets = ids[:, 1:].clone()
+    targets[targets == pad] = -100
+    answer = torch.full_like(targets, -100)
+    for i, (x, start) in enumerate(seqs):
+        answer[i, max(start - 1, 0):len(x) - 1] = targets[i, max(start - 1, 0):len(x) - 1]
+    return ids, targets, answer
+
+
+def train_needle_model(folder: Path, copy_steps: int = 1000, steps: int = 300, seed: int = 0,
                        lr: float = 3e-3) -> Path:
-    """Train the tiny model (about 20-40 s on 2 cores) and save model + tokenizer to ``folder``."""
+    """Train the tiny model (about 2 minutes on 2 idle cores) and save model + tokenizer to
+    ``folder``: ``copy_steps`` steps of 32 copy-curriculum documents of 64 tokens, then
+    ``steps`` steps of 8 needle prompts and 8 copy drills."""
     from transformers import LlamaForCausalLM
 
     if (folder / "config.json").exists():
@@ -54,43 +75,51 @@ def train_needle_model(folder: Path, steps: int = 300, batch: int = 8, seed: int
     t0 = time.time()
     tok = train_bpe_tokenizer(generate_texts(4, 500), vocab_size=259)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(_llama_config(len(tok)))
+    model = LlamaForCausalLM(_llama_config(len(tok), hidden=128))
     # Seeds far from the eval's (seed 0, samples 0..n): training never sees the eval numbers.
     cfg = NeedleConfig(CONTEXTS[0], CONTEXTS[1], 1, rnd_number_digits=DIGITS, template=TEMPLATE,
                        seed=10_000)
     hay = build_haystack(tok, CONTEXTS[1] + 64, seed=10_000)
     rng = random.Random(seed)
+    symbols = [tok.convert_tokens_to_ids(c) for c in "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"]
+    filler = tok(" ".join(["The grass is green. The sky is blue."] * 4),
+                 add_special_tokens=False)["input_ids"]
+
+    def curriculum(n: int = 64) -> tuple[list[int], int]:
+        """The demo's copy curriculum at token level (easy_context.demo.build): one in five a
+        period document (units of 2-4 symbols repeated), else copy drills (8-20 symbols, up
+        to 16 filler tokens, the same symbols)."""
+        out = [tok.bos_token_id]
+        periodic = rng.random() < 0.2
+        while len(out) < n:
+            if periodic:
+                out += [rng.choice(symbols) for _ in range(rng.randint(2, 4))] * rng.randint(3, 8)
+            else:
+                code = [rng.choice(symbols) for _ in range(rng.randint(8, 20))]
+                start = rng.randrange(len(filler) - 16)
+                out += code + filler[start:start + rng.randint(0, 16)] + code
+        return out[:n], 0
+
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps,
-                                                pct_start=0.1)
+    total = copy_steps + steps
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min(1.0, (i + 1) / 50) * (1.0 if i < copy_steps else
+                                                  0.5 * (1 + math.cos(math.pi * (i - copy_steps) / steps))))
     model.train()
-    for step in range(steps):
-        length = rng.randrange(CONTEXTS[0], CONTEXTS[1] + 1)
-        prompts = [build_prompt(hay, tok, cfg, length, rng.random(), rng.randrange(10 ** 9))
-                   for _ in range(batch)]
-        seqs = [(p.input_ids, p.answer_start) for p in prompts]
-        # Copy drills ("=" + string, other text, "=" + the same string) make induction heads
-        # form in a few hundred steps; the needle task then only has to point them at "code=".
-        for _ in range(batch):
-            s = "".join(rng.choice("0123456789abcdefghijklmnopqrstuvwxyz") for _ in range(12))
-            gap = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ")
-                          for _ in range(rng.randrange(80)))
-            ids_ = [tok.bos_token_id] + tok("=" + s + ". " + gap + " =" + s,
-                                            add_special_tokens=False)["input_ids"]
-            seqs.append((ids_, len(ids_) - len(s)))
-        width = max(len(x) for x, _ in seqs)
-        ids = torch.full((len(seqs), width), tok.pad_token_id)
-        for i, (x, _) in enumerate(seqs):
-            ids[i, :len(x)] = torch.tensor(x)
-        targets = ids[:, 1:].clone()
-        targets[targets == tok.pad_token_id] = -100
-        answer = torch.full_like(targets, -100)
-        for i, (x, start) in enumerate(seqs):
-            answer[i, start - 1:len(x) - 1] = targets[i, start - 1:len(x) - 1]
+    for step in range(total):
+        if step < copy_steps:
+            seqs = [curriculum() for _ in range(32)]
+        else:
+            length = rng.randrange(CONTEXTS[0], CONTEXTS[1] + 1)
+            seqs = [(p.input_ids, p.answer_start) for p in (
+                build_prompt(hay, tok, cfg, length, rng.random(), rng.randrange(10 ** 9))
+                for _ in range(8))]
+            seqs += [curriculum() for _ in range(8)]
+        ids, targets, answer = _batch(seqs, tok.pad_token_id)
         logits = model(input_ids=ids[:, :-1]).logits.flatten(0, 1)
-        # All tokens (the repetitive filler rewards induction heads) plus the answer on its own.
-        loss = (F.cross_entropy(logits, targets.flatten(), ignore_index=-100)
-                + F.cross_entropy(logits, answer.flatten(), ignore_index=-100))
+        loss = F.cross_entropy(logits, targets.flatten(), ignore_index=-100)
+        if step >= copy_steps:  # the answers weigh as much as all other tokens together
+            loss = loss + F.cross_entropy(logits, answer.flatten(), ignore_index=-100)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -100,7 +129,7 @@ def train_needle_model(folder: Path, steps: int = 300, batch: int = 8, seed: int
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
-    (folder / "train_log.txt").write_text(f"steps {steps} loss {loss.item():.4f} "
+    (folder / "train_log.txt").write_text(f"steps {copy_steps} + {steps} loss {loss.item():.4f} "
                                           f"seconds {time.time() - t0:.1f}\n")
     return folder
 
