@@ -30,8 +30,13 @@ def test_quick_demo_writes_every_artifact_and_resumes(tmp_path):
         assert section in report
     summary = json.loads((out / "summary.json").read_text())
     assert [s["stage"] for s in summary["stages"]] == [
-        "short_512_theta_10k", "extend_1024_theta_40k", "extend_2048_theta_160k"]
+        "copy_512_theta_10k", "short_512_theta_10k", "extend_1024_theta_40k",
+        "extend_2048_theta_160k"]
     assert set(summary["evals"]) == {"before", "after"}
+    before = json.loads((out / "eval" / "needle_before.json").read_text())["config"]
+    # "before" is the last stage at the first length and theta: after the copy curriculum
+    assert "short_512_theta_10k" in before["model_dir"]
+    assert before["rope_parameters"]["rope_theta"] == 10000
     needle = json.loads((out / "eval" / "needle_after.json").read_text())
     assert max(c["context_length"] for c in needle["cells"]) == 2048
     assert needle["config"]["rope_parameters"]["rope_theta"] == 160000
