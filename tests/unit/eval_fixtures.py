@@ -118,7 +118,9 @@ def train_needle_model(folder: Path, copy_steps: int = 1000, steps: int = 300, s
         ids, targets, answer = _batch(seqs, tok.pad_token_id)
         logits = model(input_ids=ids[:, :-1]).logits.flatten(0, 1)
         loss = F.cross_entropy(logits, targets.flatten(), ignore_index=-100)
-        if step >= copy_steps:  # the answers weigh as much as all other tokens together
+        if step >= copy_steps:
+            # Copying counts twice: a second loss over the needle answers and the drills
+            # (whose whole sequence is their "answer span", start 0).
             loss = loss + F.cross_entropy(logits, answer.flatten(), ignore_index=-100)
         opt.zero_grad(set_to_none=True)
         loss.backward()
