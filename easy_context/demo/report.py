@@ -73,13 +73,14 @@ def plot_stages(rows: list[dict], path: Path) -> None:
     save_figure(fig, path)
 
 
-def _needle_by_length(path: Path, key: str = "score") -> dict[int, float]:
-    """Mean over depths of each length's ``score`` (exact match) or ``token_accuracy``."""
+def _needle_by_length(path: Path) -> tuple[dict[int, float], dict[int, float]]:
+    """Means over depths of each length's ``score`` (exact match) and ``token_accuracy``."""
     cells = json.loads(path.read_text())["cells"]
-    out: dict[int, list[float]] = {}
+    out: dict[int, list[tuple[float, float]]] = {}
     for c in cells:
-        out.setdefault(c["context_length"], []).append(c[key])
-    return {n: sum(v) / len(v) for n, v in sorted(out.items())}
+        out.setdefault(c["context_length"], []).append((c["score"], c["token_accuracy"]))
+    means = {n: [sum(x) / len(v) for x in zip(*v)] for n, v in sorted(out.items())}
+    return {n: m[0] for n, m in means.items()}, {n: m[1] for n, m in means.items()}
 
 
 def _ppl(path: Path) -> dict[int, dict]:
@@ -106,9 +107,7 @@ def write_report(out: Path, recipe: Recipe) -> Path:
     plot_loss(rows, out / "loss.png")
     plot_stages(rows, out / "stages.png")
 
-    nb, na = _needle_by_length(ev / "needle_before.json"), _needle_by_length(ev / "needle_after.json")
-    tb = _needle_by_length(ev / "needle_before.json", "token_accuracy")
-    ta = _needle_by_length(ev / "needle_after.json", "token_accuracy")
+    (nb, tb), (na, ta) = (_needle_by_length(ev / f"needle_{x}.json") for x in ("before", "after"))
     pb, pa = _ppl(ev / "ppl_before.csv"), _ppl(ev / "ppl_after.csv")
     first = summary["first_length"]
     target_len = 4 * first
