@@ -3,6 +3,12 @@
 Each subcommand lives with the code it drives and exposes ``add_<name>_args(parser)`` and
 ``run_<name>(args) -> int``; this file only wires them up, importing a subcommand's module
 when it runs (so ``easy-context --help`` stays fast).
+
+It is also the one place where exceptions become messages (easy_context/errors.py): a
+failure prints ``easy-context <command>: error: <message>`` on one line and exits with 2 for
+bad usage, 1 for a failure at run time. ``--debug`` (anywhere on the line) or
+``EASY_CONTEXT_DEBUG=1`` prints the traceback too. Called as a library, the subcommands'
+``run_*`` functions raise their exceptions as usual.
 """
 
 from __future__ import annotations
@@ -10,7 +16,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
+import traceback
+
+from .errors import RankError, UsageError, describe, exit_code, one_line
 
 # subcommand -> (module, "add" function, "run" function, help)
 SUBCOMMANDS = {
@@ -37,28 +47,79 @@ SUBCOMMANDS = {
 }
 
 
+_DEBUG_HELP = "on an error, also print the traceback (or set EASY_CONTEXT_DEBUG=1)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Raises its errors (main reports them like any other) instead of printing the usage
+    (40 lines for train) and exiting."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="easy-context",
         description="EasyContext: exact sequence-parallel long-context training and evaluation.")
+    parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, add, _, help_) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
         if only in (None, name):
             getattr(importlib.import_module(module), add)(p)
+            # main takes --debug out of the line first; this is its entry in --help
+            p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                           help=_DEBUG_HELP)
     return parser
 
 
+def _split_debug(argv: list[str]) -> tuple[bool, list[str]]:
+    """--debug may come before or after the subcommand: take it out wherever it is (not
+    after a ``--``, where everything is an argument)."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    rest = [a for a in argv[:end] if a != "--debug"] + argv[end:]
+    flag = len(rest) < len(argv)
+    return flag or os.environ.get("EASY_CONTEXT_DEBUG", "") not in ("", "0"), rest
+
+
+def report_error(command: str | None, exc: BaseException, debug: bool) -> int:
+    """Print ``exc`` as the one-line error (after its traceback with ``debug``); return the
+    exit status."""
+    if debug:
+        # A rank's own traceback: the one of this process only shows launch() re-raising it.
+        tb = exc.traceback if isinstance(exc, RankError) and exc.traceback else \
+            "".join(traceback.format_exception(exc))
+        sys.stderr.write(tb if tb.endswith("\n") else tb + "\n")
+    message = "interrupted" if isinstance(exc, KeyboardInterrupt) else one_line(describe(exc))
+    prog = f"easy-context {command}" if command else "easy-context"
+    # Under torchrun every process runs this: say which rank is talking.
+    if not isinstance(exc, RankError) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        message = f"rank {os.environ.get('RANK', '?')}: {message}"
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    return exit_code(exc)
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """The ``easy-context`` command: returns the exit status (errors are printed, not raised)."""
+    debug, argv = _split_debug(sys.argv[1:] if argv is None else list(argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     command = next((a for a in argv if not a.startswith("-")), None)
-    if command not in SUBCOMMANDS:
-        build_parser(only="").print_help() if command is None else build_parser(only="").parse_args(argv)
-        return 0 if command is None else 2
-    args = build_parser(only=command).parse_args(argv)
-    module, _, run, _ = SUBCOMMANDS[command]
-    return int(getattr(importlib.import_module(module), run)(args) or 0)
+    known = command if command in SUBCOMMANDS else None
+    try:
+        if known is None:
+            parser = build_parser(only="")
+            if command is None and not argv:
+                parser.print_help()
+                return 0
+            parser.parse_args(argv)  # --help exits 0; an unknown command raises UsageError
+            parser.print_help()  # only global flags were given
+            return 0
+        args = build_parser(only=known).parse_args(argv)
+        module, _, run, _ = SUBCOMMANDS[known]
+        return int(getattr(importlib.import_module(module), run)(args) or 0)
+    except (Exception, KeyboardInterrupt) as e:
+        return report_error(known, e, debug)
 
 
 if __name__ == "__main__":

@@ -11,19 +11,33 @@
 
 Inside ``fn``, :func:`device` gives the rank's device (``cuda:{local_rank}`` or cpu).
 ``fn`` and its arguments are pickled to the spawned ranks, so ``fn`` must be importable
-(defined at module level).
+(defined at module level). When spawned ranks fail, :func:`launch` raises one
+:class:`~easy_context.errors.RankError` for the first rank that failed: the root cause, since
+its peers then fail on broken connections. No rank prints a traceback; the error keeps it.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import socket
+import time
 import traceback
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from .errors import RankError
+
+
+def free_port() -> int:
+    """A TCP port that is free now on localhost (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def device() -> torch.device:
@@ -61,9 +75,12 @@ def _spawned(local_rank: int, world: int, port: int, timeout_minutes: float, fn:
         value = fn(*args)
         if local_rank == 0:
             results.put((True, value))
-    except BaseException:
-        results.put((False, f"rank {local_rank}:\n{traceback.format_exc()}"))
-        raise
+    except Exception as e:
+        # The queue is written in the order the ranks fail, so the parent reads the root
+        # cause first. Exit quietly: torch.multiprocessing would hand the traceback to the
+        # parent, which reports this error instead.
+        results.put((False, RankError.from_exception(local_rank, e, traceback.format_exc())))
+        raise SystemExit(1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -71,9 +88,8 @@ def _spawned(local_rank: int, world: int, port: int, timeout_minutes: float, fn:
 
 def launch(fn: Callable, nproc_per_node: int, *args: Any, timeout_minutes: float = 10) -> Any:
     """Run ``fn(*args)`` on ``nproc_per_node`` ranks (see the module docstring); return what
-    rank 0 returned. A failure on any rank raises a RuntimeError with that rank's traceback."""
-    from .testing import free_port
-
+    rank 0 returned. A failure raises the exception itself (in this process, or under torchrun)
+    or, for spawned ranks, one RankError for the first rank that failed."""
     if dist.is_initialized():
         return fn(*args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -86,18 +102,39 @@ def launch(fn: Callable, nproc_per_node: int, *args: Any, timeout_minutes: float
         return fn(*args)
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
+    # When a rank fails, torch logs a warning per peer it terminates; the RankError raised
+    # below is the report.
+    spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+    level = spawn_log.level
+    spawn_log.setLevel(logging.ERROR)
     try:
         mp.start_processes(_spawned, args=(nproc_per_node, free_port(), timeout_minutes, fn,
                                            args, results),
                            nprocs=nproc_per_node, join=True, start_method="spawn")
-    except mp.ProcessRaisedException as e:
-        failures = []
-        while not results.empty():
-            ok, value = results.get()
-            if not ok:
-                failures.append(value)
-        raise RuntimeError("\n".join(failures) or str(e)) from None
+    except mp.ProcessExitedException as e:
+        raise _first_failure(results, e) from None
+    finally:
+        spawn_log.setLevel(level)
     ok, value = results.get()
     if not ok:
-        raise RuntimeError(value)
+        raise value
     return value
+
+
+def _first_failure(results: "mp.SimpleQueue", exited: "mp.ProcessExitedException") -> RankError:
+    """The first failure a rank reported; a rank killed before it could report (a signal,
+    the out-of-memory killer) is described by its exit."""
+    # The rank that exited first may not be the one that failed first, and its report may
+    # still be in the pipe: wait a moment for one.
+    deadline = time.monotonic() + 5
+    while results.empty() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    while not results.empty():
+        ok, value = results.get()
+        if not ok:
+            return value
+    signal_name = getattr(exited, "signal_name", None)
+    how = (f"was killed by {signal_name}" if signal_name else f"exited with code {exited.exit_code}")
+    hint = " (the out-of-memory killer sends SIGKILL)" if signal_name == "SIGKILL" else ""
+    return RankError(exited.error_index, "ProcessExited",
+                     f"the process {how} before it could report an error{hint}")

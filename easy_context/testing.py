@@ -15,22 +15,16 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import socket
 import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from .launch import free_port  # noqa: F401  (re-exported: tests and benchmarks import it here)
+
 
 class DistError(RuntimeError):
     """A function failed (or timed out) on one or more ranks."""
-
-
-def free_port() -> int:
-    """A TCP port that is free now on localhost (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, threads: int, pg_timeout_s: float,

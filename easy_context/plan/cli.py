@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
-from .choose import ORDER, choose_method, max_sequence_length, required_multiple
+from .choose import ORDER, choose_method, constraint, max_sequence_length, required_multiple
 from .estimate import CHECKPOINTING, DTYPES, ENGINES, GIB, OFFLOADS, estimate_memory
 from .shapes import BUILTIN, load_shape, with_overrides
 
@@ -53,19 +54,57 @@ def _kw(args) -> dict:
                 dtype=args.dtype, loss_chunk="auto" if args.loss_chunk is None else (args.loss_chunk or None))
 
 
+def check_plan_args(args: argparse.Namespace) -> None:
+    """Reject values the planner cannot use, saying what to change (a zero device count
+    would otherwise divide by zero, a zero granularity never end its search)."""
+    for flag, value, low in (("--devices", args.devices, 1), ("--seq-len", args.seq_len, 1),
+                             ("--granularity", args.granularity, 1),
+                             ("--ring-degree", args.ring_degree, 1),
+                             ("--loss-chunk", args.loss_chunk, 0)):
+        if value is not None and value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if not args.gpu_memory > 0:
+        raise ValueError(f"--gpu-memory is in GiB and must be > 0, got {args.gpu_memory}")
+    if not 0 < args.usable <= 1:
+        raise ValueError(f"--usable is a fraction of the device memory, in (0, 1]; got {args.usable}")
+    if args.ring_degree is not None and args.method != "usp_attn":
+        raise ValueError("--ring-degree is usp_attn's; add --method usp_attn or drop it")
+
+
+def _check_method(shape, method: str, n: int, ring_degree: int | None) -> None:
+    """A method asked for by name must be able to run on these heads and devices."""
+    if method == "ulysses_attn":
+        why, _ = constraint(shape, method, n)
+        if why:
+            raise ValueError(f"--method ulysses_attn on {n} devices: {why}; use another --devices, "
+                             "or --method usp_attn / zigzag_ring_attn")
+    if method == "usp_attn" and ring_degree is not None:
+        if n % ring_degree:
+            raise ValueError(f"--ring-degree {ring_degree} does not divide --devices {n}")
+        u = n // ring_degree
+        if shape.heads % u or (shape.kv_heads % u and u % shape.kv_heads):
+            raise ValueError(f"usp_attn with --ring-degree {ring_degree} runs Ulysses over {u} "
+                             f"devices, which must divide the {shape.heads} heads (and the "
+                             f"{shape.kv_heads} KV heads, or be divisible by them); pick another "
+                             "--ring-degree")
+
+
 def run_plan(args) -> int:
+    check_plan_args(args)
     if args.report:
         from .report import claims_markdown, how_far_markdown
 
         text = claims_markdown() if args.report == "claims" else how_far_markdown()
         if args.output:
-            with open(args.output, "w") as f:
-                f.write(text)
+            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.output).write_text(text)
             print(f"wrote {args.output}")
         else:
             print(text)
         return 0
     shape = load_shape(args.model)
+    if args.method != "auto":
+        _check_method(shape, args.method, args.devices, args.ring_degree)
     budget = int(args.gpu_memory * GIB * args.usable)
     n, kw = args.devices, _kw(args)
     method = None if args.method == "auto" else args.method

@@ -107,6 +107,8 @@ def shape_from_config(config, name: str = "config") -> ModelShape:
 def load_shape(name_or_path: str) -> ModelShape:
     """A built-in shape by name (case-insensitive, "meta-llama/Llama-2-7b-hf" works), or the
     shape of a local Hugging Face model folder / config.json (read offline)."""
+    if os.path.isdir(name_or_path) and not os.path.exists(os.path.join(name_or_path, "config.json")):
+        raise FileNotFoundError(f"model folder {name_or_path} has no config.json")
     if os.path.exists(name_or_path):
         from transformers import AutoConfig
 
@@ -120,6 +122,8 @@ def load_shape(name_or_path: str) -> ModelShape:
                 from types import SimpleNamespace
                 config = SimpleNamespace(**json.load(f))
         return shape_from_config(config, name=os.path.basename(os.path.normpath(path)))
+    if name_or_path.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model folder {name_or_path} does not exist")
     key = _key(name_or_path)
     if key not in BUILTIN:
         known = ", ".join(s.name for s in BUILTIN.values())

@@ -164,8 +164,7 @@ def _trainer_state(step: int, scheduler, config: TrainConfig) -> dict:
 
 
 def _ensure_process_group(config: TrainConfig) -> torch.device:
-    from ..launch import init_distributed
-    from ..testing import free_port
+    from ..launch import free_port, init_distributed
 
     if not dist.is_initialized() and "RANK" not in os.environ:
         # One process: a one-rank group keeps a single code path (FSDP, checkpoints).
@@ -180,11 +179,9 @@ def run_training(config: TrainConfig) -> dict:
     device = _ensure_process_group(config)
     if dist.get_rank() != 0:
         logging.getLogger("easy_context").setLevel(logging.WARNING)
-    try:
-        return train(config, device)
-    except Exception:
-        log.exception("rank %d failed", dist.get_rank())
-        raise
+    # No log.exception here: the error reaches the user once, through launch (RankError) or
+    # the exception itself, and the traceback with --debug.
+    return train(config, device)
 
 
 def results_of(output_dir: Path) -> list[dict]:
