@@ -88,22 +88,29 @@ def resolve_dtype(name: str | None, device: torch.device | str) -> torch.dtype:
     return DTYPES[name]
 
 
-def _check_path(path: str) -> str:
+def check_model_path(path: str, weights: bool = False) -> str:
+    """``path`` if it is a model folder (with its safetensors ``weights`` when asked), or a
+    Hub name, which transformers resolves (from its cache when offline); else a
+    FileNotFoundError that says what is missing."""
     p = Path(path).expanduser()
     if p.exists():
         if not (p / "config.json").exists():
             raise FileNotFoundError(f"model folder {path} has no config.json; pass a folder saved "
                                     "with save_pretrained")
+        if weights and not any(p.glob("*.safetensors")):
+            raise FileNotFoundError(f"model folder {path} has no safetensors weights "
+                                    "(model.safetensors); save it with save_pretrained("
+                                    "safe_serialization=True)")
         return str(p)
     if path.startswith((".", "/", "~")) or path.count("/") > 1:
         raise FileNotFoundError(f"model folder {path} does not exist")
-    return path  # a hub name: transformers resolves it (from its cache when offline)
+    return path
 
 
 def load_config(path: str, rope_theta: float | None = None, rope_scaling: str | dict | None = None,
                 trust_remote_code: bool = False) -> PretrainedConfig:
     """The model's config with the RoPE overrides applied."""
-    config = AutoConfig.from_pretrained(_check_path(path), trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(check_model_path(path), trust_remote_code=trust_remote_code)
     return apply_rope_overrides(config, rope_theta, rope_scaling)
 
 
@@ -120,7 +127,7 @@ def load_model_and_tokenizer(path: str, *, device: torch.device | str = "cpu",
     asked for. The attention implementation is a plain one; ``apply_sequence_parallel``
     switches it afterwards.
     """
-    local = _check_path(path)
+    local = check_model_path(path)
     config = load_config(local, rope_theta, rope_scaling, trust_remote_code)
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, device)
     model = AutoModelForCausalLM.from_pretrained(

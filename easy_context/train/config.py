@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from ..errors import one_line
 
 
 def _f(default, help: str, **kw):
@@ -66,32 +69,80 @@ class TrainConfig:
     export: bool = _f(True, "write a Hugging Face model folder (safetensors) at the end")
 
     def validate(self) -> None:
+        """Check every value on its own and against the others (not against files or the
+        machine: see easy_context/train/preflight.py); raise a ValueError saying what to change."""
         from ..compat import resolve_seq_algo
+        from ..eval.model_loading import parse_rope_scaling
 
+        for name, f in _fields().items():  # YAML files and recipes bypass argparse's types
+            setattr(self, name, _coerce(name, _type_of(f), getattr(self, name)))
         if not self.model:
             raise ValueError("--model is required (a local model folder or a hub name)")
         if not self.dataset:
             raise ValueError("--dataset is required (a save_to_disk folder, or a dataset name)")
         self.parallel_mode = resolve_seq_algo(self.parallel_mode)
         positive = ("seq_length", "batch_size", "gradient_accumulate_every", "max_train_steps",
-                    "log_every", "nproc_per_node")
+                    "log_every", "nproc_per_node", "sp_size", "ring_degree")
         for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{_flag(name)} must be >= 1, got {value}")
+        for name in ("warmup_steps", "save_every", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{_flag(name)} must be >= 0 (0: off), got {getattr(self, name)}")
+        # "not x > 0" also rejects NaN
+        for name in ("learning_rate", "pg_timeout_minutes", "rope_theta"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{_flag(name)} must be > 0, got {value}")
         if self.seq_length < 2:
             raise ValueError("--seq-length must be >= 2")
         for name, f in _fields().items():
             choices = f.metadata.get("choices")
             if choices and getattr(self, name) not in choices:
-                raise ValueError(f"--{name.replace('_', '-')} must be one of {choices}, "
+                raise ValueError(f"{_flag(name)} must be one of {choices}, "
                                  f"got {getattr(self, name)!r}")
         if self.parallel_mode == "data_parallel" and self.sp_size not in (None, 1):
             raise ValueError("data_parallel has no sequence parallelism: drop --sp-size or set it to 1")
         if self.parallel_mode == "usp_attn" and self.ring_degree is None:
             raise ValueError("usp_attn needs --ring-degree (ranks per ring; sp_size / ring_degree "
                              "ranks do Ulysses)")
-        if self.learning_rate <= 0:
-            raise ValueError(f"--learning-rate must be > 0, got {self.learning_rate}")
+        if self.ring_degree is not None and self.parallel_mode != "usp_attn":
+            raise ValueError(f"--ring-degree is usp_attn's; drop it for {self.parallel_mode}")
+        parse_rope_scaling(self.rope_scaling)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _coerce(name: str, hint, value):
+    """``value`` as the field's type: YAML reads ``2e-5`` as a string and ``1000.0`` as a float."""
+    kind = typing.get_args(hint)[0] if typing.get_args(hint) else hint  # int | None -> int
+    if value is None or kind is str and isinstance(value, str):
+        return value
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{_flag(name)} must be true or false, got {value!r}")
+    if kind is str:
+        if isinstance(value, os.PathLike) or isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        if name == "rope_scaling" and isinstance(value, dict):  # a YAML mapping is fine
+            return value
+        raise ValueError(f"{_flag(name)} must be a string, got {value!r}")
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = float(value)
+        if kind is int:
+            if number != int(number):
+                raise TypeError
+            return int(number)
+        return number
+    except (TypeError, ValueError, OverflowError):
+        what = "an integer" if kind is int else "a number"
+        raise ValueError(f"{_flag(name)} must be {what}, got {value!r}") from None
 
 
 def _fields() -> dict[str, dataclasses.Field]:
@@ -122,7 +173,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         path = Path(args.config)
         if not path.is_file():
             raise FileNotFoundError(f"--config {path}: no such file")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"--config {path} is not valid YAML: {one_line(str(e))}") from e
         if not isinstance(loaded, dict):
             raise ValueError(f"--config {path}: expected a mapping of flag: value")
         fields = _fields()

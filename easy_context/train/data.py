@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import one_line
+
 log = logging.getLogger(__name__)
 
 
@@ -32,10 +34,11 @@ def load_training_dataset(path_or_name: str, split: str = "train"):
     else:
         try:
             ds = datasets.load_dataset(path_or_name, split=split)
-        except FileNotFoundError as e:
+        except (FileNotFoundError, ConnectionError) as e:
+            # ConnectionError: no such local folder, so datasets asked the Hub, unreachable
             raise FileNotFoundError(f"dataset {path_or_name!r} not found: give a folder written by "
                                     "`easy-context prepare-data` (or datasets.save_to_disk), or a "
-                                    f"dataset name ({e})") from e
+                                    f"dataset name ({one_line(str(e))})") from e
     check_dataset(ds, path_or_name)
     return ds
 
@@ -48,18 +51,24 @@ def check_dataset(ds, name: str) -> None:
         raise ValueError(f"dataset {name} is empty")
 
 
+def check_windows(dataset, seq_length: int, batch_size: int, dp: int) -> None:
+    """The dataset holds a step's worth of sequences, each long enough for ``seq_length``."""
+    if len(dataset) < batch_size * dp:
+        raise ValueError(f"the dataset has {len(dataset)} sequences; one step needs "
+                         f"--batch-size x data-parallel groups = {batch_size} x {dp} = "
+                         f"{batch_size * dp}: lower --batch-size or prepare more data")
+    first = len(dataset[0]["input_ids"])
+    if first < seq_length + 1:
+        raise ValueError(f"sequences have {first} tokens; --seq-length {seq_length} needs "
+                         f"{seq_length + 1} (targets are shifted by one): prepare the data "
+                         f"with --seq-length {seq_length}, or lower --seq-length")
+
+
 class TrainBatches:
     """Deterministic, resumable batches for one data-parallel rank."""
 
     def __init__(self, dataset, seq_length: int, batch_size: int, dp: int, dp_rank: int, seed: int):
-        if len(dataset) < batch_size * dp:
-            raise ValueError(f"the dataset has {len(dataset)} sequences; one step needs "
-                             f"batch_size x dp = {batch_size} x {dp} = {batch_size * dp}")
-        first = len(dataset[0]["input_ids"])
-        if first < seq_length + 1:
-            raise ValueError(f"sequences have {first} tokens; --seq-length {seq_length} needs "
-                             f"{seq_length + 1} (targets are shifted by one): prepare the data "
-                             f"with --seq-length {seq_length}, or lower --seq-length")
+        check_windows(dataset, seq_length, batch_size, dp)
         self.dataset = dataset.with_format("torch")
         self.seq_length, self.batch_size, self.dp, self.dp_rank, self.seed = (
             seq_length, batch_size, dp, dp_rank, seed)

@@ -1,0 +1,112 @@
+"""Checks of a training run against its files and this machine, before any rank starts.
+
+``TrainConfig.validate`` checks the values themselves; this module checks what only the
+launcher knows (how many ranks there will be) and what is on disk (the model folder, the
+dataset and its window length, the DeepSpeed config, the optional packages a flag needs).
+Each failure is a ValueError or FileNotFoundError that says what to change, raised before
+any process is spawned: a mistake costs a second, not a minute of loading on every rank and
+a report from each of them. The ranks check again as they go (torchrun skips this module).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+from .config import TrainConfig
+
+
+def launch_world_size(config: TrainConfig) -> int:
+    """How many ranks the run will have: torchrun's WORLD_SIZE, else --nproc-per-node."""
+    return int(os.environ.get("WORLD_SIZE", config.nproc_per_node))
+
+
+def check_layout(config: TrainConfig, world: int) -> None:
+    """The dp x sp grid and the sequence length fit ``world`` ranks."""
+    from ..mesh import check_mesh
+    from ..sequence_parallel import required_multiple
+
+    method = config.parallel_mode
+    if method == "data_parallel":
+        return
+    sp = config.sp_size or world
+    if sp > world:
+        raise ValueError(f"--sp-size {sp} is more than the {world} ranks of this run: raise "
+                         f"--nproc-per-node to a multiple of {sp}, or lower --sp-size")
+    check_mesh(world, sp)
+    if config.ring_degree is not None and sp % config.ring_degree:
+        divisors = [d for d in range(1, sp + 1) if sp % d == 0]
+        raise ValueError(f"--ring-degree {config.ring_degree} does not divide the {sp} ranks of a "
+                         f"sequence-parallel group; choose among {divisors}")
+    multiple = required_multiple(method, sp, config.ring_degree)
+    if config.seq_length % multiple:
+        raise ValueError(f"--seq-length {config.seq_length} is not divisible by {multiple} "
+                         f"({method} over {sp} ranks); use a multiple of {multiple}, e.g. "
+                         f"{-(-config.seq_length // multiple) * multiple}")
+
+
+def _looks_local(value: str) -> bool:
+    """A path rather than a Hub name ("org/name", or a bare legacy name)."""
+    return value.startswith((".", "/", "~")) or value.count("/") > 1 or Path(value).exists()
+
+
+def check_model(config: TrainConfig) -> None:
+    from ..eval.model_loading import check_model_path
+
+    check_model_path(config.model, weights=True)
+
+
+def check_dataset(config: TrainConfig, world: int) -> None:
+    """A local dataset exists, has input_ids, a step's worth of rows and long enough rows.
+    (A Hub name is left to the ranks: checking it would download it.)"""
+    from .data import check_windows, load_training_dataset
+
+    path = Path(config.dataset).expanduser()
+    if not _looks_local(config.dataset):
+        return
+    if not path.exists():
+        raise FileNotFoundError(f"--dataset {config.dataset} does not exist; make one with "
+                                "`easy-context prepare-data`")
+    ds = load_training_dataset(str(path))
+    sp = 1 if config.parallel_mode == "data_parallel" else (config.sp_size or world)
+    check_windows(ds, config.seq_length, config.batch_size, world // sp)
+
+
+def check_files(config: TrainConfig) -> None:
+    out = Path(config.output_dir)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"--output-dir {out} is a file; give a folder")
+    if config.deepspeed_config:
+        path = Path(config.deepspeed_config)
+        if not path.is_file():
+            raise FileNotFoundError(f"--deepspeed-config {path}: no such file")
+        try:
+            json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--deepspeed-config {path} is not valid JSON: {e}") from e
+        if config.engine != "deepspeed":
+            raise ValueError("--deepspeed-config needs --engine deepspeed")
+
+
+def check_packages(config: TrainConfig) -> None:
+    """The optional packages the flags ask for are installed."""
+    needed = {"deepspeed": ("--engine deepspeed", config.engine == "deepspeed"),
+              "wandb": ("--wandb", bool(config.wandb)),
+              "tensorboard": ("--tensorboard", config.tensorboard)}
+    for package, (flag, wanted) in needed.items():
+        if wanted and importlib.util.find_spec(package) is None:
+            raise ValueError(f"{flag} needs the {package} package: pip install {package}")
+
+
+def preflight(config: TrainConfig, model: bool = True) -> None:
+    """Every check above, for a validated config. ``model=False`` skips the model folder, for
+    a recipe stage whose model an earlier stage is still to write."""
+    world = launch_world_size(config)
+    check_layout(config, world)
+    check_files(config)
+    check_packages(config)
+    if model:
+        check_model(config)
+    check_dataset(config, world)
