@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 from importlib import resources
+from pathlib import Path
 
 log = logging.getLogger("easy_context.recipe")
 
@@ -20,16 +21,30 @@ def add_recipe_args(parser: argparse.ArgumentParser) -> None:
                                        + ", ".join(sorted(bundled_recipes())))
     parser.add_argument("--dry-run", action="store_true",
                         help="print the stages with estimated memory per rank and time; run nothing")
-    parser.add_argument("--output-root", default=None,
-                        help="folder that relative output_dir paths are under (default: the recipe's folder)")
+    parser.add_argument("--output-dir", "--output-root", dest="output_root", default=None,
+                        help="folder that the stages' relative paths (output_dir, and model and "
+                             "dataset too) are under (default: outputs under the current folder, "
+                             "model and dataset paths under the recipe's folder)")
+
+
+def recipe_path(name: str) -> str:
+    """A bundled recipe's file, or ``name`` itself when it is a file."""
+    bundled = bundled_recipes()
+    if name in bundled:
+        return bundled[name]
+    if not Path(name).is_file():
+        raise FileNotFoundError(f"recipe {name} is neither a file nor a bundled recipe "
+                                f"({', '.join(sorted(bundled))})")
+    return name
 
 
 def run_recipe_command(args: argparse.Namespace) -> int:
     from .recipe import load_recipe
     from .runner import plan_text, run_recipe
 
-    path = bundled_recipes().get(args.recipe, args.recipe)
-    recipe = load_recipe(path, args.output_root)
+    if args.output_root and Path(args.output_root).exists() and not Path(args.output_root).is_dir():
+        raise NotADirectoryError(f"--output-dir {args.output_root} is a file; give a folder")
+    recipe = load_recipe(recipe_path(args.recipe), args.output_root)
     print(plan_text(recipe))
     if args.dry_run:
         return 0

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import yaml
 
+from ..errors import one_line
 from ..train.config import TrainConfig
 
 _TRAIN_KEYS = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -89,11 +90,17 @@ def load_recipe(path: str | Path, output_root: str | Path | None = None) -> Reci
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"recipe {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"recipe {path} is not valid YAML: {one_line(str(e))}") from e
     if not isinstance(data, dict) or not isinstance(data.get("stages"), list) or not data["stages"]:
         raise ValueError(f"recipe {path}: expected a mapping with a non-empty 'stages' list")
     out_base = Path(output_root) if output_root else Path.cwd()
     base = out_base if output_root else path.parent
+    nproc = data.get("nproc_per_node", 1)
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise ValueError(f"recipe {path}: nproc_per_node must be an integer >= 1, got {nproc!r}")
     defaults = dict(data.get("defaults") or {})
     unknown = set(defaults) - _TRAIN_KEYS
     if unknown:
@@ -124,18 +131,42 @@ def load_recipe(path: str | Path, output_root: str | Path | None = None) -> Reci
             values["output_dir"] = str(output_dir)
             values["resume"] = True
             config = TrainConfig(**{k: v for k, v in values.items() if k in _TRAIN_KEYS})
-            config.nproc_per_node = int(data.get("nproc_per_node", config.nproc_per_node))
-            config.validate()
+            if "nproc_per_node" in data:  # the recipe's count wins over a stage's
+                config.nproc_per_node = nproc
+            try:
+                config.validate()
+            except ValueError as e:  # say where: a recipe has many stages
+                raise ValueError(f"recipe {path}: stage {stage.name!r}: {e}") from e
             stage.train = dataclasses.asdict(config)
         elif not stages:
             raise ValueError(f"recipe {path}: stage {stage.name!r} edits a model, but no stage "
                              "before it trains one")
+        else:
+            _check_config_stage(path, stage)
         stages.append(stage)
     names = [s.name for s in stages]
     if len(set(names)) != len(names):
         raise ValueError(f"recipe {path}: stage names must be unique, got {names}")
-    return Recipe(name=data.get("name", path.stem), path=path,
-                  nproc_per_node=int(data.get("nproc_per_node", 1)), stages=stages)
+    return Recipe(name=data.get("name", path.stem), path=path, nproc_per_node=nproc,
+                  stages=stages)
+
+
+def _check_config_stage(path: Path, stage: Stage) -> None:
+    from ..eval.model_loading import parse_rope_scaling
+
+    theta = stage.set_rope_theta
+    if theta is not None:
+        try:  # YAML reads 1.0e9 (no sign in the exponent) as a string
+            stage.set_rope_theta = float(theta) if not isinstance(theta, bool) else None
+        except ValueError:
+            stage.set_rope_theta = None
+        if stage.set_rope_theta is None or not stage.set_rope_theta > 0:
+            raise ValueError(f"recipe {path}: stage {stage.name!r}: set_rope_theta must be a "
+                             f"number > 0, got {theta!r}")
+    try:
+        parse_rope_scaling(stage.set_rope_scaling)
+    except ValueError as e:
+        raise ValueError(f"recipe {path}: stage {stage.name!r}: set_rope_scaling: {e}") from e
 
 
 def mark_done(stage: Stage, summary: dict) -> None:

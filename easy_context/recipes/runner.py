@@ -55,8 +55,28 @@ def run_train_stage(stage: Stage) -> dict:
             "tokens_per_s": (sum(m["tokens_per_s"] for m in metrics) / len(metrics)) if metrics else None}
 
 
+def check_stages(recipe: Recipe) -> None:
+    """Preflight every unfinished training stage (easy_context/train/preflight.py) before
+    the first one starts: a bad dataset in stage 5 should not wait for stages 1-4. A model
+    that an earlier stage writes is not there yet, so only the others are checked."""
+    from ..train.preflight import preflight
+
+    written = set()
+    for stage in recipe.stages:
+        if stage.trains and not stage.done():
+            try:
+                preflight(TrainConfig(**stage.train),
+                          model=stage.train["model"] not in written)
+            except ValueError as e:  # say which stage
+                raise ValueError(f"stage {stage.name!r}: {e}") from e
+            except (FileNotFoundError, NotADirectoryError) as e:
+                raise FileNotFoundError(f"stage {stage.name!r}: {e}") from e
+        written.add(str(stage.model_dir))
+
+
 def run_recipe(recipe: Recipe) -> list[dict]:
     """Run every unfinished stage; returns each stage's summary (finished ones included)."""
+    check_stages(recipe)
     summaries = []
     for i, stage in enumerate(recipe.stages):
         if stage.done():
