@@ -24,6 +24,7 @@ def add_demo_args(parser: argparse.ArgumentParser) -> None:
 def check_demo_args(args: argparse.Namespace) -> None:
     """Bad values fail here, before the build phase spends its seconds."""
     from ..train.config import TrainConfig
+    from ..utils.paths import check_output_path
     from ..train.preflight import check_layout
     from .run import DemoSettings, demo_recipe
 
@@ -31,9 +32,8 @@ def check_demo_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    check_output_path("--output-dir", args.output, folder=True)
     out = Path(args.output)
-    if out.exists() and not out.is_dir():
-        raise NotADirectoryError(f"--output-dir {out} is a file; give a folder")
     settings = DemoSettings.quick() if args.quick else DemoSettings()
     for stage in demo_recipe(out, settings, args.nproc_per_node, args.seed).stages:
         try:  # every stage's length must split over the ranks

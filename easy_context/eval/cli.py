@@ -2,7 +2,7 @@
 
     easy-context eval-needle --model DIR [--haystack-dir DIR] --max-context-length N ...
     easy-context eval-ppl    --model DIR [--model DIR2] (--tokenized DIR | --dataset SRC) ...
-    easy-context plot-ppl    FILE.csv [FILE2.csv] --output FILE.png
+    easy-context plot-ppl    FILE.csv [FILE2.csv] (--output FILE.png | --output-dir DIR)
 
 The two evals run in one process, under torchrun, or spawn ``--nproc-per-node`` ranks
 themselves (easy_context.launch); every rank loads the model and holds a shard of each
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ..compat import resolve_seq_algo
 from ..launch import device as rank_device
 from ..launch import launch
+from ..utils.paths import check_output_path
 from .model_loading import model_name
 
 logger = logging.getLogger(__name__)
@@ -48,8 +49,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                         help="run the model folder's own Python code (off by default)")
 
 
-def _setup(args: argparse.Namespace, path: str):
-    """On this rank: device, model (sequence-parallel unless generating) and tokenizer."""
+def _setup(args: argparse.Namespace, path: str, tokenizer: bool = True):
+    """On this rank: device, model (sequence-parallel unless generating) and tokenizer (None
+    with ``tokenizer=False``)."""
     from ..integrations.hf import apply_sequence_parallel
     from .model_loading import load_model_and_tokenizer
 
@@ -57,19 +59,45 @@ def _setup(args: argparse.Namespace, path: str):
     model, tok = load_model_and_tokenizer(path, device=dev, dtype=args.dtype,
                                           rope_theta=args.rope_theta,
                                           rope_scaling=args.rope_scaling,
-                                          trust_remote_code=args.trust_remote_code)
-    tok.model_max_length = 1 << 40  # long prompts are the point; silence length warnings
+                                          trust_remote_code=args.trust_remote_code,
+                                          tokenizer=tokenizer)
+    if tok is not None:
+        tok.model_max_length = 1 << 40  # long prompts are the point; silence length warnings
     if not getattr(args, "generate", False):
         apply_sequence_parallel(model, args.method, ring_degree=args.ring_degree)
     return dev, model, tok
 
 
-def _check_mode(args: argparse.Namespace) -> None:
+def _check_common(args: argparse.Namespace, models: list[str], tokenizer: bool) -> None:
+    """The flags every eval has, and the model folders (weights, and a tokenizer when the
+    eval needs one), checked before any rank starts."""
+    from .model_loading import check_model_path, has_tokenizer, parse_rope_scaling
+
     args.method = resolve_seq_algo(args.parallel_mode)
     world = args.nproc_per_node
+    if world < 1:
+        raise ValueError(f"--nproc-per-node must be >= 1, got {world}")
     if args.method == "data_parallel" and world > 1:
         raise ValueError("--parallel-mode data_parallel evaluates in one process; use a "
                          "sequence-parallel method with --nproc-per-node > 1")
+    if args.ring_degree is not None:
+        if args.method != "usp_attn":
+            raise ValueError(f"--ring-degree is usp_attn's; drop it for {args.method}")
+        if args.ring_degree < 1 or world % args.ring_degree:
+            divisors = [d for d in range(1, world + 1) if world % d == 0]
+            raise ValueError(f"--ring-degree must divide --nproc-per-node {world}: choose among "
+                             f"{divisors}, got {args.ring_degree}")
+    elif args.method == "usp_attn":
+        raise ValueError("usp_attn needs --ring-degree (ranks per ring; the others do Ulysses)")
+    if args.rope_theta is not None and not args.rope_theta > 0:
+        raise ValueError(f"--rope-theta must be > 0, got {args.rope_theta}")
+    parse_rope_scaling(args.rope_scaling)
+    for path in models:
+        check_model_path(path, weights=True)
+        if tokenizer and has_tokenizer(path) is False:
+            raise FileNotFoundError(f"model folder {path} has no tokenizer (tokenizer.json); "
+                                    "this eval turns text into tokens: save the model's "
+                                    "tokenizer there (tokenizer.save_pretrained)")
 
 
 def _is_main() -> bool:
@@ -142,17 +170,25 @@ def run_eval_needle(args: argparse.Namespace) -> int:
     from .needle import NeedleConfig
     from .plots import plot_needle_heatmap
 
-    _check_mode(args)
+    from .needle import read_haystack_dir
+
+    # bad flags fail before any launch
+    _check_common(args, [args.model], tokenizer=True)
     if args.generate and args.nproc_per_node > 1:
         raise ValueError("--generate runs in one process (decoding is not sequence-parallel); "
                          "drop --nproc-per-node or --generate")
     NeedleConfig(args.min_context_length, args.max_context_length, args.context_interval,
                  args.depth_interval, args.num_samples, args.rnd_number_digits,
-                 args.num_distractor, args.num_values)  # bad flags fail before any launch
+                 args.num_distractor, args.num_values)
+    if args.num_distractor < 0:
+        raise ValueError(f"--num-distractor must be >= 0, got {args.num_distractor}")
+    if args.haystack_dir is not None and not read_haystack_dir(args.haystack_dir).strip():
+        raise ValueError(f"haystack folder {args.haystack_dir}: its .txt files are empty")
+    out = Path(args.output_dir or Path("needle_output") / model_name(args.model))
+    check_output_path("--output-dir", out, folder=True)
     results = launch(_needle_rank, args.nproc_per_node, args)
     if not _is_main():
         return 0
-    out = Path(args.output_dir or Path("needle_output") / model_name(args.model))
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     plot_needle_heatmap(out / "results.json", out / "heatmap.png")
@@ -186,8 +222,18 @@ def add_eval_ppl_args(parser: argparse.ArgumentParser) -> None:
                         help="cut each sample to the context length (one window per sample)")
     parser.add_argument("--last-k", type=int, default=256,
                         help="also report the perplexity of each window's last k tokens")
-    parser.add_argument("--output-file", default="ppl.csv", help="CSV, one row per model x length")
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--output-file", default=None,
+                        help="CSV, one row per model x length (default: ppl.csv)")
+    output.add_argument("--output-dir", default=None, help="folder to write ppl.csv in")
     _add_common(parser)
+
+
+def ppl_output(args: argparse.Namespace) -> Path:
+    """Where eval-ppl writes its CSV: --output-file, or ppl.csv in --output-dir, or ./ppl.csv."""
+    if getattr(args, "output_dir", None):
+        return Path(args.output_dir) / "ppl.csv"
+    return Path(args.output_file or "ppl.csv")
 
 
 def load_samples(args: argparse.Namespace, tokenizer) -> list[list[int]]:
@@ -217,20 +263,25 @@ def load_samples(args: argparse.Namespace, tokenizer) -> list[list[int]]:
             if args.samples is not None and len(out) == args.samples:
                 break
     if not out:
-        raise ValueError(f"no sample has at least {args.dataset_min_tokens} tokens")
+        source = args.tokenized or args.dataset
+        raise ValueError(f"no sample has at least {args.dataset_min_tokens} tokens in {source}; "
+                         "lower --dataset-min-tokens" if args.dataset_min_tokens
+                         else f"{source} holds no samples")
     return out
 
 
 def _ppl_rank(args: argparse.Namespace) -> list[dict]:
+    from .model_loading import pad_token_id
     from .ppl import PplConfig, evaluate_ppl
 
     cfg = PplConfig(args.min_tokens, args.max_tokens, args.tokens_step, args.sliding_window,
                     args.truncate, args.last_k)
     rows = []
     for path in args.model:
-        dev, model, tok = _setup(args, path)
+        # --tokenized data needs no tokenizer: the model folder may have none.
+        dev, model, tok = _setup(args, path, tokenizer=not args.tokenized)
         samples = load_samples(args, tok)
-        pad = next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)
+        pad = pad_token_id(tok, model.config)
         for row in evaluate_ppl(model, samples, cfg, args.method, pad, device=dev,
                                 ring_degree=args.ring_degree, progress=_is_main()):
             rows.append({"model": model_name(path), **row})
@@ -238,17 +289,50 @@ def _ppl_rank(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+# Suffixes that make a --dataset value a file name rather than a dataset name on the Hub.
+_TEXT_FILES = (".txt", ".md", ".jsonl", ".json", ".parquet", ".csv")
+
+
+def _check_ppl_data(args: argparse.Namespace) -> None:
+    if args.samples is not None and args.samples < 1:
+        raise ValueError(f"--samples must be >= 1, got {args.samples}")
+    if args.dataset_min_tokens is not None and args.dataset_min_tokens < 0:
+        raise ValueError(f"--dataset-min-tokens must be >= 0, got {args.dataset_min_tokens}")
+    if args.tokenized:
+        import datasets
+
+        if not Path(args.tokenized).is_dir():
+            raise FileNotFoundError(f"--tokenized {args.tokenized} does not exist (a folder "
+                                    "written by datasets' save_to_disk)")
+        try:
+            ds = datasets.load_from_disk(args.tokenized)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"--tokenized {args.tokenized} is not a saved dataset "
+                                    f"(save_to_disk): {e}") from e
+        splits = ds.values() if isinstance(ds, datasets.DatasetDict) else [ds]
+        for split in splits:
+            if "input_ids" not in split.column_names:
+                raise ValueError(f"--tokenized {args.tokenized} has no input_ids column "
+                                 f"({split.column_names}); for text, use --dataset")
+    elif not Path(args.dataset).expanduser().exists() and (
+            args.dataset.startswith((".", "/", "~")) or Path(args.dataset).suffix in _TEXT_FILES):
+        raise FileNotFoundError(f"--dataset {args.dataset} does not exist")
+
+
 def run_eval_ppl(args: argparse.Namespace) -> int:
     """Run the perplexity eval for every --model; write the CSV; print a table."""
     from .ppl import PplConfig
 
-    _check_mode(args)
+    # bad flags fail before any launch
+    _check_common(args, args.model, tokenizer=bool(args.dataset))
     PplConfig(args.min_tokens, args.max_tokens, args.tokens_step, args.sliding_window,
-              args.truncate, args.last_k)  # bad flags fail before any launch
+              args.truncate, args.last_k)
+    _check_ppl_data(args)
+    out = ppl_output(args)
+    check_output_path("--output-dir" if args.output_dir else "--output-file", out, folder=False)
     rows = launch(_ppl_rank, args.nproc_per_node, args)
     if not _is_main():
         return 0
-    out = Path(args.output_file)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -267,7 +351,10 @@ def run_eval_ppl(args: argparse.Namespace) -> int:
 def add_plot_ppl_args(parser: argparse.ArgumentParser) -> None:
     """Flags of ``easy-context plot-ppl``."""
     parser.add_argument("csv", nargs="+", help="CSV files written by eval-ppl")
-    parser.add_argument("--output", default=None, help="PNG path (default: first CSV's, .png)")
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--output", default=None, help="PNG path (default: first CSV's, .png)")
+    output.add_argument("--output-dir", default=None,
+                        help="folder for the PNG, named after the first CSV")
     parser.add_argument("--last-k", action="store_true",
                         help="plot the last-k-token perplexity instead")
     parser.add_argument("--xmax", type=float, default=None)
@@ -278,11 +365,25 @@ def add_plot_ppl_args(parser: argparse.ArgumentParser) -> None:
 def run_plot_ppl(args: argparse.Namespace) -> int:
     from .plots import plot_ppl
 
+    column = "last_k_ppl" if args.last_k else "ppl"
     for path in args.csv:
-        if not Path(path).exists():
+        if not Path(path).is_file():
             raise FileNotFoundError(f"{path} does not exist")
-    out = args.output or str(Path(args.csv[0]).with_suffix(".png"))
-    plot_ppl(args.csv, out, "last_k_ppl" if args.last_k else "ppl", args.xmax, args.ymin,
-             args.ymax)
+        with open(path, newline="") as f:
+            header = next(csv.reader(f), [])
+        missing = {"model", "context_length", column} - set(header)
+        if missing:
+            raise ValueError(f"{path} is not an eval-ppl CSV: no {sorted(missing)} column "
+                             f"(columns: {header})")
+    if args.ymin is not None and args.ymax is not None and args.ymin >= args.ymax:
+        raise ValueError(f"--ymin ({args.ymin}) must be below --ymax ({args.ymax})")
+    if args.xmax is not None and not args.xmax > 0:
+        raise ValueError(f"--xmax must be > 0, got {args.xmax}")
+    name = Path(args.csv[0]).with_suffix(".png").name
+    out = args.output or str(Path(args.output_dir) / name if args.output_dir
+                             else Path(args.csv[0]).with_suffix(".png"))
+    check_output_path("--output", out, folder=False)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    plot_ppl(args.csv, out, column, args.xmax, args.ymin, args.ymax)
     print(f"wrote {out}")
     return 0

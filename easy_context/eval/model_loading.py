@@ -120,8 +120,10 @@ def load_model_and_tokenizer(path: str, *, device: torch.device | str = "cpu",
                              rope_scaling: str | dict | None = None,
                              trust_remote_code: bool = False,
                              attn_implementation: str = "sdpa",
-                             ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A causal LM (safetensors only, eval mode, on ``device``) and its tokenizer.
+                             tokenizer: bool = True,
+                             ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """A causal LM (safetensors only, eval mode, on ``device``) and its tokenizer (None with
+    ``tokenizer=False``).
 
     ``trust_remote_code`` is off by default: a model folder's own Python code runs only when
     asked for. The attention implementation is a plain one; ``apply_sequence_parallel``
@@ -134,8 +136,41 @@ def load_model_and_tokenizer(path: str, *, device: torch.device | str = "cpu",
         local, config=config, dtype=torch_dtype, use_safetensors=True,
         trust_remote_code=trust_remote_code, attn_implementation=attn_implementation)
     model.to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(local, trust_remote_code=trust_remote_code)
-    return model, tokenizer
+    if not tokenizer:
+        return model, None
+    if has_tokenizer(local) is False:
+        raise FileNotFoundError(f"model folder {path} has no tokenizer ({TOKENIZER_FILES[0]}); "
+                                "save one there with tokenizer.save_pretrained")
+    return model, AutoTokenizer.from_pretrained(local, trust_remote_code=trust_remote_code)
+
+
+# Files a saved tokenizer has at least one of (fast, its config, sentencepiece, BPE vocab).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "spiece.model")
+
+
+def has_tokenizer(path: str) -> bool | None:
+    """Whether a local model folder holds a tokenizer; None for a Hub name (unknown offline).
+    Without one, transformers would try to build it from the model type and fail on a
+    missing converter, far from the point."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        return None
+    return any((p / name).exists() for name in TOKENIZER_FILES)
+
+
+def pad_token_id(tokenizer: PreTrainedTokenizerBase | None, config: PretrainedConfig) -> int:
+    """The id to pad with: the tokenizer's pad or EOS, else the model config's, else 0.
+    (Padded positions are never scored; the id only has to be a valid one.)"""
+    sources = [tokenizer.pad_token_id, tokenizer.eos_token_id] if tokenizer is not None else []
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    sources += [getattr(text, "pad_token_id", None), getattr(text, "eos_token_id", None)]
+    for value in sources:
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0
 
 
 def model_name(path: str) -> str:

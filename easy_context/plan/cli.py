@@ -11,6 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
+from ..utils.paths import check_output_path
 from .choose import ORDER, choose_method, constraint, max_sequence_length, required_multiple
 from .estimate import CHECKPOINTING, DTYPES, ENGINES, GIB, OFFLOADS, estimate_memory
 from .shapes import BUILTIN, load_shape, with_overrides
@@ -69,6 +70,8 @@ def check_plan_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--usable is a fraction of the device memory, in (0, 1]; got {args.usable}")
     if args.ring_degree is not None and args.method != "usp_attn":
         raise ValueError("--ring-degree is usp_attn's; add --method usp_attn or drop it")
+    if args.output:
+        check_output_path("--output", args.output, folder=False)
 
 
 def _check_method(shape, method: str, n: int, ring_degree: int | None) -> None:

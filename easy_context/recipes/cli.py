@@ -39,11 +39,12 @@ def recipe_path(name: str) -> str:
 
 
 def run_recipe_command(args: argparse.Namespace) -> int:
+    from ..utils.paths import check_output_path
     from .recipe import load_recipe
     from .runner import plan_text, run_recipe
 
-    if args.output_root and Path(args.output_root).exists() and not Path(args.output_root).is_dir():
-        raise NotADirectoryError(f"--output-dir {args.output_root} is a file; give a folder")
+    if args.output_root:
+        check_output_path("--output-dir", args.output_root, folder=True)
     recipe = load_recipe(recipe_path(args.recipe), args.output_root)
     print(plan_text(recipe))
     if args.dry_run:

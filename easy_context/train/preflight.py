@@ -15,6 +15,7 @@ import json
 import os
 from pathlib import Path
 
+from ..utils.paths import check_output_path
 from .config import TrainConfig
 
 
@@ -75,9 +76,7 @@ def check_dataset(config: TrainConfig, world: int) -> None:
 
 
 def check_files(config: TrainConfig) -> None:
-    out = Path(config.output_dir)
-    if out.exists() and not out.is_dir():
-        raise NotADirectoryError(f"--output-dir {out} is a file; give a folder")
+    check_output_path("--output-dir", config.output_dir, folder=True)
     if config.deepspeed_config:
         path = Path(config.deepspeed_config)
         if not path.is_file():
