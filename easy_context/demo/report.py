@@ -38,7 +38,8 @@ def stage_rows(recipe: Recipe) -> list[dict]:
                      "rope_theta": t["rope_theta"], "method": t["parallel_mode"],
                      "ranks": t["nproc_per_node"], "steps": len(m),
                      "final_loss": m[-1]["loss"] if m else float("nan"),
-                     "peak_memory_mb": max((x["peak_memory_mb"] for x in m), default=float("nan")),
+                     "peak_memory_mb": max((x["peak_memory_mb"] for x in m
+                                            if x["peak_memory_mb"] is not None), default=float("nan")),
                      "tokens_per_s": statistics.median(x["tokens_per_s"] for x in m) if m else float("nan"),
                      "train_s": sum(x["step_time_s"] for x in m), "metrics": m})
     return rows

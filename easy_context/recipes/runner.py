@@ -51,7 +51,8 @@ def run_train_stage(stage: Stage) -> dict:
     metrics = results_of(stage.output_dir)
     return {"stage": stage.name, "steps": len(metrics), "seconds": time.perf_counter() - start,
             "final_loss": metrics[-1]["loss"] if metrics else None,
-            "peak_memory_mb": max((m["peak_memory_mb"] for m in metrics), default=None),
+            "peak_memory_mb": max((m["peak_memory_mb"] for m in metrics
+                                   if m.get("peak_memory_mb") is not None), default=None),
             "tokens_per_s": (sum(m["tokens_per_s"] for m in metrics) / len(metrics)) if metrics else None}
 
 

@@ -12,6 +12,17 @@ from tqdm import tqdm
 log = logging.getLogger("easy_context.train")
 
 
+def step_line(metrics: dict) -> str:
+    """The log line of one step. Peak memory is this rank's (its process's peak resident
+    memory on the CPU, peak allocated tensors on CUDA); left out where it is unknown."""
+    line = (f"step {metrics['step']} | loss {metrics['loss']:.4f} | ppl {metrics['ppl']:.2f} | "
+            f"lr {metrics['lr']:.2e} | grad norm {metrics['grad_norm']:.3f} | "
+            f"{metrics['tokens_per_s']:.0f} tok/s")
+    if metrics.get("peak_memory_mb") is not None:
+        line += f" | peak mem {metrics['peak_memory_mb']:.0f} MB"
+    return line
+
+
 class MetricsLogger:
     def __init__(self, output_dir: Path, config, enabled: bool, resume_step: int = 0):
         self.enabled = enabled
@@ -45,12 +56,10 @@ class MetricsLogger:
         self.bar.update(1)
         step = metrics["step"]
         if force or step % self.every == 0:
-            log.info("step %d | loss %.4f | ppl %.2f | lr %.2e | grad norm %.3f | %.0f tok/s | "
-                     "peak mem %.0f MB", step, metrics["loss"], metrics["ppl"], metrics["lr"],
-                     metrics["grad_norm"], metrics["tokens_per_s"], metrics["peak_memory_mb"])
+            log.info("%s", step_line(metrics))
         if self.tb is not None:
             for key, value in metrics.items():
-                if key != "step":
+                if key != "step" and value is not None:
                     self.tb.add_scalar(f"train/{key}", value, step)
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)

@@ -142,7 +142,8 @@ def train(config: TrainConfig, device: torch.device) -> dict:
         last = {"step": step, "loss": step_loss, "ppl": math.exp(min(step_loss, 50.0)),
                 "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                 "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
-                "peak_memory_mb": (peak.peak_bytes or 0) / 2**20}
+                "peak_memory_mb": (None if peak.process_peak_bytes is None
+                                   else peak.process_peak_bytes / 2**20)}
         metrics.log(last, force=step == config.max_train_steps)
         if config.save_every and step % config.save_every == 0 and step < config.max_train_steps:
             save_checkpoint(engine, output, step, _trainer_state(step, scheduler, config))
