@@ -159,12 +159,13 @@ def test_rope_overrides_reach_the_model(tmp_path_factory):
         parse_rope_scaling("linear")
 
 
-def test_bad_inputs(tmp_path, tok, hay):
+def test_bad_inputs(tmp_path, tok, hay, capsys):
     from easy_context.cli import main
 
-    with pytest.raises(FileNotFoundError, match="model folder .* does not exist"):
-        main(["eval-needle", "--model", str(tmp_path / "nope"), "--max-context-length", "128",
-              "--min-context-length", "128"])
+    assert main(["eval-needle", "--model", str(tmp_path / "nope"), "--max-context-length", "128",
+                 "--min-context-length", "128"]) == 2
+    assert capsys.readouterr().err == (f"easy-context eval-needle: error: model folder "
+                                       f"{tmp_path / 'nope'} does not exist\n")
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "notes.md").write_text("not a haystack")
     with pytest.raises(FileNotFoundError, match="no .txt files"):

@@ -107,5 +107,10 @@ def test_cli_writes_csv_and_plot(model_dir, tmp_path):
     assert png.stat().st_size > 5000
     height, width = imread(png).shape[:2]
     assert (width, height) == (800, 500)
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        main(["eval-ppl", "--model", str(tmp_path / "missing"), "--dataset", str(data)])
+
+def test_cli_reports_a_missing_model_on_one_line(tmp_path, capsys):
+    from easy_context.cli import main
+
+    assert main(["eval-ppl", "--model", str(tmp_path / "missing"), "--dataset", "x.jsonl"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"easy-context eval-ppl: error: model folder {tmp_path / 'missing'} does not exist\n"
