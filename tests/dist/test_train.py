@@ -61,6 +61,12 @@ def test_loss_decreases(reference):
     assert losses[-1] < losses[0], losses
 
 
+def test_metrics_hold_the_rank_peak_memory(reference):
+    # The rank's peak resident memory (a process holding torch and a model: hundreds of MB),
+    # not the rise above the step's start that the log once printed as "-0 MB" on CPU.
+    assert all(m["peak_memory_mb"] > 100 for m in reference["b1"])
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_sequence_parallel_equals_one_process(dist2, workdir, reference, method):
     extra = {"ring_degree": 1} if method == "usp_attn" else {}
