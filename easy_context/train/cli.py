@@ -21,7 +21,10 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m easy_context.train",
-                                     description="DP x SP training of a Hugging Face causal LM")
-    add_train_args(parser)
-    return run_train(parser.parse_args(argv))
+    """``python -m easy_context.train ...`` (what torchrun and accelerate start on each rank):
+    ``easy-context train ...``, with its one-line errors and --debug."""
+    import sys
+
+    from ..cli import main as cli_main
+
+    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])

@@ -261,3 +261,16 @@ def test_help_lists_debug(capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", "--help"])
     assert e.value.code == 0 and "--debug" in capsys.readouterr().out
+
+
+def test_under_torchrun_each_process_says_its_rank(paths, capsys, monkeypatch):
+    # torchrun starts the command once per rank (python -m easy_context.train): every
+    # failing process prints its line, so each line says which rank it comes from.
+    from easy_context.train.cli import main as train_main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert train_main(["--model", paths["model"], "--dataset", paths["data"],
+                       "--seq-length", "0"]) == 2
+    assert capsys.readouterr().err == ("easy-context train: error: rank 1: --seq-length must "
+                                       "be >= 1, got 0\n")
