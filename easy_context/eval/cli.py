@@ -21,19 +21,18 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ..compat import resolve_seq_algo
+from ..parallel import SEQUENCE_PARALLEL, get_method
 from ..launch import device as rank_device
 from ..launch import launch
-from .model_loading import model_name
+from ..models import model_name
 
 logger = logging.getLogger(__name__)
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parallel-mode", default="zigzag_ring_attn",
-                        help="sequence-parallel method (zigzag_ring_attn, ring_attn, "
-                             "dist_flash_attn, ulysses_attn, usp_attn, allgather_attn; the "
-                             "original's names work too); data_parallel: one process only")
+                        help="sequence-parallel method: " + ", ".join(SEQUENCE_PARALLEL)
+                             + " (the original's names work too); data_parallel: one process")
     parser.add_argument("--ring-degree", type=int, default=None, help="usp_attn only")
     parser.add_argument("--nproc-per-node", type=int, default=1,
                         help="ranks to spawn (ignored under torchrun, which sets them)")
@@ -49,9 +48,11 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def _setup(args: argparse.Namespace, path: str):
-    """On this rank: device, model (sequence-parallel unless generating) and tokenizer."""
+    """On this rank: device, model (sequence-parallel unless generating), tokenizer and the
+    sequence-parallel group (every rank: one sequence at a time)."""
     from ..integrations.hf import apply_sequence_parallel
-    from .model_loading import load_model_and_tokenizer
+    from ..mesh import build_mesh
+    from ..models import load_model_and_tokenizer
 
     dev = rank_device()
     model, tok = load_model_and_tokenizer(path, device=dev, dtype=args.dtype,
@@ -59,15 +60,18 @@ def _setup(args: argparse.Namespace, path: str):
                                           rope_scaling=args.rope_scaling,
                                           trust_remote_code=args.trust_remote_code)
     tok.model_max_length = 1 << 40  # long prompts are the point; silence length warnings
+    group = None
     if not getattr(args, "generate", False):
-        apply_sequence_parallel(model, args.method, ring_degree=args.ring_degree)
-    return dev, model, tok
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        group = build_mesh(world, args.ring_degree, dev.type).sp
+        apply_sequence_parallel(model, args.method, group=group, ring_degree=args.ring_degree)
+    return dev, model, tok, group
 
 
 def _check_mode(args: argparse.Namespace) -> None:
-    args.method = resolve_seq_algo(args.parallel_mode)
+    args.method = get_method(args.parallel_mode).name
     world = args.nproc_per_node
-    if args.method == "data_parallel" and world > 1:
+    if args.method == "local" and world > 1:
         raise ValueError("--parallel-mode data_parallel evaluates in one process; use a "
                          "sequence-parallel method with --nproc-per-node > 1")
 
@@ -119,11 +123,11 @@ def _needle_rank(args: argparse.Namespace) -> dict:
     cfg = NeedleConfig(args.min_context_length, args.max_context_length, args.context_interval,
                        args.depth_interval, args.num_samples, args.rnd_number_digits,
                        args.num_distractor, args.num_values, args.seed, args.add_bos)
-    dev, model, tok = _setup(args, args.model)
+    dev, model, tok, group = _setup(args, args.model)
     hay = build_haystack(tok, args.max_context_length, args.haystack_dir,
                          repeat=not args.no_repeat_haystack, seed=args.seed)
     start = time.time()
-    results = evaluate_needle(model, tok, hay, cfg, args.method, device=dev,
+    results = evaluate_needle(model, tok, hay, cfg, args.method, group=group, device=dev,
                               generate=args.generate, ring_degree=args.ring_degree,
                               progress=_is_main())
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -228,10 +232,10 @@ def _ppl_rank(args: argparse.Namespace) -> list[dict]:
                     args.truncate, args.last_k)
     rows = []
     for path in args.model:
-        dev, model, tok = _setup(args, path)
+        dev, model, tok, group = _setup(args, path)
         samples = load_samples(args, tok)
         pad = next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)
-        for row in evaluate_ppl(model, samples, cfg, args.method, pad, device=dev,
+        for row in evaluate_ppl(model, samples, cfg, args.method, pad, group=group, device=dev,
                                 ring_degree=args.ring_degree, progress=_is_main()):
             rows.append({"model": model_name(path), **row})
         del model

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import yaml
 
+from ..parallel import SEQUENCE_PARALLEL, get_method
+
 
 def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
@@ -27,9 +29,9 @@ class TrainConfig:
     dataset: str = _f(None, "dataset: a save_to_disk folder, or a load_dataset path or name, "
                             "with an input_ids column of seq_length+1 tokens")
     seq_length: int = _f(4096, "tokens per training sequence (inputs; targets are shifted by one)")
-    parallel_mode: str = _f("zigzag_ring_attn", "sequence-parallel method (ring_attn, "
-                            "zigzag_ring_attn, dist_flash_attn, ulysses_attn, usp_attn, "
-                            "allgather_attn), or data_parallel")
+    parallel_mode: str = _f("zigzag_ring_attn", "sequence-parallel method: "
+                            + ", ".join(SEQUENCE_PARALLEL) + "; or data_parallel (the local "
+                            "method: whole sequences on each rank)")
     ring_degree: int = _f(None, "usp_attn: ranks in each ring (the rest are Ulysses)")
     rope_theta: float = _f(None, "set the RoPE base frequency before training")
     batch_size: int = _f(1, "sequences per data-parallel rank per micro-step")
@@ -65,14 +67,18 @@ class TrainConfig:
     trust_remote_code: bool = _f(False, "allow code from the model folder to run")
     export: bool = _f(True, "write a Hugging Face model folder (safetensors) at the end")
 
-    def validate(self) -> None:
-        from ..compat import resolve_seq_algo
+    def sp_size_for(self, world: int) -> int:
+        """Ranks per sequence-parallel group in a world of ``world`` ranks."""
+        if get_method(self.parallel_mode).layout == "whole":
+            return 1
+        return self.sp_size or world
 
+    def validate(self) -> None:
         if not self.model:
             raise ValueError("--model is required (a local model folder or a hub name)")
         if not self.dataset:
             raise ValueError("--dataset is required (a save_to_disk folder, or a dataset name)")
-        self.parallel_mode = resolve_seq_algo(self.parallel_mode)
+        method = get_method(self.parallel_mode)  # the user's spelling (an alias) is kept
         positive = ("seq_length", "batch_size", "gradient_accumulate_every", "max_train_steps",
                     "log_every", "nproc_per_node")
         for name in positive:
@@ -85,11 +91,14 @@ class TrainConfig:
             if choices and getattr(self, name) not in choices:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {choices}, "
                                  f"got {getattr(self, name)!r}")
-        if self.parallel_mode == "data_parallel" and self.sp_size not in (None, 1):
-            raise ValueError("data_parallel has no sequence parallelism: drop --sp-size or set it to 1")
-        if self.parallel_mode == "usp_attn" and self.ring_degree is None:
-            raise ValueError("usp_attn needs --ring-degree (ranks per ring; sp_size / ring_degree "
-                             "ranks do Ulysses)")
+        if method.layout == "whole" and self.sp_size not in (None, 1):
+            raise ValueError(f"{self.parallel_mode} has no sequence parallelism: drop --sp-size "
+                             "or set it to 1")
+        if method.needs_ring_degree and self.ring_degree is None:
+            raise ValueError(f"{method.name} needs --ring-degree (ranks per ring; sp_size / "
+                             "ring_degree ranks do Ulysses)")
+        if self.ring_degree is not None and not method.needs_ring_degree:
+            raise ValueError(f"--ring-degree applies to usp_attn only, not {method.name}; drop it")
         if self.learning_rate <= 0:
             raise ValueError(f"--learning-rate must be > 0, got {self.learning_rate}")
 

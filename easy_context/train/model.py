@@ -7,14 +7,14 @@ import logging
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ..eval.model_loading import _check_path, load_config
+from ..models import check_model_path, load_config
 from .config import TrainConfig
 
 log = logging.getLogger(__name__)
 
 
 def load_model_and_tokenizer(config: TrainConfig):
-    path = _check_path(config.model)
+    path = check_model_path(config.model)
     model_config = load_config(path, config.rope_theta, config.rope_scaling, config.trust_remote_code)
     # Master weights stay fp32; FSDP's mixed-precision policy computes in bf16.
     model = AutoModelForCausalLM.from_pretrained(

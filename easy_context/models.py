@@ -1,4 +1,6 @@
-"""Load a causal LM and its tokenizer for evaluation (and training, demos), with RoPE overrides.
+"""Loading models: config with RoPE overrides, weights (safetensors only), tokenizer.
+
+Shared by training, evaluation, the planner and the demo.
 
     model, tokenizer = load_model_and_tokenizer("path/to/model", rope_theta=5e6,
                                                 rope_scaling="linear:4", device="cpu")
@@ -88,7 +90,8 @@ def resolve_dtype(name: str | None, device: torch.device | str) -> torch.dtype:
     return DTYPES[name]
 
 
-def _check_path(path: str) -> str:
+def check_model_path(path: str) -> str:
+    """A local folder with a config.json, or a hub name; FileNotFoundError otherwise."""
     p = Path(path).expanduser()
     if p.exists():
         if not (p / "config.json").exists():
@@ -103,7 +106,7 @@ def _check_path(path: str) -> str:
 def load_config(path: str, rope_theta: float | None = None, rope_scaling: str | dict | None = None,
                 trust_remote_code: bool = False) -> PretrainedConfig:
     """The model's config with the RoPE overrides applied."""
-    config = AutoConfig.from_pretrained(_check_path(path), trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(check_model_path(path), trust_remote_code=trust_remote_code)
     return apply_rope_overrides(config, rope_theta, rope_scaling)
 
 
@@ -120,7 +123,7 @@ def load_model_and_tokenizer(path: str, *, device: torch.device | str = "cpu",
     asked for. The attention implementation is a plain one; ``apply_sequence_parallel``
     switches it afterwards.
     """
-    local = _check_path(path)
+    local = check_model_path(path)
     config = load_config(local, rope_theta, rope_scaling, trust_remote_code)
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, device)
     model = AutoModelForCausalLM.from_pretrained(
