@@ -78,8 +78,11 @@ def check_family(family: str, methods: list[str], chunked_options=(True, False))
             ec.apply_sequence_parallel(model, method, ring_degree=ring_degree)
             local = ec.prepare_seq_parallel_inputs(method, inputs, positions, targets, rank, world,
                                                    "cpu", ring_degree=ring_degree)
+            # As the README's example does: the ids of an unpacked batch name one document
+            # per sequence, which must not switch document masking on in any method.
             loss = ec.causal_lm_loss(model, local["local_input_ids"], local["local_position_ids"],
-                                     local["local_target_ids"], chunked=chunked)
+                                     local["local_target_ids"], chunked=chunked,
+                                     document_ids=local["local_document_ids"])
             loss.backward()
             loss_err = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
             report[f"{method} chunked={chunked}"] = (loss_err, _grad_errors(model, ref))
