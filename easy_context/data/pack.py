@@ -19,10 +19,10 @@ d, position = g - max(start of d, start of g's window).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 
 
 @dataclass
@@ -33,11 +33,20 @@ class PackedBatch:
     position_ids: np.ndarray
     document_ids: np.ndarray
 
-    def rows(self) -> Iterator[dict[str, list[int]]]:
-        # Python lists: datasets' writer converts them ~2.5x faster than numpy rows.
-        ids, pos, doc = self.input_ids.tolist(), self.position_ids.tolist(), self.document_ids.tolist()
-        for i in range(len(ids)):
-            yield {"input_ids": ids[i], "position_ids": pos[i], "document_ids": doc[i]}
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def to_arrow(self) -> pa.Table:
+        """The windows as fixed-size-list columns, zero-copy from numpy.
+
+        Going through Python lists (one per window) cost more than the packing itself.
+        """
+        window = self.input_ids.shape[1]
+        return pa.table({
+            name: pa.FixedSizeListArray.from_arrays(pa.array(arr.reshape(-1)), window)
+            for name, arr in (("input_ids", self.input_ids), ("position_ids", self.position_ids),
+                              ("document_ids", self.document_ids))
+        })
 
 
 class Packer:
@@ -60,7 +69,7 @@ class Packer:
         """Append documents (flat ``tokens``, split by ``lengths``); return completed windows."""
         lengths = np.asarray(lengths, dtype=np.int64)
         n, d = int(lengths.sum()), len(lengths)
-        starts = self.num_tokens + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        starts = self.num_tokens + np.cumsum(lengths) - lengths
         doc_ids = np.arange(self.num_documents, self.num_documents + d, dtype=np.int64)
         self._tokens = np.concatenate([self._tokens, np.asarray(tokens, dtype=self.token_dtype)])
         self._doc_start = np.concatenate([self._doc_start, np.repeat(starts, lengths)])

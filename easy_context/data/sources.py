@@ -13,6 +13,10 @@ unit of per-source upsampling). Without a name, the file or folder name is used.
 Every reader goes through ``datasets`` (the ``text``, ``json`` and ``parquet`` builders), in
 memory-mapped or streaming mode, so both modes read exactly the same documents in the same
 order — which is what makes streaming results equal the in-memory ones.
+
+When a reader fails on a malformed file, ``datasets`` says only "An error occurred while
+generating the dataset"; we then scan the files ourselves (:mod:`.checks`) and raise an
+error that names the file, the line and what to fix.
 """
 
 from __future__ import annotations
@@ -20,10 +24,14 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
+
+from .checks import find_bad_input
 
 logger = logging.getLogger(__name__)
 
@@ -98,15 +106,35 @@ def parse_source(spec: str) -> SourceSpec:
     return SourceSpec(name, path, "hub")
 
 
+@contextmanager
+def _reading(source: SourceSpec, text_column: str) -> Iterator[None]:
+    """Turn a reader's failure on a malformed file into an error naming the file and line."""
+    try:
+        yield
+    except (datasets.exceptions.DatasetGenerationError, pa.ArrowException, UnicodeDecodeError,
+            ValueError) as e:
+        problem = find_bad_input(source.kind, source.files, text_column)
+        if problem is None:
+            raise
+        raise ValueError(problem) from e
+
+
 def _check_column(ds: datasets.Dataset | datasets.IterableDataset, source: SourceSpec,
                   text_column: str) -> None:
     columns = ds.column_names
     if columns is None:  # a streamed source of unknown schema: look at its first row
-        columns = list(next(iter(ds), {}).keys())
+        with _reading(source, text_column):
+            columns = list(next(iter(ds), {}).keys())
     if text_column not in columns:
         raise ValueError(
             f"input {source.path} has no column {text_column!r} (columns: {columns}); "
             f"pass --text-column with one of them"
+        )
+    feature = (ds.features or {}).get(text_column)
+    if isinstance(feature, datasets.Value) and feature.dtype not in ("string", "large_string"):
+        raise ValueError(
+            f"input {source.path}: column {text_column!r} holds {feature.dtype}, not text; "
+            f"pass --text-column naming a text column (columns: {columns})"
         )
 
 
@@ -133,8 +161,9 @@ def load_source(source: SourceSpec, text_column: str = "text", streaming: bool =
             ) from e
     else:
         kwargs = {"sample_by": "document"} if source.kind == "text" else {}
-        ds = datasets.load_dataset(source.kind, data_files=list(source.files), split="train",
-                                   streaming=streaming, **kwargs)
+        with _reading(source, text_column):
+            ds = datasets.load_dataset(source.kind, data_files=list(source.files), split="train",
+                                       streaming=streaming, **kwargs)
     if source.kind == "text":
         text_column = "text"  # the text builder names its one column 'text'
     _check_column(ds, source, text_column)
@@ -151,3 +180,34 @@ def iter_texts(ds: datasets.Dataset | datasets.IterableDataset, batch_size: int 
     """Yield batches of document texts; None values (missing text) become empty strings."""
     for batch in ds.iter(batch_size=batch_size):
         yield [t or "" for t in batch["text"]]
+
+
+def iter_text_batches(ds: datasets.Dataset | datasets.IterableDataset, source: SourceSpec,
+                      text_column: str = "text", batch_size: int = 256,
+                      batch_chars: int = 1 << 20) -> Iterator[list[str]]:
+    """Batches of document texts, each closed at ``batch_size`` documents or ``batch_chars``
+    characters, so that a few huge documents still spread over the tokenizer workers.
+
+    Missing texts (None) become empty strings; any other non-text value is an error that
+    names the row (a streamed jsonl has no schema to check up front).
+    """
+    out: list[str] = []
+    chars = row = 0
+    with _reading(source, text_column):
+        for batch in ds.iter(batch_size=batch_size):
+            for t in batch["text"]:
+                if not isinstance(t, str):
+                    if t is not None:
+                        raise ValueError(
+                            f"input {source.path}: document {row} has a {type(t).__name__} in "
+                            f"column {text_column!r}, not text; pass --text-column naming a "
+                            f"text column")
+                    t = ""
+                out.append(t)
+                chars += len(t)
+                row += 1
+                if len(out) == batch_size or chars >= batch_chars:
+                    yield out
+                    out, chars = [], 0
+    if out:
+        yield out
