@@ -31,6 +31,18 @@ def _not_utf8(file: str | Path, n: int, raw: bytes, e: UnicodeDecodeError) -> st
             f"{e.start + 1}); re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)")
 
 
+def read_utf8(file: str | Path) -> str:
+    """A whole file as text; if it is not UTF-8, a ValueError naming the line."""
+    raw = Path(file).read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line_start = raw.rfind(b"\n", 0, e.start) + 1
+        n = raw.count(b"\n", 0, e.start) + 1
+        raise ValueError(_not_utf8(file, n, raw[line_start:], UnicodeDecodeError(
+            e.encoding, e.object, e.start - line_start, e.end - line_start, e.reason))) from None
+
+
 def utf8_lines(file: str | Path) -> Iterator[tuple[int, str]]:
     """(line number, text) of each line; a line that is not UTF-8 raises a ValueError naming it."""
     with _open(file) as f:
@@ -48,13 +60,18 @@ def json_records(file: str | Path, text_column: str) -> Iterator[dict]:
     """
     with _open(file) as f:
         is_array = f.read(4096).lstrip().startswith(b"[")
+    records = None
     if is_array:
         text = "".join(line for _, line in utf8_lines(file))
         try:
             records = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{file}, line {e.lineno}: invalid JSON ({e.msg}, column {e.colno}); "
-                             f"fix the file or write it as JSON lines") from None
+            # "Extra data": the first value parsed and more follow, so these are JSON lines
+            # whose first line happens to be an array; anything else is a broken array.
+            if not e.msg.startswith("Extra data"):
+                raise ValueError(f"{file}, line {e.lineno}: invalid JSON ({e.msg}, column "
+                                 f"{e.colno}); fix the file or write it as JSON lines") from None
+    if records is not None:
         numbered: Iterable[tuple[int, object]] = ((i + 1, r) for i, r in enumerate(records))
         where = "element"
     else:
@@ -84,11 +101,12 @@ def _json_line(file: str | Path, n: int, line: str) -> object:
 
 def find_bad_input(kind: str, files: Iterable[str], text_column: str = "text") -> str | None:
     """What is wrong with the first malformed file of a source, or None if none is found."""
+    records = 0
     for file in files:
         try:
             if kind == "json":
                 for _ in json_records(file, text_column):
-                    pass
+                    records += 1
             elif kind == "text":
                 for _ in utf8_lines(file):
                     pass
@@ -100,4 +118,7 @@ def find_bad_input(kind: str, files: Iterable[str], text_column: str = "text") -
                             f"text under another extension")
         except ValueError as e:
             return str(e)
+    if kind == "json" and records == 0:
+        return (f"input {', '.join(map(str, files))} has no documents (no JSON records); add "
+                f"records or leave it out")
     return None

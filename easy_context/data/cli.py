@@ -1,8 +1,14 @@
 """Argparse entry points for the data commands; ``easy_context/cli.py`` wires them up as
 
-    easy-context prepare-data    INPUT... --tokenizer TOK --output DIR --seq-length N
+    easy-context prepare-data    INPUT... --tokenizer TOK --output-dir DIR --seq-length N
     easy-context synth-data      --kind mix --num-docs N --length L --output FILE.jsonl
-    easy-context train-tokenizer --input FILE_OR_DIR... --vocab-size V --output DIR
+    easy-context train-tokenizer --input FILE_OR_DIR... --vocab-size V --output-dir DIR
+
+A folder output is ``--output-dir`` everywhere (``--output`` still works, as before); a file
+output is ``--output``.
+
+Bad flag values raise ValueError / FileNotFoundError saying what to change, before any
+long work starts; ``easy_context/cli.py`` prints them as one line.
 
 Each command is an ``add_*_args(parser)`` / ``run_*(args) -> int`` pair so it can be
 mounted as a subcommand or tested without a subprocess.
@@ -20,7 +26,7 @@ from pathlib import Path
 
 from .prepare import PrepareConfig, prepare_data
 from .synthetic import KINDS, SyntheticConfig, generate
-from .tokenizer import iter_text_files, train_bpe_tokenizer
+from .tokenizer import check_vocab_size, iter_text_files, list_text_files, train_bpe_tokenizer
 from .upsample import UpsampleConfig
 
 logger = logging.getLogger(__name__)
@@ -32,7 +38,8 @@ def add_prepare_data_args(parser: argparse.ArgumentParser) -> None:
                         help="text file or folder, .jsonl/.parquet file or folder, save_to_disk "
                              "folder, or dataset name; optionally name=path to label the source")
     parser.add_argument("--tokenizer", required=True, help="tokenizer folder or name (AutoTokenizer)")
-    parser.add_argument("--output", required=True, help="output folder (datasets.save_to_disk)")
+    parser.add_argument("--output-dir", "--output", dest="output", required=True, metavar="DIR",
+                        help="output folder (datasets.save_to_disk)")
     parser.add_argument("--seq-length", type=int, default=8192,
                         help="training sequence length; windows hold seq_length + 1 tokens")
     parser.add_argument("--text-column", default="text", help="text column of jsonl/parquet/datasets")
@@ -91,6 +98,9 @@ def run_synthetic(args: argparse.Namespace) -> int:
     cfg = SyntheticConfig(kind=args.kind, num_docs=args.num_docs, length=args.length,
                           length_unit=args.length_unit, seed=args.seed)
     out = Path(args.output)
+    if out.is_dir():
+        raise ValueError(f"synth-data --output {out} is a folder; pass a file path such as "
+                         f"{out / 'corpus.jsonl'}")
     out.parent.mkdir(parents=True, exist_ok=True)
     n = 0
     with out.open("w", encoding="utf-8") as f:
@@ -106,11 +116,19 @@ def add_train_tokenizer_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input", nargs="+", required=True,
                         help="text files or folders to train on (each file read whole)")
     parser.add_argument("--vocab-size", type=int, default=4096)
-    parser.add_argument("--output", required=True, help="tokenizer folder to write")
+    parser.add_argument("--text-column", default="text",
+                        help="field holding the text in .jsonl/.json/.parquet inputs")
+    parser.add_argument("--output-dir", "--output", dest="output", required=True, metavar="DIR",
+                        help="tokenizer folder to write")
 
 
 def run_train_tokenizer(args: argparse.Namespace) -> int:
     """Train a byte-level BPE on the input files and save it as a Hugging Face tokenizer."""
-    tok = train_bpe_tokenizer(iter_text_files(args.input), args.vocab_size, args.output)
-    print(f"wrote a {len(tok)}-token byte-level BPE tokenizer to {args.output}")
+    check_vocab_size(args.vocab_size)
+    out = Path(args.output)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"train-tokenizer output {out} is a file; pass --output-dir a folder path")
+    files = list_text_files(args.input)  # checks the inputs before training starts
+    tok = train_bpe_tokenizer(iter_text_files(files, args.text_column), args.vocab_size, out)
+    print(f"wrote a {len(tok)}-token byte-level BPE tokenizer to {out}")
     return 0

@@ -96,10 +96,13 @@ class PrepareConfig:
             raise ValueError(f"seq_length must be at least 2 (got {self.seq_length}); pass a larger --seq-length")
         if not self.inputs:
             raise ValueError("no inputs given; pass at least one file, folder or dataset")
-        if self.min_length < 0:
-            raise ValueError(f"min_length must be >= 0, got {self.min_length}")
-        if self.num_proc < 1:
-            raise ValueError(f"num_proc must be >= 1, got {self.num_proc}")
+        for flag, value, least in (("--min-length", self.min_length, 0), ("--num-proc", self.num_proc, 1),
+                                   ("--seed", self.seed, 0), ("--max-documents", self.max_documents, 1),
+                                   ("batch_size", self.batch_size, 1), ("batch_chars", self.batch_chars, 1)):
+            if value is not None and value < least:
+                raise ValueError(f"{flag} must be at least {least}, got {value}")
+        if not self.text_column:
+            raise ValueError("--text-column is empty; name the column that holds the text")
 
 
 def _emit(index: int, source: SourceSpec, ds: datasets.Dataset | datasets.IterableDataset,

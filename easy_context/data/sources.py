@@ -122,9 +122,12 @@ def _reading(source: SourceSpec, text_column: str) -> Iterator[None]:
 def _check_column(ds: datasets.Dataset | datasets.IterableDataset, source: SourceSpec,
                   text_column: str) -> None:
     columns = ds.column_names
-    if columns is None:  # a streamed source of unknown schema: look at its first row
+    if not columns:  # a streamed source of unknown schema: look at its first row
         with _reading(source, text_column):
-            columns = list(next(iter(ds), {}).keys())
+            first = next(iter(ds), None)
+        if first is None:
+            raise ValueError(f"input {source.path} has no documents; check the file")
+        columns = list(first)
     if text_column not in columns:
         raise ValueError(
             f"input {source.path} has no column {text_column!r} (columns: {columns}); "

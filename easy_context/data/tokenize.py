@@ -44,8 +44,9 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
         return AutoTokenizer.from_pretrained(str(p) if p.exists() else name_or_path,
                                              trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
+        reason = " ".join(str(e).split())  # transformers' messages span several lines
         raise FileNotFoundError(
-            f"could not load tokenizer {name_or_path!r} ({type(e).__name__}: {e}); pass "
+            f"could not load tokenizer {name_or_path!r} ({type(e).__name__}: {reason}); pass "
             f"--tokenizer a local folder with tokenizer.json, or a model name reachable offline"
         ) from e
 
