@@ -14,7 +14,7 @@ shuffled by window, and saved with ``save_to_disk``.
 
 Without upsampling every source is read and tokenized once, packed as it streams by. With
 upsampling the lengths must be known before the first document is emitted (S and L fix the
-repeat rate), so a source's tokens are spilled once to a flat file (:mod:`store`) and the
+repeat rate), so a source's tokens are spilled once to a flat file (``TokenStore``) and the
 rounds are read back from it. Streaming and in-memory modes differ only in how text is read
 (lazily, or from ``datasets``' memory-mapped Arrow copy); the rest is shared code, so they
 give identical datasets (a test checks it).
@@ -42,8 +42,7 @@ from tqdm.auto import tqdm
 
 from .pack import Packer
 from .sources import SourceSpec, iter_text_batches, load_source, parse_source
-from .store import TokenStore
-from .tokenize import (DocumentTokenizer, TokenBatch, TokenizerPool, load_tokenizer,
+from .tokenize import (DocumentTokenizer, TokenBatch, TokenizerPool, TokenStore, load_tokenizer,
                        resolve_special_tokens)
 from .upsample import UpsampleConfig, plan_copies, source_stats
 
@@ -177,17 +176,17 @@ def prepare_data(cfg: PrepareConfig) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        writer = ArrowWriter(features=features, path=str(work / "windows.arrow"))
         bar = tqdm(desc="packing", unit="tok", unit_scale=True)
-        with TokenizerPool(doc_tok, cfg.num_proc) as pool:
+        with (ArrowWriter(features=features, path=str(work / "windows.arrow")) as writer,
+              TokenizerPool(doc_tok, cfg.num_proc) as pool):
             for i, (spec, ds) in enumerate(zip(specs, opened)):
                 for batch in _emit(i, spec, ds, cfg, pool, work, per_source):
                     bar.update(int(batch.lengths.sum()))
                     windows = packer.add(batch.tokens, batch.lengths)
                     if len(windows):
                         writer.write_table(windows.to_arrow())
+            writer.finalize()
         bar.close()
-        writer.finalize()
         if packer.num_windows == 0:
             raise ValueError(
                 f"the inputs hold {packer.num_tokens} tokens, fewer than one window of "

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from easy_context.data.store import TokenStore
 from easy_context.data.tokenize import (DocumentTokenizer, SpecialTokens, TokenBatch,
-                                        TokenizerPool, resolve_special_tokens)
+                                        TokenizerPool, TokenStore, resolve_special_tokens)
 from tests.unit.data_fixtures import expected_stream, load_tok
 
 
