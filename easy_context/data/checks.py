@@ -53,10 +53,10 @@ def utf8_lines(file: str | Path) -> Iterator[tuple[int, str]]:
                 raise ValueError(_not_utf8(file, n, raw, e)) from None
 
 
-def json_records(file: str | Path, text_column: str) -> Iterator[dict]:
+def json_records(file: str | Path, text_column: str | None) -> Iterator[dict]:
     """The objects of a JSON-lines file (or of one JSON array), with errors naming the line.
 
-    Each record must be an object whose ``text_column`` is a string or null (missing).
+    Each record must be an object whose ``text_column`` (if given) is a string or null.
     """
     with _open(file) as f:
         is_array = f.read(4096).lstrip().startswith(b"[")
@@ -82,7 +82,7 @@ def json_records(file: str | Path, text_column: str) -> Iterator[dict]:
             raise ValueError(
                 f"{file}, {where} {n}: a JSON {_JSON_TYPES.get(type(record), '?')}, not an object; "
                 f'each record must be an object such as {{"{text_column}": "..."}}')
-        value = record.get(text_column)
+        value = record.get(text_column) if text_column is not None else None
         if value is not None and not isinstance(value, str):
             raise ValueError(
                 f"{file}, {where} {n}: {text_column!r} is a JSON "
@@ -99,7 +99,7 @@ def _json_line(file: str | Path, n: int, line: str) -> object:
                          f"fix or delete that line") from None
 
 
-def find_bad_input(kind: str, files: Iterable[str], text_column: str = "text") -> str | None:
+def find_bad_input(kind: str, files: Iterable[str], text_column: str | None = "text") -> str | None:
     """What is wrong with the first malformed file of a source, or None if none is found."""
     records = 0
     for file in files:

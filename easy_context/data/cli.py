@@ -64,6 +64,19 @@ def add_prepare_data_args(parser: argparse.ArgumentParser) -> None:
                         help="allow custom tokenizer code from the hub (runs remote code)")
     parser.add_argument("--max-documents", type=int, default=None,
                         help="read at most this many documents per source")
+    chat = parser.add_argument_group(
+        "chat data", "records are conversations, rendered with the tokenizer's chat template; "
+        "a labels column trains on the assistant turns only (-100 elsewhere)")
+    chat.add_argument("--chat", action="store_true",
+                      help="read conversations from --messages-column")
+    chat.add_argument("--messages-column", default="messages",
+                      help='column holding a list of {"role", "content"} messages')
+    chat.add_argument("--prompt-column", default=None,
+                      help="single-turn data: prompt column (implies --chat; with --response-column)")
+    chat.add_argument("--response-column", default=None, help="single-turn data: response column")
+    chat.add_argument("--chat-template", default=None, metavar="FILE",
+                      help="Jinja chat template file, for a tokenizer without one (or to replace "
+                           "it); {%% generation %%} tags around assistant text are used when present")
 
 
 def run_prepare_data(args: argparse.Namespace) -> int:
@@ -75,6 +88,8 @@ def run_prepare_data(args: argparse.Namespace) -> int:
         upsample=UpsampleConfig(args.upsample_threshold, args.upsample_keep_prob),
         num_proc=args.num_proc, streaming=args.streaming, shuffle=args.shuffle, seed=args.seed,
         trust_remote_code=args.trust_remote_code, max_documents=args.max_documents,
+        chat=args.chat, messages_column=args.messages_column, prompt_column=args.prompt_column,
+        response_column=args.response_column, chat_template=args.chat_template,
     )
     stats = prepare_data(cfg)
     print(f"wrote {stats['windows']} windows x {stats['window']} tokens "

@@ -19,6 +19,10 @@ rounds are read back from it. Streaming and in-memory modes differ only in how t
 (lazily, or from ``datasets``' memory-mapped Arrow copy); the rest is shared code, so they
 give identical datasets (a test checks it).
 
+Chat data (``chat=True``) differs only in step 2: each record is a conversation rendered
+with the chat template (:mod:`chat`), and the windows get a ``labels`` column (the token
+on assistant turns, -100 elsewhere) packed alongside the ids.
+
 Temporary files (spilled tokens, unshuffled windows) go to a hidden work folder beside the
 output, on the disk that must hold the output anyway.
 """
@@ -41,9 +45,11 @@ from datasets.arrow_writer import ArrowWriter
 from tqdm.auto import tqdm
 
 from .pack import Packer
-from .sources import SourceSpec, iter_text_batches, load_source, parse_source
-from .tokenize import (DocumentTokenizer, TokenBatch, TokenizerPool, TokenStore, load_tokenizer,
-                       resolve_special_tokens)
+from .chat import IGNORE_INDEX, ChatColumns, ChatTokenizer, load_chat_template, to_conversation
+from .sources import (SourceSpec, iter_document_batches, iter_text_batches, load_source,
+                      open_source, parse_source)
+from .tokenize import (DocumentTokenizer, SpecialTokens, TokenBatch, TokenizerPool, TokenStore,
+                       load_tokenizer, resolve_special_tokens)
 from .upsample import UpsampleConfig, plan_copies, source_stats
 
 logger = logging.getLogger(__name__)
@@ -89,6 +95,17 @@ class PrepareConfig:
     quarter second of work, so that a corpus of few huge documents still keeps every worker busy."""
     max_shard_size: str = "500MB"
     """Arrow shard size of the saved dataset."""
+    chat: bool = False
+    """Records are conversations, rendered with the chat template; adds a ``labels`` column
+    that trains on the assistant turns only (:mod:`chat`). Implied by ``prompt_column``."""
+    messages_column: str = "messages"
+    """Chat data: column holding a list of {"role", "content"} messages."""
+    prompt_column: str | None = None
+    """Chat data: column of single-turn prompts (with ``response_column``), instead of messages."""
+    response_column: str | None = None
+    """Chat data: column of the responses to ``prompt_column``."""
+    chat_template: str | None = None
+    """Chat data: a Jinja chat template file, for a tokenizer without one or to replace it."""
 
     def __post_init__(self) -> None:
         if self.seq_length < 2:
@@ -102,13 +119,25 @@ class PrepareConfig:
                 raise ValueError(f"{flag} must be at least {least}, got {value}")
         if not self.text_column:
             raise ValueError("--text-column is empty; name the column that holds the text")
+        if (self.prompt_column is None) != (self.response_column is None):
+            raise ValueError("--prompt-column and --response-column go together; pass both, or "
+                             "neither to read --messages-column")
+        self.chat = self.chat or self.prompt_column is not None
+        if self.chat_template is not None and not self.chat:
+            raise ValueError("--chat-template applies to chat data; add --chat (or "
+                             "--prompt-column/--response-column), or drop --chat-template")
 
 
 def _emit(index: int, source: SourceSpec, ds: datasets.Dataset | datasets.IterableDataset,
           cfg: PrepareConfig, pool: TokenizerPool, work: Path, stats_out: list[dict]
           ) -> Iterator[TokenBatch]:
     """Yield the source's documents to pack, with repeats; append its stats to ``stats_out``."""
-    texts = iter_text_batches(ds, source, cfg.text_column, cfg.batch_size, cfg.batch_chars)
+    if cfg.chat:
+        cols = ChatColumns(cfg.messages_column, cfg.prompt_column, cfg.response_column)
+        texts = iter_document_batches(ds, source, lambda r, where: to_conversation(r, cols, where),
+                                      cfg.batch_size, cfg.batch_chars)
+    else:
+        texts = iter_text_batches(ds, source, cfg.text_column, cfg.batch_size, cfg.batch_chars)
     if cfg.upsample.threshold is None:
         # One pass: filter on the fly, no need to know the lengths up front.
         seen: list[np.ndarray] = []
@@ -125,7 +154,7 @@ def _emit(index: int, source: SourceSpec, ds: datasets.Dataset | datasets.Iterab
         copies = plan_copies(lengths, cfg.upsample, cfg.min_length, cfg.seed, index)
         for k in range(int(copies.max()) if len(copies) else 0):
             yield from store.read(copies > k)
-        store.path.unlink()
+        store.remove()
     stats = source_stats(source.name, source.path, lengths, copies)
     if stats["documents_read"] == 0:
         raise ValueError(f"input {source.path} has no documents; check the file or --max-documents")
@@ -146,6 +175,17 @@ def _check_output(out: Path) -> None:
                          f"pass a new --output-dir (we overwrite only our own outputs)")
 
 
+def _open(spec: SourceSpec, cfg: PrepareConfig) -> datasets.Dataset | datasets.IterableDataset:
+    if not cfg.chat:
+        return load_source(spec, cfg.text_column, cfg.streaming, cfg.max_documents)
+    if spec.kind == "text":
+        raise ValueError(f"input {spec.path} is plain text; chat data needs .jsonl/.parquet or "
+                         f"dataset inputs with a conversation per record")
+    cols = ChatColumns(cfg.messages_column, cfg.prompt_column, cfg.response_column)
+    flag = "--prompt-column/--response-column" if cfg.prompt_column else "--messages-column"
+    return open_source(spec, cols.columns, flag, cfg.streaming, cfg.max_documents)
+
+
 def prepare_data(cfg: PrepareConfig) -> dict:
     """Run the pipeline; return the stats written to ``<output>/stats.json``."""
     t0 = time.perf_counter()
@@ -156,8 +196,15 @@ def prepare_data(cfg: PrepareConfig) -> dict:
     if len(set(names)) != len(names):
         raise ValueError(f"source names must be unique, got {names}; name inputs as name=path")
     tokenizer = load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
-    special = resolve_special_tokens(tokenizer, cfg.add_bos, cfg.add_eos)
-    doc_tok = DocumentTokenizer(tokenizer, special)
+    if cfg.chat:
+        # The template writes BOS and the end-of-turn tokens itself.
+        special = SpecialTokens(None, None)
+        doc_tok: DocumentTokenizer | ChatTokenizer = ChatTokenizer(
+            tokenizer, load_chat_template(tokenizer, cfg.chat_template))
+        logger.info("chat data: assistant tokens found by %s", doc_tok.method)
+    else:
+        special = resolve_special_tokens(tokenizer, cfg.add_bos, cfg.add_eos)
+        doc_tok = DocumentTokenizer(tokenizer, special)
     packer = Packer(cfg.seq_length, doc_tok.dtype)
     per_source: list[dict] = []
     # Opening every source first surfaces input errors such as a missing column before any
@@ -165,7 +212,7 @@ def prepare_data(cfg: PrepareConfig) -> dict:
     opened = []
     for spec in specs:
         logger.info("source %s: %s (%s)", spec.name, spec.path, spec.kind)
-        opened.append(load_source(spec, cfg.text_column, cfg.streaming, cfg.max_documents))
+        opened.append(_open(spec, cfg))
 
     W = cfg.seq_length + 1
     features = datasets.Features({
@@ -173,6 +220,9 @@ def prepare_data(cfg: PrepareConfig) -> dict:
         "position_ids": datasets.Sequence(datasets.Value("int32"), length=W),
         "document_ids": datasets.Sequence(datasets.Value("int64"), length=W),
     })
+    if cfg.chat:
+        features["labels"] = features["input_ids"]
+    label_tokens = 0
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -182,9 +232,11 @@ def prepare_data(cfg: PrepareConfig) -> dict:
             for i, (spec, ds) in enumerate(zip(specs, opened)):
                 for batch in _emit(i, spec, ds, cfg, pool, work, per_source):
                     bar.update(int(batch.lengths.sum()))
-                    windows = packer.add(batch.tokens, batch.lengths)
+                    windows = packer.add(batch.tokens, batch.lengths, batch.labels)
                     if len(windows):
                         writer.write_table(windows.to_arrow())
+                        if windows.labels is not None:
+                            label_tokens += int((windows.labels != IGNORE_INDEX).sum())
             writer.finalize()
         bar.close()
         if packer.num_windows == 0:
@@ -216,6 +268,8 @@ def prepare_data(cfg: PrepareConfig) -> dict:
         "dropped_tail_tokens": packer.dropped_tokens,
         "bos_token_id": special.bos_id,
         "eos_token_id": special.eos_id,
+        **({"chat_mask_method": doc_tok.method, "label_tokens_in_windows": label_tokens}
+           if cfg.chat else {}),
         "seconds": round(time.perf_counter() - t0, 3),
         "sources": per_source,
     }

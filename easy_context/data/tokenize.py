@@ -19,7 +19,7 @@ import logging
 import multiprocessing as mp
 import os
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,10 +91,14 @@ class TokenBatch:
     """(N,) all ids of the batch's documents, BOS/EOS included, back to back."""
     lengths: np.ndarray
     """(D,) tokens per document, BOS/EOS included; sums to N."""
+    labels: np.ndarray | None = None
+    """(N,) chat data only: the token where the model learns to produce it, else -100."""
 
     def select(self, rows: np.ndarray) -> TokenBatch:
         """The documents where ``rows`` (bool, (D,)) is true."""
-        return TokenBatch(self.tokens[np.repeat(rows, self.lengths)], self.lengths[rows])
+        keep = np.repeat(rows, self.lengths)
+        return TokenBatch(self.tokens[keep], self.lengths[rows],
+                          None if self.labels is None else self.labels[keep])
 
 
 def token_dtype(tokenizer: PreTrainedTokenizerBase) -> type:
@@ -151,15 +155,15 @@ class DocumentTokenizer:
 
 # --- parallel driver ---------------------------------------------------------------------
 
-_WORKER: DocumentTokenizer | None = None
+_WORKER: Callable[[list], TokenBatch] | None = None
 
 
-def _init_worker(doc_tok: DocumentTokenizer) -> None:
+def _init_worker(doc_tok: Callable[[list], TokenBatch]) -> None:
     global _WORKER
     _WORKER = doc_tok
 
 
-def _work(texts: list[str]) -> TokenBatch:
+def _work(texts: list) -> TokenBatch:
     assert _WORKER is not None
     return _WORKER(texts)
 
@@ -167,12 +171,15 @@ def _work(texts: list[str]) -> TokenBatch:
 class TokenizerPool:
     """``num_proc`` tokenizer processes; ``map`` yields results in input order.
 
+    ``doc_tok`` is a :class:`DocumentTokenizer` or a ``chat.ChatTokenizer`` (both map a batch
+    of documents to a :class:`TokenBatch` and carry the token ``dtype``).
+
     At most ``2 * num_proc`` batches are in flight: enough to keep every worker busy while
     the caller packs, and bounded, so a streamed corpus is never read far ahead (a plain
     ``Pool.imap`` reads its whole input as fast as it can).
     """
 
-    def __init__(self, doc_tok: DocumentTokenizer, num_proc: int = 1) -> None:
+    def __init__(self, doc_tok: Callable[[list], TokenBatch], num_proc: int = 1) -> None:
         self.doc_tok, self.num_proc = doc_tok, num_proc
         self._pool = None
 
@@ -192,7 +199,7 @@ class TokenizerPool:
             self._pool.join()
             self._pool = None
 
-    def map(self, text_batches: Iterable[list[str]]) -> Iterator[TokenBatch]:
+    def map(self, text_batches: Iterable[list]) -> Iterator[TokenBatch]:
         if self._pool is None:
             yield from map(self.doc_tok, text_batches)
             return
@@ -220,26 +227,35 @@ class TokenStore:
 
     def __init__(self, path: str | Path, dtype: type) -> None:
         self.path, self.dtype = Path(path), dtype
-        self._file = self.path.open("wb")
+        self._files = {"tokens": self.path.open("wb")}
         self._lengths: list[np.ndarray] = []
 
     def append(self, batch: TokenBatch) -> None:
-        batch.tokens.astype(self.dtype, copy=False).tofile(self._file)
+        if batch.labels is not None and "labels" not in self._files:
+            self._files["labels"] = self.path.with_suffix(".labels").open("wb")
+        batch.tokens.astype(self.dtype, copy=False).tofile(self._files["tokens"])
+        if batch.labels is not None:
+            batch.labels.astype(self.dtype, copy=False).tofile(self._files["labels"])
         self._lengths.append(batch.lengths)
 
     def close(self) -> np.ndarray:
         """Finish writing; return the (D,) lengths of all documents."""
-        self._file.close()
+        for f in self._files.values():
+            f.close()
         self.lengths = (np.concatenate(self._lengths) if self._lengths
                         else np.zeros(0, dtype=np.int64))
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
         return self.lengths
 
+    def _map(self, name: str) -> np.ndarray:
+        # An empty file cannot be memory-mapped (documents may all be empty without BOS/EOS).
+        if not self.offsets[-1]:
+            return np.zeros(0, dtype=self.dtype)
+        return np.memmap(self._files[name].name, dtype=self.dtype, mode="r")
+
     def read(self, keep: np.ndarray, max_tokens: int = 1 << 22) -> Iterator[TokenBatch]:
         """The documents where ``keep`` is true, in order, in batches of about ``max_tokens``."""
-        # An empty file cannot be memory-mapped (documents may all be empty without BOS/EOS).
-        tokens = (np.memmap(self.path, dtype=self.dtype, mode="r") if self.offsets[-1]
-                  else np.zeros(0, dtype=self.dtype))
+        arrays = {name: self._map(name) for name in self._files}
         n, start = len(self.lengths), 0
         while start < n:
             # Whole documents up to max_tokens (at least one, however long).
@@ -248,8 +264,12 @@ class TokenStore:
             stop = min(stop, n)
             rows = keep[start:stop]
             if rows.any():
-                lengths = self.lengths[start:stop]
-                span = np.asarray(tokens[self.offsets[start]:self.offsets[stop]])
-                yield TokenBatch(span[np.repeat(rows, lengths)], lengths[rows])
+                span = slice(self.offsets[start], self.offsets[stop])
+                batch = TokenBatch(np.asarray(arrays["tokens"][span]), self.lengths[start:stop],
+                                   np.asarray(arrays["labels"][span]) if "labels" in arrays else None)
+                yield batch.select(rows)
             start = stop
-        del tokens
+
+    def remove(self) -> None:
+        for f in self._files.values():
+            Path(f.name).unlink()
