@@ -48,7 +48,8 @@ import torch.distributed as dist  # noqa: E402
 import easy_context as ec  # noqa: E402
 from benchmarks import common  # noqa: E402
 from easy_context import layouts  # noqa: E402
-from easy_context.attention import local_attention  # noqa: E402
+from easy_context.parallel import SEQUENCE_PARALLEL  # noqa: E402
+from easy_context.parallel.local import local_attention  # noqa: E402
 from easy_context.utils.memory import PeakMemory  # noqa: E402
 
 DEFAULT_LENGTHS = (4096, 16384, 32768)
@@ -173,7 +174,7 @@ def _variant(name: str, ring_degree: int | None, rank: int, world: int):
     if name == DEEPSPEED:
         fn = _deepspeed_attention()
         return (lambda x: layouts.shard(x, "contiguous", rank, world, 1)), fn
-    ec.METHODS[name].fn  # import the module now (not inside the timed region)
+    ec.METHODS[name].attention  # import the module now (not inside the timed region)
     _instrument()
 
     def shard(x):
@@ -356,7 +357,7 @@ def _available_methods(wanted: list[str]) -> tuple[list[str], dict[str, str]]:
     ok, skipped = [], {}
     for name in wanted:
         try:
-            ec.METHODS[name].fn
+            ec.METHODS[name].attention
         except Exception as e:  # module missing or broken: others may still be writing it
             skipped[name] = f"{type(e).__name__}: {e}".strip()[:300]
             continue
@@ -445,8 +446,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)),
                    help="comma-separated total sequence lengths (default %(default)s)")
-    p.add_argument("--methods", default=",".join(ec.METHODS),
-                   help="comma-separated methods (default: all of ec.METHODS); usp_attn gives two "
+    p.add_argument("--methods", default=",".join(SEQUENCE_PARALLEL),
+                   help="comma-separated methods (default: every sequence-parallel one); usp_attn gives two "
                         "rows, ring_degree=1 (Ulysses over 2) and ring_degree=N (pure ring)")
     p.add_argument("--no-deepspeed", action="store_true",
                    help="do not run DeepSpeed's DistributedAttention beside ulysses_attn")
@@ -473,9 +474,9 @@ def parse_args(argv=None):
     args.lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     args.gqa_lengths = [int(x) for x in args.gqa_lengths.split(",") if x.strip()]
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in args.methods if m not in ec.METHODS]
+    unknown = [m for m in args.methods if m not in SEQUENCE_PARALLEL]
     if unknown:
-        p.error(f"unknown methods {unknown}; choose from {list(ec.METHODS)}")
+        p.error(f"unknown methods {unknown}; choose from {list(SEQUENCE_PARALLEL)}")
     return args
 
 

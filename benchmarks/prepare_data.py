@@ -9,7 +9,10 @@ lists with itertools, cut windows; it keeps no position_ids/document_ids and no 
     python benchmarks/prepare_data.py                      # 50M characters, 2 workers
     python benchmarks/prepare_data.py --chars 5e6          # quick run
 
-Also runs ours with --streaming (no Arrow copy of the raw or tokenized corpus).
+Also runs ours with --streaming (no Arrow copy of the raw corpus). The variants run in turn,
+``--repeats`` times, in a rotated order each repeat, and the ratio is taken between medians:
+on a shared machine a single run of each, one after the other, measures the neighbours'
+load as much as the code. Every run checks that ours packs exactly the baseline's ids.
 
 Writes benchmarks/results/prepare_data.json.
 """
@@ -96,6 +99,11 @@ def run_baseline(corpus: Path, tok_dir: Path, out: Path, seq_length: int, num_pr
     return {"seconds": time.perf_counter() - t0, "tokens": n_tokens, "windows": len(packed)}
 
 
+def packed_ids(out: Path) -> np.ndarray:
+    """All input_ids of a saved packed dataset, in row order, as one flat array."""
+    return datasets.load_from_disk(str(out)).with_format("numpy")[:]["input_ids"].ravel()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--chars", type=float, default=50e6, help="corpus size in characters")
@@ -103,6 +111,7 @@ def main() -> None:
     parser.add_argument("--seq-length", type=int, default=8192)
     parser.add_argument("--num-proc", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each variant (median)")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "prepare_data.json"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -119,21 +128,47 @@ def main() -> None:
         t_tok = time.perf_counter() - t0
         print(f"corpus: {n_docs} docs, {n_chars / 1e6:.1f}M chars ({t_gen:.1f} s); "
               f"tokenizer {args.vocab_size} ({t_tok:.1f} s)")
-
-        results = {}
         load_before = os.getloadavg()
-        variants = [("baseline", run_baseline), ("ours", run_ours),
-                    ("ours_streaming", functools.partial(run_ours, streaming=True))]
-        for name, fn in variants:
-            fresh_cache(root, name)
-            r = fn(corpus, root / "tok", root / f"out_{name}", args.seq_length, args.num_proc)
-            r["tokens_per_s"] = r["tokens"] / r["seconds"]
-            results[name] = r
-            print(f"{name:14s} {r['seconds']:7.1f} s  {r['tokens'] / 1e6:6.2f}M tokens  "
-                  f"{r['tokens_per_s'] / 1e6:5.2f}M tokens/s  {r['windows']} windows")
-        ratio = results["ours"]["tokens_per_s"] / results["baseline"]["tokens_per_s"]
-        ratio_streaming = results["ours_streaming"]["tokens_per_s"] / results["baseline"]["tokens_per_s"]
-        print(f"ours / baseline throughput: {ratio:.2f}x (streaming: {ratio_streaming:.2f}x)")
+
+        variants = {"baseline": run_baseline, "ours": run_ours,
+                    "ours_streaming": functools.partial(run_ours, streaming=True)}
+        runs: dict[str, list[dict]] = {name: [] for name in variants}
+        names = list(variants)
+        for rep in range(args.repeats):
+            for name in names[rep % len(names):] + names[: rep % len(names)]:
+                tag = f"{name}_{rep}"
+                fresh_cache(root, tag)
+                load = os.getloadavg()[0]
+                r = variants[name](corpus, root / "tok", root / f"out_{tag}", args.seq_length,
+                                   args.num_proc)
+                r["tokens_per_s"] = r["tokens"] / r["seconds"]
+                r["load_1min_before"] = load
+                runs[name].append(r)
+                print(f"{tag:16s} {r['seconds']:7.1f} s  {r['tokens'] / 1e6:6.2f}M tokens  "
+                      f"{r['tokens_per_s'] / 1e6:5.2f}M tokens/s  {r['windows']} windows  "
+                      f"(load {load:.1f})", flush=True)
+            # Same output: ours (unshuffled) holds exactly the baseline's windows, in order.
+            base = packed_ids(root / f"out_baseline_{rep}")
+            for name in ("ours", "ours_streaming"):
+                if not np.array_equal(packed_ids(root / f"out_{name}_{rep}"), base):
+                    raise SystemExit(f"{name} packed different ids from the baseline")
+            for name in names:
+                shutil.rmtree(root / f"out_{name}_{rep}")
+                shutil.rmtree(root / f"cache_{name}_{rep}")
+        results = {name: {"median_seconds": float(np.median([r["seconds"] for r in rs])),
+                          "median_tokens_per_s": float(np.median([r["tokens_per_s"] for r in rs])),
+                          "tokens": rs[0]["tokens"], "windows": rs[0]["windows"], "runs": rs}
+                   for name, rs in runs.items()}
+        base_tps = results["baseline"]["median_tokens_per_s"]
+        ratio = results["ours"]["median_tokens_per_s"] / base_tps
+        ratio_streaming = results["ours_streaming"]["median_tokens_per_s"] / base_tps
+        # Each repeat's own ratio compares runs made minutes apart, under similar load.
+        paired = {name: [o["tokens_per_s"] / b["tokens_per_s"]
+                         for o, b in zip(runs[name], runs["baseline"])]
+                  for name in ("ours", "ours_streaming")}
+        print(f"ours / baseline throughput (medians of {args.repeats}): {ratio:.2f}x "
+              f"(streaming: {ratio_streaming:.2f}x); per repeat: "
+              f"{', '.join(f'{r:.2f}x' for r in paired['ours'])}; packed ids identical")
 
         report = {
             "benchmark": "prepare_data",
@@ -144,12 +179,17 @@ def main() -> None:
             "num_proc": args.num_proc,
             "vocab_size": args.vocab_size,
             "results": results,
+            "repeats": args.repeats,
             "ratio_ours_over_baseline": ratio,
             "ratio_ours_streaming_over_baseline": ratio_streaming,
+            "ratio_per_repeat": paired,
+            "median_ratio_per_repeat": {k: float(np.median(v)) for k, v in paired.items()},
+            "same_packed_ids": True,
             "notes": "wall time from jsonl to a saved packed dataset, fresh datasets cache each; "
-                     "ours also writes position_ids and document_ids and stats.json",
+                     "ours also writes position_ids and document_ids and stats.json; medians "
+                     "over repeats run in rotated order",
             # The machine may be shared: a load average well above the core count means the
-            # figures are depressed and noisy (variants run one after another).
+            # figures are depressed and noisy.
             "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                         "torch": torch.__version__, "datasets": datasets.__version__},

@@ -15,11 +15,14 @@ from .integrations.hf import (
     check_model_supported,
     hf_attention_name,
 )
-from .parallel import METHODS
+from .mesh import ParallelMesh, SPGroup, build_mesh
+from .parallel import METHODS, get_method
+from .parallel.local import local_attention
 from .sequence_parallel import (
     pad_for_sequence_parallel,
     required_multiple,
     sequence_parallel_attention,
+    shard_batch,
     shard_sequence,
     unshard_sequence,
 )
@@ -28,6 +31,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "METHODS",
+    "ParallelMesh",
+    "SPGroup",
+    "build_mesh",
+    "get_method",
+    "local_attention",
+    "shard_batch",
     "apply_seq_parallel_monkey_patch",
     "apply_sequence_parallel",
     "causal_lm_loss",

@@ -5,8 +5,10 @@
     apply_seq_parallel_monkey_patch(seq_algo, model_type_or_model)
     prepare_dataloader(seq_algo, dataloader, accelerator)
 
-``seq_algo`` takes our method names, the original's ("zigzag_ring_attn", "dist_flash",
-"ulysses_attn", "data_parallel") and "data_parallel" (no sequence split).
+``seq_algo`` takes our method names and their aliases, the original's among them
+("zigzag_ring_attn", "dist_flash", "ulysses_attn", and "data_parallel": no sequence split).
+This module only translates: the work is done by the core API (easy_context.sequence_parallel,
+easy_context.integrations.hf), which never imports it.
 """
 
 from __future__ import annotations
@@ -17,35 +19,31 @@ from typing import Any
 import torch
 from torch import nn
 
-from .attention.documents import document_ids_from_positions
+from .attention.documents import document_ids_from_positions, is_packed
 from .integrations.hf import apply_sequence_parallel
-from .parallel import METHODS
-from .sequence_parallel import shard_sequence
-
-_ALIASES = {"dist_flash": "dist_flash_attn", "ring": "ring_attn", "zigzag": "zigzag_ring_attn",
-            "ulysses": "ulysses_attn", "usp": "usp_attn", "allgather": "allgather_attn"}
+from .parallel import get_method
+from .sequence_parallel import shard_batch
 
 
 def resolve_seq_algo(seq_algo: str) -> str:
-    """Our method name for ``seq_algo`` (original names accepted); "data_parallel" stays."""
-    name = _ALIASES.get(seq_algo, seq_algo)
-    if name != "data_parallel" and name not in METHODS:
-        raise ValueError(f"unknown seq_algo {seq_algo!r}; choose one of "
-                         f"{sorted(METHODS) + ['data_parallel'] + sorted(_ALIASES)}")
-    return name
+    """Our method name for ``seq_algo`` (the original's names are aliases: ``data_parallel``
+    is the ``local`` method, ``dist_flash`` is ``dist_flash_attn``...)."""
+    return get_method(seq_algo).name
 
 
 def prepare_seq_parallel_inputs(seq_algo: str, input_ids: torch.Tensor,
                                 position_ids: torch.Tensor | None, target_ids: torch.Tensor,
                                 rank: int, world_size: int, device: torch.device | str,
-                                ring_degree: int | None = None, **kw: Any) -> dict[str, torch.Tensor]:
+                                ring_degree: int | None = None, **kw: Any) -> dict:
     """This rank's shard of a batch, in the layout ``seq_algo`` expects.
 
     Tensors are (batch, seq). ``position_ids=None`` means 0..seq-1. The length must divide
     (see ``easy_context.pad_for_sequence_parallel``). Extra keyword arguments are accepted for
     compatibility and ignored. Besides the original three keys, the result holds
-    ``local_document_ids``: documents start where position ids restart (packed sequences);
-    pass it to the model as ``document_ids=`` so attention stays inside each document.
+    ``local_document_ids``: when position ids restart inside a sequence (packed documents),
+    this rank's shard of the document ids, to pass to the model as ``document_ids=`` so that
+    attention stays inside each document; None when every sequence is one document (then no
+    masking is needed, in any method).
     """
     method = resolve_seq_algo(seq_algo)
     if position_ids is None:
@@ -55,14 +53,12 @@ def prepare_seq_parallel_inputs(seq_algo: str, input_ids: torch.Tensor,
                          f"{tuple(position_ids.shape)} and target_ids {tuple(target_ids.shape)} "
                          "must have the same (batch, seq) shape")
     position_ids = position_ids.expand_as(input_ids)
-    full = (input_ids, position_ids, target_ids, document_ids_from_positions(position_ids))
-    if method == "data_parallel":
-        local = full
-    else:
-        local = tuple(shard_sequence(t, method, rank, world_size, dim=1, ring_degree=ring_degree)
-                      for t in full)
-    names = ("input_ids", "position_ids", "target_ids", "document_ids")
-    return {f"local_{name}": t.to(device) for name, t in zip(names, local)}
+    # Decided on the whole batch, which every rank holds, so all ranks agree.
+    documents = document_ids_from_positions(position_ids) if is_packed(position_ids) else None
+    local = shard_batch({"input_ids": input_ids, "position_ids": position_ids,
+                         "target_ids": target_ids, "document_ids": documents},
+                        method, rank, world_size, ring_degree=ring_degree)
+    return {f"local_{name}": None if t is None else t.to(device) for name, t in local.items()}
 
 
 def apply_seq_parallel_monkey_patch(seq_algo: str, model_type_or_model: str | nn.Module,
@@ -75,7 +71,7 @@ def apply_seq_parallel_monkey_patch(seq_algo: str, model_type_or_model: str | nn
     original's class patch did.
     """
     method = resolve_seq_algo(seq_algo)
-    if method == "data_parallel":
+    if method == "local":  # the original's data_parallel kept the model's own attention
         return
     if isinstance(model_type_or_model, nn.Module):
         apply_sequence_parallel(model_type_or_model, method, group, ring_degree)
@@ -114,7 +110,7 @@ def prepare_dataloader(seq_algo: str, dataloader, accelerator):
     unchanged: build it with the same seed on every rank), and each rank then keeps its shard
     through :func:`prepare_seq_parallel_inputs`. For DP x SP, use ``easy-context train``.
     """
-    if resolve_seq_algo(seq_algo) == "data_parallel":
+    if resolve_seq_algo(seq_algo) == "local":
         if accelerator is None:
             raise ValueError("data_parallel needs an accelerator (accelerate.Accelerator) to "
                              "shard the data loader across ranks")

@@ -4,6 +4,7 @@ Pure tensor code: no process groups, no communication. Every sequence-parallel
 method names one of these layouts, and the tests build their references by
 sharding full tensors with exactly this code.
 
+- ``whole``: no split: every rank holds the whole sequence (data parallelism, one process).
 - ``contiguous``: rank r holds tokens [r*L/N, (r+1)*L/N).
 - ``zigzag``: the sequence is cut into 2N chunks; rank r holds chunks r and
   2N-1-r. Under a causal mask every rank then has the same amount of work.
@@ -20,7 +21,7 @@ import math
 
 import torch
 
-LAYOUTS = ("contiguous", "zigzag", "usp")
+LAYOUTS = ("whole", "contiguous", "zigzag", "usp")
 
 
 def _check_degrees(layout: str, world_size: int, ring_degree: int | None) -> int:
@@ -29,7 +30,7 @@ def _check_degrees(layout: str, world_size: int, ring_degree: int | None) -> int
         raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if layout != "usp":
+    if layout != "usp" or world_size == 1:
         return 0
     if ring_degree is None:
         raise ValueError("the usp layout needs ring_degree (the number of ring ranks)")
@@ -44,6 +45,8 @@ def _check_degrees(layout: str, world_size: int, ring_degree: int | None) -> int
 def required_multiple(layout: str, world_size: int, ring_degree: int | None = None) -> int:
     """The number the sequence length must be a multiple of for this layout."""
     ring = _check_degrees(layout, world_size, ring_degree)
+    if layout == "whole" or world_size == 1:  # one rank holds the whole sequence
+        return 1
     if layout == "contiguous":
         return world_size
     if layout == "zigzag":
@@ -76,6 +79,8 @@ def shard(x: torch.Tensor, layout: str, rank: int, world_size: int, dim: int = 1
     check_length(x.size(dim), layout, world_size, ring_degree)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside [0, {world_size})")
+    if layout == "whole" or world_size == 1:
+        return x
     if layout == "contiguous":
         return x.chunk(world_size, dim=dim)[rank].contiguous()
     if layout == "zigzag":
@@ -89,9 +94,10 @@ def shard(x: torch.Tensor, layout: str, rank: int, world_size: int, dim: int = 1
 
 def unshard(x_all: torch.Tensor, layout: str, world_size: int, dim: int = 1,
             ring_degree: int | None = None) -> torch.Tensor:
-    """Inverse of :func:`shard`: ``x_all`` is every rank's shard concatenated in rank order."""
+    """Inverse of :func:`shard`: ``x_all`` is every rank's shard concatenated in rank order
+    (for ``whole``, one rank's copy: they are all the same)."""
     check_length(x_all.size(dim), layout, world_size, ring_degree)
-    if layout == "contiguous":
+    if layout in ("whole", "contiguous") or world_size == 1:
         return x_all.contiguous()
     if layout == "zigzag":
         held = _zigzag_chunks(x_all, world_size, dim)  # rank r's two chunks at 2r, 2r+1

@@ -1,18 +1,24 @@
-"""The public sequence-parallel API: shard, unshard, and attention by method name."""
+"""The public sequence-parallel API: shard, unshard, pad, and attention by method name.
+
+Everything here asks the method's description (easy_context.parallel.METHODS) for its
+layout and its rules; names may be aliases (``data_parallel`` for ``local``, the original
+EasyContext's ``dist_flash``...).
+"""
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from . import layouts
-from .attention.local import local_attention
-from .parallel import METHODS, get_method
+from .mesh import SPGroup, group_size
+from .parallel import get_method
+from .parallel.function import check_inputs
+from .parallel.local import local_attention
 
 Tensor = torch.Tensor
 
 
-def _layout_args(method: str, world_size: int, ring_degree: int | None) -> tuple[str, int | None]:
+def _layout(method: str, ring_degree: int | None) -> tuple[str, int | None]:
     # usp needs ring_degree (layouts says so when it is missing); the others ignore it.
     layout = get_method(method).layout
     return layout, ring_degree if layout == "usp" else None
@@ -20,22 +26,29 @@ def _layout_args(method: str, world_size: int, ring_degree: int | None) -> tuple
 
 def required_multiple(method: str, world_size: int, ring_degree: int | None = None) -> int:
     """What the sequence length must be divisible by for ``method`` over ``world_size`` ranks."""
-    layout, ring_degree = _layout_args(method, world_size, ring_degree)
-    return layouts.required_multiple(layout, world_size, ring_degree)
+    return get_method(method).required_multiple(world_size, ring_degree)
 
 
 def shard_sequence(x: Tensor, method: str, rank: int, world_size: int, dim: int = 1,
                    ring_degree: int | None = None) -> Tensor:
     """This rank's shard of ``x`` along ``dim``, in the layout that ``method`` expects."""
-    layout, ring_degree = _layout_args(method, world_size, ring_degree)
+    layout, ring_degree = _layout(method, ring_degree)
     return layouts.shard(x, layout, rank, world_size, dim, ring_degree)
 
 
 def unshard_sequence(x_all: Tensor, method: str, world_size: int, dim: int = 1,
                      ring_degree: int | None = None) -> Tensor:
     """The full sequence back from ``torch.cat`` of every rank's shard in rank order."""
-    layout, ring_degree = _layout_args(method, world_size, ring_degree)
+    layout, ring_degree = _layout(method, ring_degree)
     return layouts.unshard(x_all, layout, world_size, dim, ring_degree)
+
+
+def shard_batch(batch: dict[str, Tensor | None], method: str, rank: int, world_size: int,
+                ring_degree: int | None = None, dim: int = 1) -> dict[str, Tensor | None]:
+    """This rank's shard of every (batch, seq) tensor of ``batch`` (None values stay None)."""
+    return {key: None if t is None else shard_sequence(t, method, rank, world_size, dim,
+                                                       ring_degree)
+            for key, t in batch.items()}
 
 
 def pad_for_sequence_parallel(input_ids: Tensor, target_ids: Tensor | None, method: str,
@@ -48,30 +61,30 @@ def pad_for_sequence_parallel(input_ids: Tensor, target_ids: Tensor | None, meth
 
 
 def sequence_parallel_attention(q: Tensor, k: Tensor, v: Tensor, method: str,
-                                group: dist.ProcessGroup | None = None, causal: bool = True,
+                                group=None, causal: bool = True,
                                 softmax_scale: float | None = None,
                                 ring_degree: int | None = None,
                                 document_ids: Tensor | None = None) -> Tensor:
-    """Exact attention over a sequence sharded across ``group`` (None: the world).
+    """Exact attention over a sequence sharded across ``group`` (None: the world; or an
+    easy_context.mesh.SPGroup).
 
     q: (B, S_local, Hq, D), k, v: (B, S_local, Hkv, D), each rank's shard cut by
     :func:`shard_sequence` with the same method. Returns this rank's (B, S_local, Hq, D).
     ``document_ids`` (B, S_local), this rank's shard of per-token document ids, keeps packed
-    documents apart (methods with ``METHODS[name].documents``).
+    documents apart.
     """
     m = get_method(method)
-    extra = {}
-    if document_ids is not None:
-        if not m.documents:
-            supported = sorted(n for n, x in METHODS.items() if x.documents)
-            raise ValueError(f"{method} does not support packed documents (document_ids); use "
-                             f"one of {supported}, or pack one document per sequence")
-        extra["document_ids"] = document_ids
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+    if document_ids is not None and not m.documents:
+        raise ValueError(f"{m.name} does not support packed documents (document_ids) yet; use "
+                         "another method, or pack one document per sequence")
+    world = group_size(group)
+    if world == 1:
         # One rank holds the whole sequence: plain attention (no ring, no all-to-all).
-        return local_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, **extra)
-    if m.layout == "usp":
-        extra["ring_degree"] = ring_degree
-    elif ring_degree is not None:
-        raise ValueError(f"ring_degree applies to usp_attn only, not {method}; drop it")
-    return m.fn(q, k, v, group=group, causal=causal, softmax_scale=softmax_scale, **extra)
+        return local_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                               document_ids=document_ids)
+    check_inputs(q, k, v, document_ids)
+    if ring_degree is None and m.needs_ring_degree and isinstance(group, SPGroup):
+        ring_degree = group.ring_degree
+    m.check(q.size(2), k.size(2), world, ring_degree)
+    return m.attention(q, k, v, group=group, causal=causal, softmax_scale=softmax_scale,
+                       document_ids=document_ids, ring_degree=ring_degree)

@@ -1,8 +1,9 @@
-"""Attention kernels returning (out, lse), their merge, and single-device attention."""
+"""Attention kernels returning (out, lse), their merge, packed documents, and the float64
+reference (single-device attention itself is the ``local`` method, easy_context.parallel.local)."""
 
 from .kernels import KERNELS, Kernel, default_scale, select_kernel
-from .local import local_attention, reference_attention
 from .merge import merge, merge_into
+from .reference import reference_attention
 
-__all__ = ["KERNELS", "Kernel", "default_scale", "select_kernel", "local_attention",
-           "reference_attention", "merge", "merge_into"]
+__all__ = ["KERNELS", "Kernel", "default_scale", "select_kernel", "reference_attention", "merge",
+           "merge_into"]

@@ -23,6 +23,12 @@ def document_ids_from_positions(position_ids: Tensor) -> Tensor:
     return starts.cumsum(dim=1) - 1
 
 
+def is_packed(position_ids: Tensor) -> bool:
+    """Whether any row of (B, S) *whole-sequence* position ids restarts (holds several
+    documents). One host sync; decide it where every rank holds the whole batch."""
+    return bool((position_ids[:, 1:] <= position_ids[:, :-1]).any())
+
+
 def document_mask(q_doc: Tensor | None, kv_doc: Tensor | None, causal: bool):
     """How to run one block when sequences pack several documents.
 

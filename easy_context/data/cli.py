@@ -1,8 +1,14 @@
 """Argparse entry points for the data commands; ``easy_context/cli.py`` wires them up as
 
-    easy-context prepare-data    INPUT... --tokenizer TOK --output DIR --seq-length N
+    easy-context prepare-data    INPUT... --tokenizer TOK --output-dir DIR --seq-length N
     easy-context synth-data      --kind mix --num-docs N --length L --output FILE.jsonl
-    easy-context train-tokenizer --input FILE_OR_DIR... --vocab-size V --output DIR
+    easy-context train-tokenizer --input FILE_OR_DIR... --vocab-size V --output-dir DIR
+
+A folder output is ``--output-dir`` everywhere (``--output`` still works, as before); a file
+output is ``--output``.
+
+Bad flag values raise ValueError / FileNotFoundError saying what to change, before any
+long work starts; ``easy_context/cli.py`` prints them as one line.
 
 Each command is an ``add_*_args(parser)`` / ``run_*(args) -> int`` pair so it can be
 mounted as a subcommand or tested without a subprocess.
@@ -20,7 +26,7 @@ from pathlib import Path
 
 from .prepare import PrepareConfig, prepare_data
 from .synthetic import KINDS, SyntheticConfig, generate
-from .tokenizer import iter_text_files, train_bpe_tokenizer
+from .tokenizer import check_vocab_size, iter_text_files, list_text_files, train_bpe_tokenizer
 from .upsample import UpsampleConfig
 
 logger = logging.getLogger(__name__)
@@ -32,7 +38,8 @@ def add_prepare_data_args(parser: argparse.ArgumentParser) -> None:
                         help="text file or folder, .jsonl/.parquet file or folder, save_to_disk "
                              "folder, or dataset name; optionally name=path to label the source")
     parser.add_argument("--tokenizer", required=True, help="tokenizer folder or name (AutoTokenizer)")
-    parser.add_argument("--output", required=True, help="output folder (datasets.save_to_disk)")
+    parser.add_argument("--output-dir", "--output", dest="output", required=True, metavar="DIR",
+                        help="output folder (datasets.save_to_disk)")
     parser.add_argument("--seq-length", type=int, default=8192,
                         help="training sequence length; windows hold seq_length + 1 tokens")
     parser.add_argument("--text-column", default="text", help="text column of jsonl/parquet/datasets")
@@ -57,6 +64,19 @@ def add_prepare_data_args(parser: argparse.ArgumentParser) -> None:
                         help="allow custom tokenizer code from the hub (runs remote code)")
     parser.add_argument("--max-documents", type=int, default=None,
                         help="read at most this many documents per source")
+    chat = parser.add_argument_group(
+        "chat data", "records are conversations, rendered with the tokenizer's chat template; "
+        "a labels column trains on the assistant turns only (-100 elsewhere)")
+    chat.add_argument("--chat", action="store_true",
+                      help="read conversations from --messages-column")
+    chat.add_argument("--messages-column", default="messages",
+                      help='column holding a list of {"role", "content"} messages')
+    chat.add_argument("--prompt-column", default=None,
+                      help="single-turn data: prompt column (implies --chat; with --response-column)")
+    chat.add_argument("--response-column", default=None, help="single-turn data: response column")
+    chat.add_argument("--chat-template", default=None, metavar="FILE",
+                      help="Jinja chat template file, for a tokenizer without one (or to replace "
+                           "it); {%% generation %%} tags around assistant text are used when present")
 
 
 def run_prepare_data(args: argparse.Namespace) -> int:
@@ -68,6 +88,8 @@ def run_prepare_data(args: argparse.Namespace) -> int:
         upsample=UpsampleConfig(args.upsample_threshold, args.upsample_keep_prob),
         num_proc=args.num_proc, streaming=args.streaming, shuffle=args.shuffle, seed=args.seed,
         trust_remote_code=args.trust_remote_code, max_documents=args.max_documents,
+        chat=args.chat, messages_column=args.messages_column, prompt_column=args.prompt_column,
+        response_column=args.response_column, chat_template=args.chat_template,
     )
     stats = prepare_data(cfg)
     print(f"wrote {stats['windows']} windows x {stats['window']} tokens "
@@ -91,6 +113,9 @@ def run_synthetic(args: argparse.Namespace) -> int:
     cfg = SyntheticConfig(kind=args.kind, num_docs=args.num_docs, length=args.length,
                           length_unit=args.length_unit, seed=args.seed)
     out = Path(args.output)
+    if out.is_dir():
+        raise ValueError(f"synth-data --output {out} is a folder; pass a file path such as "
+                         f"{out / 'corpus.jsonl'}")
     out.parent.mkdir(parents=True, exist_ok=True)
     n = 0
     with out.open("w", encoding="utf-8") as f:
@@ -106,11 +131,19 @@ def add_train_tokenizer_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input", nargs="+", required=True,
                         help="text files or folders to train on (each file read whole)")
     parser.add_argument("--vocab-size", type=int, default=4096)
-    parser.add_argument("--output", required=True, help="tokenizer folder to write")
+    parser.add_argument("--text-column", default="text",
+                        help="field holding the text in .jsonl/.json/.parquet inputs")
+    parser.add_argument("--output-dir", "--output", dest="output", required=True, metavar="DIR",
+                        help="tokenizer folder to write")
 
 
 def run_train_tokenizer(args: argparse.Namespace) -> int:
     """Train a byte-level BPE on the input files and save it as a Hugging Face tokenizer."""
-    tok = train_bpe_tokenizer(iter_text_files(args.input), args.vocab_size, args.output)
-    print(f"wrote a {len(tok)}-token byte-level BPE tokenizer to {args.output}")
+    check_vocab_size(args.vocab_size)
+    out = Path(args.output)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"train-tokenizer output {out} is a file; pass --output-dir a folder path")
+    files = list_text_files(args.input)  # checks the inputs before training starts
+    tok = train_bpe_tokenizer(iter_text_files(files, args.text_column), args.vocab_size, out)
+    print(f"wrote a {len(tok)}-token byte-level BPE tokenizer to {out}")
     return 0

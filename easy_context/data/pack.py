@@ -9,7 +9,9 @@ tokens (the extra token is the last target after the one-token shift). Each wind
     as a fresh segment, so positions never exceed seq_length and RoPE sees only trained
     positions); a consumer recovers the segments as the runs starting at each 0;
   * ``document_ids`` (window,) index of the document in the packed stream, the same on
-    both sides of a window boundary, for document masking and for checking a packing.
+    both sides of a window boundary, for document masking and for checking a packing;
+  * ``labels``       (window,) chat data only: the token where the model learns to produce
+    it (assistant turns), -100 elsewhere; aligned with input_ids (the trainer shifts).
 
 The tail that does not fill a window is dropped and counted (``Packer.dropped_tokens``).
 
@@ -19,10 +21,10 @@ d, position = g - max(start of d, start of g's window).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 
 
 @dataclass
@@ -32,12 +34,24 @@ class PackedBatch:
     input_ids: np.ndarray
     position_ids: np.ndarray
     document_ids: np.ndarray
+    labels: np.ndarray | None = None
+    """Chat data only: input_ids where the model learns to produce the token, else -100."""
 
-    def rows(self) -> Iterator[dict[str, list[int]]]:
-        # Python lists: datasets' writer converts them ~2.5x faster than numpy rows.
-        ids, pos, doc = self.input_ids.tolist(), self.position_ids.tolist(), self.document_ids.tolist()
-        for i in range(len(ids)):
-            yield {"input_ids": ids[i], "position_ids": pos[i], "document_ids": doc[i]}
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def to_arrow(self) -> pa.Table:
+        """The windows as fixed-size-list columns, zero-copy from numpy.
+
+        Going through Python lists (one per window) cost more than the packing itself.
+        """
+        window = self.input_ids.shape[1]
+        columns = {"input_ids": self.input_ids, "position_ids": self.position_ids,
+                   "document_ids": self.document_ids}
+        if self.labels is not None:
+            columns["labels"] = self.labels
+        return pa.table({name: pa.FixedSizeListArray.from_arrays(pa.array(arr.reshape(-1)), window)
+                         for name, arr in columns.items()})
 
 
 class Packer:
@@ -55,16 +69,22 @@ class Packer:
         self._tokens = np.zeros(0, dtype=token_dtype)
         self._doc_start = np.zeros(0, dtype=np.int64)
         self._doc_id = np.zeros(0, dtype=np.int64)
+        self._labels: np.ndarray | None = None  # chat data: set by the first add with labels
 
-    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> PackedBatch:
-        """Append documents (flat ``tokens``, split by ``lengths``); return completed windows."""
+    def add(self, tokens: np.ndarray, lengths: np.ndarray,
+            labels: np.ndarray | None = None) -> PackedBatch:
+        """Append documents (flat ``tokens``, split by ``lengths``, with optional per-token
+        ``labels``); return completed windows."""
         lengths = np.asarray(lengths, dtype=np.int64)
         n, d = int(lengths.sum()), len(lengths)
-        starts = self.num_tokens + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        starts = self.num_tokens + np.cumsum(lengths) - lengths
         doc_ids = np.arange(self.num_documents, self.num_documents + d, dtype=np.int64)
         self._tokens = np.concatenate([self._tokens, np.asarray(tokens, dtype=self.token_dtype)])
         self._doc_start = np.concatenate([self._doc_start, np.repeat(starts, lengths)])
         self._doc_id = np.concatenate([self._doc_id, np.repeat(doc_ids, lengths)])
+        if labels is not None:
+            held = self._labels if self._labels is not None else np.zeros(0, self.token_dtype)
+            self._labels = np.concatenate([held, np.asarray(labels, dtype=self.token_dtype)])
         self.num_tokens += n
         self.num_documents += d
 
@@ -78,9 +98,12 @@ class Packer:
             self._tokens[:cut].reshape(k, self.window),
             positions.astype(np.int32).reshape(k, self.window),
             self._doc_id[:cut].reshape(k, self.window),
+            None if self._labels is None else self._labels[:cut].reshape(k, self.window),
         )
         self._tokens, self._doc_start, self._doc_id = (
             self._tokens[cut:], self._doc_start[cut:], self._doc_id[cut:])
+        if self._labels is not None:
+            self._labels = self._labels[cut:]
         self.num_windows += k
         return out
 

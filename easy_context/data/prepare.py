@@ -2,26 +2,34 @@
 
 Pipeline, per source in input order:
   1. read documents (:mod:`sources`), in memory-mapped or streaming mode;
-  2. tokenize with explicit BOS/EOS (:mod:`tokenize`), ``num_proc`` workers;
+  2. tokenize with explicit BOS/EOS (:mod:`tokenize`), ``num_proc`` worker processes, in order;
   3. plan how many copies of each document to emit (:mod:`upsample`): min-length filter
      and optional per-source length upsampling;
   4. emit in rounds: round k emits, in source order, every document with more than k
      copies, so the repeats of an upsampled document are a whole pass apart rather than
      adjacent (adjacent repeats would teach copying, not long-range modelling);
-then all sources go through one :class:`pack.Packer`, windows are written incrementally
-with ``Dataset.from_generator`` (never all in RAM), optionally shuffled by window, and saved
-with ``save_to_disk``.
+then all sources go through one :class:`pack.Packer`, whose windows are written as Arrow
+record batches straight from numpy (never all in RAM, never as Python lists), optionally
+shuffled by window, and saved with ``save_to_disk``.
 
-Streaming reads each source once per round, plus once to measure lengths when upsampling
-needs them (S and L must be known before the first document is emitted); in exchange, no
-Arrow copy of the raw corpus is made and memory stays bounded. The plan and the packing are
-shared code, so streaming and in-memory give identical datasets (a test checks it).
+Without upsampling every source is read and tokenized once, packed as it streams by. With
+upsampling the lengths must be known before the first document is emitted (S and L fix the
+repeat rate), so a source's tokens are spilled once to a flat file (``TokenStore``) and the
+rounds are read back from it. Streaming and in-memory modes differ only in how text is read
+(lazily, or from ``datasets``' memory-mapped Arrow copy); the rest is shared code, so they
+give identical datasets (a test checks it).
+
+Chat data (``chat=True``) differs only in step 2: each record is a conversation rendered
+with the chat template (:mod:`chat`), and the windows get a ``labels`` column (the token
+on assistant turns, -100 elsewhere) packed alongside the ids.
+
+Temporary files (spilled tokens, unshuffled windows) go to a hidden work folder beside the
+output, on the disk that must hold the output anyway.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import shutil
@@ -33,12 +41,15 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+from datasets.arrow_writer import ArrowWriter
 from tqdm.auto import tqdm
 
 from .pack import Packer
-from .sources import SourceSpec, iter_texts, load_source, parse_source
-from .tokenize import (DocumentTokenizer, TokenBatch, iter_token_batches, load_tokenizer,
-                       resolve_special_tokens, token_dtype, tokenize_dataset, tokenize_stream)
+from .chat import IGNORE_INDEX, ChatColumns, ChatTokenizer, load_chat_template, to_conversation
+from .sources import (SourceSpec, iter_document_batches, iter_text_batches, load_source,
+                      open_source, parse_source)
+from .tokenize import (DocumentTokenizer, SpecialTokens, TokenBatch, TokenizerPool, TokenStore,
+                       load_tokenizer, resolve_special_tokens)
 from .upsample import UpsampleConfig, plan_copies, source_stats
 
 logger = logging.getLogger(__name__)
@@ -78,160 +89,170 @@ class PrepareConfig:
     max_documents: int | None = None
     """Read at most this many documents per source (for quick trials)."""
     batch_size: int = 256
-    """Documents per tokenization batch."""
+    """Documents per tokenization batch (at most)."""
+    batch_chars: int = 1 << 20
+    """Characters per tokenization batch (at most, unless one document is longer): about a
+    quarter second of work, so that a corpus of few huge documents still keeps every worker busy."""
     max_shard_size: str = "500MB"
     """Arrow shard size of the saved dataset."""
+    chat: bool = False
+    """Records are conversations, rendered with the chat template; adds a ``labels`` column
+    that trains on the assistant turns only (:mod:`chat`). Implied by ``prompt_column``."""
+    messages_column: str = "messages"
+    """Chat data: column holding a list of {"role", "content"} messages."""
+    prompt_column: str | None = None
+    """Chat data: column of single-turn prompts (with ``response_column``), instead of messages."""
+    response_column: str | None = None
+    """Chat data: column of the responses to ``prompt_column``."""
+    chat_template: str | None = None
+    """Chat data: a Jinja chat template file, for a tokenizer without one or to replace it."""
 
     def __post_init__(self) -> None:
         if self.seq_length < 2:
             raise ValueError(f"seq_length must be at least 2 (got {self.seq_length}); pass a larger --seq-length")
         if not self.inputs:
             raise ValueError("no inputs given; pass at least one file, folder or dataset")
-        if self.min_length < 0:
-            raise ValueError(f"min_length must be >= 0, got {self.min_length}")
-        if self.num_proc < 1:
-            raise ValueError(f"num_proc must be >= 1, got {self.num_proc}")
+        for flag, value, least in (("--min-length", self.min_length, 0), ("--num-proc", self.num_proc, 1),
+                                   ("--seed", self.seed, 0), ("--max-documents", self.max_documents, 1),
+                                   ("batch_size", self.batch_size, 1), ("batch_chars", self.batch_chars, 1)):
+            if value is not None and value < least:
+                raise ValueError(f"{flag} must be at least {least}, got {value}")
+        if not self.text_column:
+            raise ValueError("--text-column is empty; name the column that holds the text")
+        if (self.prompt_column is None) != (self.response_column is None):
+            raise ValueError("--prompt-column and --response-column go together; pass both, or "
+                             "neither to read --messages-column")
+        self.chat = self.chat or self.prompt_column is not None
+        if self.chat_template is not None and not self.chat:
+            raise ValueError("--chat-template applies to chat data; add --chat (or "
+                             "--prompt-column/--response-column), or drop --chat-template")
 
 
-class _Source:
-    """One source's tokenized documents, readable in rounds by a keep-mask."""
-
-    def __init__(self, spec: SourceSpec, cfg: PrepareConfig, doc_tok: DocumentTokenizer) -> None:
-        self.spec, self.cfg, self.doc_tok = spec, cfg, doc_tok
-        self.ds = load_source(spec, cfg.text_column, cfg.streaming, cfg.max_documents)
-        self.tokenized: datasets.Dataset | None = None
-        if not cfg.streaming:
-            self.tokenized = tokenize_dataset(self.ds, doc_tok, cfg.num_proc, cfg.batch_size,
-                                              desc=f"tokenizing {spec.name}")
-
-    def lengths(self) -> np.ndarray:
-        if self.tokenized is not None:
-            # Chunk by chunk: only the offsets are read, never the memory-mapped tokens.
-            chunks = self.tokenized.data.column("input_ids").chunks
-            return np.concatenate([c.value_lengths().to_numpy(zero_copy_only=False) for c in chunks]
-                                  or [np.zeros(0)]).astype(np.int64)
-        return np.concatenate([b.lengths for b in self.batches(None)] or [np.zeros(0, np.int64)])
-
-    def batches(self, keep: np.ndarray | None) -> Iterator[TokenBatch]:
-        if self.tokenized is not None:
-            yield from iter_token_batches(self.tokenized, keep, self.cfg.batch_size)
-            return
-
-        def texts() -> Iterator[tuple[np.ndarray, list[str]]]:
-            start = 0
-            for texts in iter_texts(self.ds, self.cfg.batch_size):
-                index = np.arange(start, start + len(texts))
-                start += len(texts)
-                if keep is not None:
-                    rows = keep[index]
-                    index, texts = index[rows], [t for t, k in zip(texts, rows) if k]
-                if len(index):
-                    yield index, texts
-
-        yield from tokenize_stream(texts(), self.doc_tok, self.cfg.num_proc)
-
-
-def _emit(source: _Source, index: int, cfg: PrepareConfig, stats_out: list[dict]
+def _emit(index: int, source: SourceSpec, ds: datasets.Dataset | datasets.IterableDataset,
+          cfg: PrepareConfig, pool: TokenizerPool, work: Path, stats_out: list[dict]
           ) -> Iterator[TokenBatch]:
     """Yield the source's documents to pack, with repeats; append its stats to ``stats_out``."""
-    needs_plan = cfg.upsample.threshold is not None or not cfg.streaming
-    lengths = source.lengths() if needs_plan else None
-    copies = (plan_copies(lengths, cfg.upsample, cfg.min_length, cfg.seed, index)
-              if lengths is not None else None)
-    seen: list[np.ndarray] = []
-    rounds = int(copies.max()) if copies is not None and len(copies) else 1
-    for k in range(rounds):
-        keep = copies > k if copies is not None else None
-        for batch in source.batches(keep):
-            if copies is None:  # streaming without upsampling: filter on the fly
-                seen.append(batch.lengths)
-                rows = batch.lengths >= cfg.min_length
-                batch = TokenBatch(batch.tokens[np.repeat(rows, batch.lengths)],
-                                   batch.lengths[rows], batch.index[rows])
-            yield batch
-    if copies is None:
+    if cfg.chat:
+        cols = ChatColumns(cfg.messages_column, cfg.prompt_column, cfg.response_column)
+        texts = iter_document_batches(ds, source, lambda r, where: to_conversation(r, cols, where),
+                                      cfg.batch_size, cfg.batch_chars)
+    else:
+        texts = iter_text_batches(ds, source, cfg.text_column, cfg.batch_size, cfg.batch_chars)
+    if cfg.upsample.threshold is None:
+        # One pass: filter on the fly, no need to know the lengths up front.
+        seen: list[np.ndarray] = []
+        for batch in pool.map(texts):
+            seen.append(batch.lengths)
+            yield batch.select(batch.lengths >= cfg.min_length)
         lengths = np.concatenate(seen) if seen else np.zeros(0, np.int64)
         copies = (lengths >= cfg.min_length).astype(np.int64)
-    stats = source_stats(source.spec.name, source.spec.path, lengths, copies)
+    else:
+        store = TokenStore(work / f"source{index}.tokens", pool.doc_tok.dtype)
+        for batch in pool.map(texts):
+            store.append(batch)
+        lengths = store.close()
+        copies = plan_copies(lengths, cfg.upsample, cfg.min_length, cfg.seed, index)
+        for k in range(int(copies.max()) if len(copies) else 0):
+            yield from store.read(copies > k)
+        store.remove()
+    stats = source_stats(source.name, source.path, lengths, copies)
     if stats["documents_read"] == 0:
-        raise ValueError(f"input {source.spec.path} has no documents; check the file or --max-documents")
+        raise ValueError(f"input {source.path} has no documents; check the file or --max-documents")
     if stats["documents_emitted"] == 0:
         raise ValueError(
-            f"input {source.spec.path}: all {stats['documents_read']} documents are shorter than "
+            f"input {source.path}: all {stats['documents_read']} documents are shorter than "
             f"--min-length {cfg.min_length} tokens; lower --min-length"
         )
     stats_out.append(stats)
 
 
-def _fingerprint(cfg: PrepareConfig) -> str:
-    blob = json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+def _check_output(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output {out} is a file; pass --output-dir a folder path (new, or an "
+                         f"earlier prepare-data output)")
+    if out.exists() and any(out.iterdir()) and not (out / "prepare_config.json").exists():
+        raise ValueError(f"output folder {out} exists and is not a prepare-data output; "
+                         f"pass a new --output-dir (we overwrite only our own outputs)")
+
+
+def _open(spec: SourceSpec, cfg: PrepareConfig) -> datasets.Dataset | datasets.IterableDataset:
+    if not cfg.chat:
+        return load_source(spec, cfg.text_column, cfg.streaming, cfg.max_documents)
+    if spec.kind == "text":
+        raise ValueError(f"input {spec.path} is plain text; chat data needs .jsonl/.parquet or "
+                         f"dataset inputs with a conversation per record")
+    cols = ChatColumns(cfg.messages_column, cfg.prompt_column, cfg.response_column)
+    flag = "--prompt-column/--response-column" if cfg.prompt_column else "--messages-column"
+    return open_source(spec, cols.columns, flag, cfg.streaming, cfg.max_documents)
 
 
 def prepare_data(cfg: PrepareConfig) -> dict:
     """Run the pipeline; return the stats written to ``<output>/stats.json``."""
     t0 = time.perf_counter()
+    out = Path(cfg.output).expanduser()
+    _check_output(out)
     specs = [parse_source(s) for s in cfg.inputs]
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"source names must be unique, got {names}; name inputs as name=path")
     tokenizer = load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
-    special = resolve_special_tokens(tokenizer, cfg.add_bos, cfg.add_eos)
-    doc_tok = DocumentTokenizer(tokenizer, special)
-    dtype = token_dtype(tokenizer)
-    packer = Packer(cfg.seq_length, dtype)
+    if cfg.chat:
+        # The template writes BOS and the end-of-turn tokens itself.
+        special = SpecialTokens(None, None)
+        doc_tok: DocumentTokenizer | ChatTokenizer = ChatTokenizer(
+            tokenizer, load_chat_template(tokenizer, cfg.chat_template))
+        logger.info("chat data: assistant tokens found by %s", doc_tok.method)
+    else:
+        special = resolve_special_tokens(tokenizer, cfg.add_bos, cfg.add_eos)
+        doc_tok = DocumentTokenizer(tokenizer, special)
+    packer = Packer(cfg.seq_length, doc_tok.dtype)
     per_source: list[dict] = []
-    out = Path(cfg.output)
-    if out.exists() and any(out.iterdir()) and not (out / "prepare_config.json").exists():
-        raise ValueError(f"output folder {out} exists and is not a prepare-data output; "
-                         f"pass a new --output (we overwrite only our own outputs)")
-    # Opening (and, in memory, tokenizing) every source first surfaces input errors such as
-    # a missing column before any output is written.
-    sources = []
+    # Opening every source first surfaces input errors such as a missing column before any
+    # work is done.
+    opened = []
     for spec in specs:
         logger.info("source %s: %s (%s)", spec.name, spec.path, spec.kind)
-        sources.append(_Source(spec, cfg, doc_tok))
-
-    def windows() -> Iterator[dict[str, list[int]]]:
-        bar = tqdm(desc="packing", unit="tok", unit_scale=True)
-        for i, source in enumerate(sources):
-            for batch in _emit(source, i, cfg, per_source):
-                bar.update(int(batch.lengths.sum()))
-                yield from packer.add(batch.tokens, batch.lengths).rows()
-        bar.close()
+        opened.append(_open(spec, cfg))
 
     W = cfg.seq_length + 1
     features = datasets.Features({
-        "input_ids": datasets.Sequence(datasets.Value("int32" if dtype is np.int32 else "int64"), length=W),
+        "input_ids": datasets.Sequence(datasets.Value(np.dtype(doc_tok.dtype).name), length=W),
         "position_ids": datasets.Sequence(datasets.Value("int32"), length=W),
         "document_ids": datasets.Sequence(datasets.Value("int64"), length=W),
     })
-    tmp = Path(tempfile.mkdtemp(prefix="ec_prepare_"))
+    if cfg.chat:
+        features["labels"] = features["input_ids"]
+    label_tokens = 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        # An explicit fingerprint: datasets would otherwise hash the generator's closure.
-        try:
-            ds = datasets.Dataset.from_generator(windows, features=features, cache_dir=str(tmp),
-                                                 fingerprint=_fingerprint(cfg))
-        except datasets.exceptions.DatasetGenerationError as e:
-            # Our own input errors raised inside the generator: re-raise them unwrapped.
-            if isinstance(e.__cause__, (ValueError, FileNotFoundError)):
-                raise e.__cause__ from None
-            raise
-        except ValueError:
-            if packer.num_windows > 0:
-                raise
-            # datasets refuses an empty split; say why it is empty.
+        bar = tqdm(desc="packing", unit="tok", unit_scale=True)
+        with (ArrowWriter(features=features, path=str(work / "windows.arrow")) as writer,
+              TokenizerPool(doc_tok, cfg.num_proc) as pool):
+            for i, (spec, ds) in enumerate(zip(specs, opened)):
+                for batch in _emit(i, spec, ds, cfg, pool, work, per_source):
+                    bar.update(int(batch.lengths.sum()))
+                    windows = packer.add(batch.tokens, batch.lengths, batch.labels)
+                    if len(windows):
+                        writer.write_table(windows.to_arrow())
+                        if windows.labels is not None:
+                            label_tokens += int((windows.labels != IGNORE_INDEX).sum())
+            writer.finalize()
+        bar.close()
+        if packer.num_windows == 0:
             raise ValueError(
                 f"the inputs hold {packer.num_tokens} tokens, fewer than one window of "
-                f"{W}; lower --seq-length or add data"
-            ) from None
+                f"{W}; lower --seq-length or add data")
+        ds = datasets.Dataset.from_file(str(work / "windows.arrow"))
         if cfg.shuffle:
-            ds = ds.shuffle(seed=cfg.seed)
+            # The permutation depends only on the seed and the number of windows.
+            ds = ds.shuffle(seed=cfg.seed, keep_in_memory=True)
         if out.exists():
             shutil.rmtree(out)
         ds.save_to_disk(str(out), max_shard_size=cfg.max_shard_size)
+        del ds
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
 
     total = sum(s["tokens_emitted"] for s in per_source)
     for s in per_source:
@@ -247,6 +268,8 @@ def prepare_data(cfg: PrepareConfig) -> dict:
         "dropped_tail_tokens": packer.dropped_tokens,
         "bos_token_id": special.bos_id,
         "eos_token_id": special.eos_id,
+        **({"chat_mask_method": doc_tok.method, "label_tokens_in_windows": label_tokens}
+           if cfg.chat else {}),
         "seconds": round(time.perf_counter() - t0, 3),
         "sources": per_source,
     }

@@ -13,17 +13,26 @@ unit of per-source upsampling). Without a name, the file or folder name is used.
 Every reader goes through ``datasets`` (the ``text``, ``json`` and ``parquet`` builders), in
 memory-mapped or streaming mode, so both modes read exactly the same documents in the same
 order — which is what makes streaming results equal the in-memory ones.
+
+When a reader fails on a malformed file, ``datasets`` says only "An error occurred while
+generating the dataset"; we then scan the files ourselves (:mod:`.checks`) and raise an
+error that names the file, the line and what to fix.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import datasets
+import pyarrow as pa
+
+from .checks import find_bad_input
 
 logger = logging.getLogger(__name__)
 
@@ -98,24 +107,27 @@ def parse_source(spec: str) -> SourceSpec:
     return SourceSpec(name, path, "hub")
 
 
-def _check_column(ds: datasets.Dataset | datasets.IterableDataset, source: SourceSpec,
-                  text_column: str) -> None:
-    columns = ds.column_names
-    if columns is None:  # a streamed source of unknown schema: look at its first row
-        columns = list(next(iter(ds), {}).keys())
-    if text_column not in columns:
-        raise ValueError(
-            f"input {source.path} has no column {text_column!r} (columns: {columns}); "
-            f"pass --text-column with one of them"
-        )
+@contextmanager
+def _reading(source: SourceSpec, text_column: str | None) -> Iterator[None]:
+    """Turn a reader's failure on a malformed file into an error naming the file and line."""
+    try:
+        yield
+    except (datasets.exceptions.DatasetGenerationError, pa.ArrowException, UnicodeDecodeError,
+            ValueError) as e:
+        problem = find_bad_input(source.kind, source.files, text_column)
+        if problem is None:
+            raise
+        raise ValueError(problem) from e
 
 
-def load_source(source: SourceSpec, text_column: str = "text", streaming: bool = False,
-                max_documents: int | None = None) -> datasets.Dataset | datasets.IterableDataset:
-    """Open a source as a dataset with a single ``text`` column, in file order.
+def open_source(source: SourceSpec, columns: list[str], flag: str = "--text-column",
+                streaming: bool = False, max_documents: int | None = None,
+                text_column: str | None = None) -> datasets.Dataset | datasets.IterableDataset:
+    """Open a source with just ``columns``, in file order; ``flag`` is the option that names them.
 
     Non-streaming sources are memory-mapped Arrow (``load_dataset`` converts files once into
-    its cache); streaming sources are read lazily and never held in full.
+    its cache); streaming sources are read lazily and never held in full. ``text_column``,
+    when the columns hold text, lets a malformed-file diagnosis check its type too.
     """
     if source.kind == "disk":
         ds = datasets.load_from_disk(source.path)
@@ -133,17 +145,39 @@ def load_source(source: SourceSpec, text_column: str = "text", streaming: bool =
             ) from e
     else:
         kwargs = {"sample_by": "document"} if source.kind == "text" else {}
-        ds = datasets.load_dataset(source.kind, data_files=list(source.files), split="train",
-                                   streaming=streaming, **kwargs)
-    if source.kind == "text":
-        text_column = "text"  # the text builder names its one column 'text'
-    _check_column(ds, source, text_column)
-    ds = ds.select_columns([text_column])
-    if text_column != "text":
-        ds = ds.rename_column(text_column, "text")
+        with _reading(source, text_column):
+            ds = datasets.load_dataset(source.kind, data_files=list(source.files), split="train",
+                                       streaming=streaming, **kwargs)
+    found = ds.column_names
+    if not found:  # a streamed source of unknown schema: look at its first row
+        with _reading(source, text_column):
+            first = next(iter(ds), None)
+        if first is None:
+            raise ValueError(f"input {source.path} has no documents; check the file")
+        found = list(first)
+    missing = [c for c in columns if c not in found]
+    if missing:
+        raise ValueError(f"input {source.path} has no column {missing[0]!r} (columns: {found}); "
+                         f"pass {flag} with one of them")
+    ds = ds.select_columns(columns)
     if max_documents is not None:
         ds = ds.take(max_documents) if streaming else ds.select(range(min(max_documents, len(ds))))
     return ds
+
+
+def load_source(source: SourceSpec, text_column: str = "text", streaming: bool = False,
+                max_documents: int | None = None) -> datasets.Dataset | datasets.IterableDataset:
+    """Open a source as a dataset with a single ``text`` column, in file order."""
+    if source.kind == "text":
+        text_column = "text"  # the text builder names its one column 'text'
+    ds = open_source(source, [text_column], "--text-column", streaming, max_documents, text_column)
+    feature = (ds.features or {}).get(text_column)
+    if isinstance(feature, datasets.Value) and feature.dtype not in ("string", "large_string"):
+        raise ValueError(
+            f"input {source.path}: column {text_column!r} holds {feature.dtype}, not text; "
+            f"pass --text-column naming a text column"
+        )
+    return ds.rename_column(text_column, "text") if text_column != "text" else ds
 
 
 def iter_texts(ds: datasets.Dataset | datasets.IterableDataset, batch_size: int = 1000
@@ -151,3 +185,46 @@ def iter_texts(ds: datasets.Dataset | datasets.IterableDataset, batch_size: int 
     """Yield batches of document texts; None values (missing text) become empty strings."""
     for batch in ds.iter(batch_size=batch_size):
         yield [t or "" for t in batch["text"]]
+
+
+def iter_document_batches(ds: datasets.Dataset | datasets.IterableDataset, source: SourceSpec,
+                          to_document: Callable[[dict, str], tuple[Any, int]],
+                          batch_size: int = 256, batch_chars: int = 1 << 20,
+                          text_column: str | None = None) -> Iterator[list]:
+    """Batches of documents made by ``to_document(record, where) -> (document, characters)``,
+    each batch closed at ``batch_size`` documents or ``batch_chars`` characters, so that a
+    few huge documents still spread over the tokenizer workers."""
+    out: list = []
+    chars = row = 0
+    with _reading(source, text_column):
+        for batch in ds.iter(batch_size=batch_size):
+            for values in zip(*batch.values()):
+                doc, n = to_document(dict(zip(batch, values)), f"input {source.path}, document {row}")
+                out.append(doc)
+                chars += n
+                row += 1
+                if len(out) == batch_size or chars >= batch_chars:
+                    yield out
+                    out, chars = [], 0
+    if out:
+        yield out
+
+
+def iter_text_batches(ds: datasets.Dataset | datasets.IterableDataset, source: SourceSpec,
+                      text_column: str = "text", batch_size: int = 256,
+                      batch_chars: int = 1 << 20) -> Iterator[list[str]]:
+    """Batches of the texts of a :func:`load_source` dataset.
+
+    Missing texts (None) become empty strings; any other non-text value is an error that
+    names the row (a streamed jsonl has no schema to check up front).
+    """
+    def to_text(record: dict, where: str) -> tuple[str, int]:
+        t = record["text"]
+        if t is None:
+            return "", 0
+        if not isinstance(t, str):
+            raise ValueError(f"{where} has a {type(t).__name__} in column {text_column!r}, not "
+                             f"text; pass --text-column naming a text column")
+        return t, len(t)
+
+    return iter_document_batches(ds, source, to_text, batch_size, batch_chars, text_column)

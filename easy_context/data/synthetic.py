@@ -72,6 +72,21 @@ class SyntheticConfig:
     """Haystack text: the repeated filler, generated sentences, or both interleaved."""
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if self.kind != "mix" and self.kind not in KINDS:
+            raise ValueError(f"unknown synthetic kind {self.kind!r}; pass --kind one of "
+                             f"{KINDS + ('mix',)}")
+        if self.num_docs < 1:
+            raise ValueError(f"--num-docs must be at least 1, got {self.num_docs}")
+        if self.length < 1:
+            raise ValueError(f"--length must be at least 1, got {self.length}")
+        if self.length_unit not in ("chars", "tokens"):
+            raise ValueError(f"--length-unit must be chars or tokens, got {self.length_unit!r}")
+        if self.chars_per_token <= 0:
+            raise ValueError(f"chars_per_token must be positive, got {self.chars_per_token}")
+        if self.noise not in ("filler", "varied", "mixed"):
+            raise ValueError(f"noise must be filler, varied or mixed, got {self.noise!r}")
+
 
 def varied_sentence(rng: random.Random) -> str:
     """One generated sentence from the word lists, e.g. 'The rusty kettle finds the tower at dusk.'"""
@@ -234,10 +249,6 @@ def generate(cfg: SyntheticConfig) -> Iterator[dict[str, Any]]:
     Deterministic: record i depends only on (seed, i), so a prefix of a longer run equals a
     shorter run and documents can be regenerated independently.
     """
-    if cfg.kind != "mix" and cfg.kind not in _GENERATORS:
-        raise ValueError(f"unknown synthetic kind {cfg.kind!r}; use one of {KINDS + ('mix',)}")
-    if cfg.length <= 0:
-        raise ValueError(f"length must be positive, got {cfg.length}")
     n_chars = _budget(cfg)
     for i in range(cfg.num_docs):
         kind = KINDS[i % len(KINDS)] if cfg.kind == "mix" else cfg.kind

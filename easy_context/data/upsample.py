@@ -37,9 +37,9 @@ class UpsampleConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.keep_prob <= 1.0:
-            raise ValueError(f"upsample keep probability must be in [0, 1], got {self.keep_prob}")
+            raise ValueError(f"--upsample-keep-prob must be in [0, 1], got {self.keep_prob}")
         if self.threshold is not None and self.threshold < 1:
-            raise ValueError(f"upsample threshold must be >= 1 token, got {self.threshold}")
+            raise ValueError(f"--upsample-threshold must be at least 1 token, got {self.threshold}")
 
 
 def plan_copies(lengths: np.ndarray, cfg: UpsampleConfig, min_length: int = 0,

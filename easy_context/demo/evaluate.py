@@ -12,7 +12,7 @@ import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..eval.model_loading import load_model_and_tokenizer
+from ..models import load_model_and_tokenizer
 from ..eval.needle import NeedleConfig, evaluate_needle
 from ..eval.ppl import PplConfig, evaluate_ppl
 from .build import DIGITS, TEMPLATE, filler_haystack

@@ -8,7 +8,7 @@ prompt or window, sharded like training) and sum their per-token results across 
 Command line: ``easy-context eval-needle``, ``eval-ppl`` and ``plot-ppl`` (easy_context.eval.cli).
 """
 
-from .model_loading import (
+from ..models import (
     apply_rope_overrides,
     load_config,
     load_model_and_tokenizer,

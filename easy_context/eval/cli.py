@@ -21,20 +21,19 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ..compat import resolve_seq_algo
+from ..parallel import SEQUENCE_PARALLEL, get_method
 from ..launch import device as rank_device
 from ..launch import launch
+from ..models import model_name
 from ..utils.paths import check_output_path
-from .model_loading import model_name
 
 logger = logging.getLogger(__name__)
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parallel-mode", default="zigzag_ring_attn",
-                        help="sequence-parallel method (zigzag_ring_attn, ring_attn, "
-                             "dist_flash_attn, ulysses_attn, usp_attn, allgather_attn; the "
-                             "original's names work too); data_parallel: one process only")
+                        help="sequence-parallel method: " + ", ".join(SEQUENCE_PARALLEL)
+                             + " (the original's names work too); data_parallel: one process")
     parser.add_argument("--ring-degree", type=int, default=None, help="usp_attn only")
     parser.add_argument("--nproc-per-node", type=int, default=1,
                         help="ranks to spawn (ignored under torchrun, which sets them)")
@@ -50,10 +49,11 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def _setup(args: argparse.Namespace, path: str, tokenizer: bool = True):
-    """On this rank: device, model (sequence-parallel unless generating) and tokenizer (None
-    with ``tokenizer=False``)."""
+    """On this rank: device, model (sequence-parallel unless generating), tokenizer (None with
+    ``tokenizer=False``) and the sequence-parallel group (every rank: one sequence at a time)."""
     from ..integrations.hf import apply_sequence_parallel
-    from .model_loading import load_model_and_tokenizer
+    from ..mesh import build_mesh
+    from ..models import load_model_and_tokenizer
 
     dev = rank_device()
     model, tok = load_model_and_tokenizer(path, device=dev, dtype=args.dtype,
@@ -63,41 +63,38 @@ def _setup(args: argparse.Namespace, path: str, tokenizer: bool = True):
                                           tokenizer=tokenizer)
     if tok is not None:
         tok.model_max_length = 1 << 40  # long prompts are the point; silence length warnings
+    group = None
     if not getattr(args, "generate", False):
-        apply_sequence_parallel(model, args.method, ring_degree=args.ring_degree)
-    return dev, model, tok
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        group = build_mesh(world, args.ring_degree, dev.type).sp
+        apply_sequence_parallel(model, args.method, group=group, ring_degree=args.ring_degree)
+    return dev, model, tok, group
 
 
 def _check_common(args: argparse.Namespace, models: list[str], tokenizer: bool) -> None:
-    """The flags every eval has, and the model folders (weights, and a tokenizer when the
-    eval needs one), checked before any rank starts."""
-    from .model_loading import check_model_path, has_tokenizer, parse_rope_scaling
+    """The flags every eval has, and the model folders (weights, a tokenizer when the eval
+    needs one, heads the method can split), checked before any rank starts."""
+    from ..models import check_model_path, has_tokenizer, model_heads, parse_rope_scaling
 
-    args.method = resolve_seq_algo(args.parallel_mode)
+    method = get_method(args.parallel_mode)
+    args.method = method.name
     world = args.nproc_per_node
     if world < 1:
         raise ValueError(f"--nproc-per-node must be >= 1, got {world}")
-    if args.method == "data_parallel" and world > 1:
+    if args.method == "local" and world > 1:
         raise ValueError("--parallel-mode data_parallel evaluates in one process; use a "
                          "sequence-parallel method with --nproc-per-node > 1")
-    if args.ring_degree is not None:
-        if args.method != "usp_attn":
-            raise ValueError(f"--ring-degree is usp_attn's; drop it for {args.method}")
-        if args.ring_degree < 1 or world % args.ring_degree:
-            divisors = [d for d in range(1, world + 1) if world % d == 0]
-            raise ValueError(f"--ring-degree must divide --nproc-per-node {world}: choose among "
-                             f"{divisors}, got {args.ring_degree}")
-    elif args.method == "usp_attn":
-        raise ValueError("usp_attn needs --ring-degree (ranks per ring; the others do Ulysses)")
     if args.rope_theta is not None and not args.rope_theta > 0:
         raise ValueError(f"--rope-theta must be > 0, got {args.rope_theta}")
     parse_rope_scaling(args.rope_scaling)
+    method.check(None, None, world, args.ring_degree)  # before the models: flags first
     for path in models:
         check_model_path(path, weights=True)
         if tokenizer and has_tokenizer(path) is False:
             raise FileNotFoundError(f"model folder {path} has no tokenizer (tokenizer.json); "
                                     "this eval turns text into tokens: save the model's "
                                     "tokenizer there (tokenizer.save_pretrained)")
+        method.check(*model_heads(path), world, args.ring_degree)
 
 
 def _is_main() -> bool:
@@ -147,11 +144,11 @@ def _needle_rank(args: argparse.Namespace) -> dict:
     cfg = NeedleConfig(args.min_context_length, args.max_context_length, args.context_interval,
                        args.depth_interval, args.num_samples, args.rnd_number_digits,
                        args.num_distractor, args.num_values, args.seed, args.add_bos)
-    dev, model, tok = _setup(args, args.model)
+    dev, model, tok, group = _setup(args, args.model)
     hay = build_haystack(tok, args.max_context_length, args.haystack_dir,
                          repeat=not args.no_repeat_haystack, seed=args.seed)
     start = time.time()
-    results = evaluate_needle(model, tok, hay, cfg, args.method, device=dev,
+    results = evaluate_needle(model, tok, hay, cfg, args.method, group=group, device=dev,
                               generate=args.generate, ring_degree=args.ring_degree,
                               progress=_is_main())
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -271,7 +268,7 @@ def load_samples(args: argparse.Namespace, tokenizer) -> list[list[int]]:
 
 
 def _ppl_rank(args: argparse.Namespace) -> list[dict]:
-    from .model_loading import pad_token_id
+    from ..models import pad_token_id
     from .ppl import PplConfig, evaluate_ppl
 
     cfg = PplConfig(args.min_tokens, args.max_tokens, args.tokens_step, args.sliding_window,
@@ -279,10 +276,10 @@ def _ppl_rank(args: argparse.Namespace) -> list[dict]:
     rows = []
     for path in args.model:
         # --tokenized data needs no tokenizer: the model folder may have none.
-        dev, model, tok = _setup(args, path, tokenizer=not args.tokenized)
+        dev, model, tok, group = _setup(args, path, tokenizer=not args.tokenized)
         samples = load_samples(args, tok)
         pad = pad_token_id(tok, model.config)
-        for row in evaluate_ppl(model, samples, cfg, args.method, pad, device=dev,
+        for row in evaluate_ppl(model, samples, cfg, args.method, pad, group=group, device=dev,
                                 ring_degree=args.ring_degree, progress=_is_main()):
             rows.append({"model": model_name(path), **row})
         del model

@@ -31,9 +31,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..compat import prepare_seq_parallel_inputs
 from ..data.synthetic import haystack_sentences
-from ..sequence_parallel import pad_for_sequence_parallel
+from .sharding import shard_prompt
 
 KEYS = ("Singapore", "Paris", "London", "Tokyo", "Berlin", "New York", "Beijing", "Cairo",
         "Lima", "Oslo", "Nairobi", "Sydney")
@@ -254,35 +253,29 @@ def score_teacher_forced(model: PreTrainedModel, prompt: NeedlePrompt, method: s
     "nll", "predicted_ids"}: correct answer tokens, answer length, summed NLL of the answer,
     and the argmax token at each answer position, all summed over the ranks.
     """
-    sp = dist.is_initialized() and method != "data_parallel"
-    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if sp else (0, 1)
     ids = torch.tensor([prompt.input_ids])  # (1, L)
     s, n = prompt.answer_start, prompt.answer_len
     targets = torch.full_like(ids, -100)
     targets[0, s - 1:s - 1 + n] = ids[0, s:s + n]  # position t predicts token t + 1
-    ids, targets, positions = pad_for_sequence_parallel(
-        ids, targets, method if sp else "ring_attn", world, pad_id, ring_degree=ring_degree)
-    local = prepare_seq_parallel_inputs(method if sp else "data_parallel", ids, positions, targets,
-                                        rank, world, device, ring_degree=ring_degree)
-    tgt_local = local["local_target_ids"]
+    shard = shard_prompt(ids, targets, method, pad_id, group, device, ring_degree)
+    tgt_local = shard.target_ids
     keep = tgt_local != -100  # (1, S_local) bool: this rank's answer positions
     kwargs = {"logits_to_keep": keep} if _keeps_logits(model) else {}
-    logits = model(input_ids=local["local_input_ids"], position_ids=local["local_position_ids"],
-                   use_cache=False, **kwargs).logits
+    logits = model(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=False,
+                   **kwargs).logits
     if not kwargs:
         logits = logits[keep]
     logits = logits.reshape(-1, logits.shape[-1]).float()  # (answer tokens here, V)
     tgt = tgt_local[keep]
     pred = logits.argmax(-1)
     # Answer slot j of a position p is p - (s - 1); slots not held here stay -1 / 0.
-    slots = local["local_position_ids"][keep] - (s - 1)
+    slots = shard.position_ids[keep] - (s - 1)
     predicted = torch.full((n,), -1, dtype=torch.long, device=tgt.device)
     predicted[slots] = pred
     stats = torch.stack([(pred == tgt).sum().double(),
                          F.cross_entropy(logits, tgt, reduction="sum").double()])
-    if sp and world > 1:
-        dist.all_reduce(stats, group=group)
-        dist.all_reduce(predicted, op=dist.ReduceOp.MAX, group=group)
+    shard.sum(stats)
+    shard.max(predicted)
     return {"correct": int(stats[0].item()), "total": n, "nll": float(stats[1].item()),
             "predicted_ids": predicted.tolist()}
 

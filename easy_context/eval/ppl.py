@@ -27,9 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from ..compat import prepare_seq_parallel_inputs
 from ..integrations.hf import plain_lm_head
-from ..sequence_parallel import pad_for_sequence_parallel
+from .sharding import shard_prompt
 
 
 @dataclass
@@ -101,25 +100,18 @@ def window_stats(model: PreTrainedModel, window: Sequence[int] | torch.Tensor, f
 
     Tokens ``window[first:]`` are scored; the last k are those at index >= len(window) - k.
     """
-    sp = dist.is_initialized() and method != "data_parallel"
-    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if sp else (0, 1)
     ids = torch.as_tensor(window, dtype=torch.long).view(1, -1)  # (1, W)
     w = ids.shape[1]
     targets = torch.full_like(ids, -100)
     targets[0, first - 1:w - 1] = ids[0, first:]  # input position t predicts token t + 1
-    ids, targets, positions = pad_for_sequence_parallel(
-        ids, targets, method if sp else "ring_attn", world, pad_id, ring_degree=ring_degree)
-    local = prepare_seq_parallel_inputs(method if sp else "data_parallel", ids, positions, targets,
-                                        rank, world, device, ring_degree=ring_degree)
-    tgt, pos = local["local_target_ids"], local["local_position_ids"]
-    nll = _token_nll(model, local["local_input_ids"], pos, tgt, chunk_size).double()
+    shard = shard_prompt(ids, targets, method, pad_id, group, device, ring_degree)
+    tgt, pos = shard.target_ids, shard.position_ids
+    nll = _token_nll(model, shard.input_ids, pos, tgt, chunk_size).double()
     valid = tgt != -100
     tail = valid & (pos + 1 >= w - last_k)  # predicts a token among the window's last k
     stats = torch.stack([nll[valid].sum(), valid.sum().double(), nll[tail].sum(),
                          tail.sum().double()])
-    if sp and world > 1:
-        dist.all_reduce(stats, group=group)
-    return stats.cpu()
+    return shard.sum(stats).cpu()
 
 
 def evaluate_ppl(model: PreTrainedModel, samples: Sequence[Sequence[int]], cfg: PplConfig,

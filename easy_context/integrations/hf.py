@@ -22,20 +22,18 @@ import torch.distributed as dist
 from torch import nn
 from transformers import AttentionInterface
 
+from ..mesh import SPGroup, group_size, usp_groups
 from ..parallel import METHODS, get_method
 from ..sequence_parallel import sequence_parallel_attention
 
 Tensor = torch.Tensor
 
-# transformers treats any implementation name containing "flash" as FlashAttention and tries
-# to load flash kernels for it, so dist_flash_attn registers under another name.
-_HF_NAMES = {name: name.replace("dist_flash_attn", "dist_attn") for name in METHODS}
-
 
 def hf_attention_name(method: str) -> str:
-    """The name under which ``method`` is registered with transformers."""
-    get_method(method)
-    return _HF_NAMES[method]
+    """The name under which ``method`` is registered with transformers: transformers treats
+    any implementation name containing "flash" as FlashAttention and tries to load flash
+    kernels for it, so such names lose the word (dist_flash_attn -> dist_attn)."""
+    return get_method(method).name.replace("flash_", "")
 
 
 @dataclass
@@ -43,7 +41,7 @@ class SequenceParallelSettings:
     """Stored on each attention module by :func:`apply_sequence_parallel` (never serialised)."""
 
     method: str
-    group: dist.ProcessGroup | None = None
+    group: SPGroup | dist.ProcessGroup | None = None
     ring_degree: int | None = None
 
 
@@ -78,7 +76,7 @@ def _make_attention(method: str):
                   dropout: float = 0.0, **kwargs):
         # query (B, Hq, S, D), key/value (B, Hkv, S, D), not repeated for GQA.
         settings = getattr(module, _SETTINGS_ATTR, None) or SequenceParallelSettings(method)
-        world = dist.get_world_size(settings.group) if dist.is_initialized() else 1
+        world = group_size(settings.group)
         reason = _unsupported(module, query, key, dropout, kwargs, world)
         if reason:
             raise ValueError(f"{method}: {reason}")
@@ -94,7 +92,7 @@ def _make_attention(method: str):
 
 
 for _method in METHODS:
-    AttentionInterface.register(_HF_NAMES[_method], _make_attention(_method))
+    AttentionInterface.register(hf_attention_name(_method), _make_attention(_method))
 
 
 def _text_config(model: nn.Module):
@@ -128,40 +126,34 @@ def _attention_modules(model: nn.Module):
     return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
 
 
-def apply_sequence_parallel(model: nn.Module, method: str, group: dist.ProcessGroup | None = None,
+def apply_sequence_parallel(model: nn.Module, method: str, group=None,
                             ring_degree: int | None = None) -> nn.Module:
-    """Switch an already built model to sequence-parallel attention over ``group``.
+    """Switch an already built model to sequence-parallel attention over ``group`` (a process
+    group, an easy_context.mesh.SPGroup, or None for the world).
 
-    ``method`` is a key of ``easy_context.METHODS``, or ``"data_parallel"`` to keep the
-    model's own attention. Returns the model (changed in place).
+    ``method`` is a key of ``easy_context.METHODS`` or an alias (``data_parallel``: the
+    ``local`` method, whole sequences on each rank). Checks the model's heads against the
+    method before any collective. Returns the model (changed in place).
     """
-    if method == "data_parallel":
-        return model
-    get_method(method)
+    m = get_method(method)
     check_model_supported(model)
     config = _text_config(model)
-    if dist.is_initialized():
-        world = dist.get_world_size(group)
+    world = group_size(group)
+    if ring_degree is None and isinstance(group, SPGroup) and m.needs_ring_degree:
+        ring_degree = group.ring_degree
+    if world > 1:
         heads = config.num_attention_heads
-        if method == "ulysses_attn" and heads % world:
-            raise ValueError(f"ulysses_attn needs attention heads ({heads}) divisible by the "
-                             f"sequence-parallel size ({world}); use usp_attn with a ring_degree, "
-                             "or a zigzag/ring method")
-        if method == "usp_attn":
-            if ring_degree is None or ring_degree < 1 or world % ring_degree:
-                raise ValueError(f"usp_attn needs a ring_degree dividing the sequence-parallel "
-                                 f"size {world}, got {ring_degree}")
-            if heads % (world // ring_degree):
-                raise ValueError(f"usp_attn: attention heads ({heads}) must be divisible by the "
-                                 f"Ulysses degree {world // ring_degree}; raise ring_degree")
+        m.check(heads, getattr(config, "num_key_value_heads", None) or heads, world, ring_degree)
     modules = _attention_modules(model)
     if not modules:
         raise ValueError(f"found no attention layers in {type(model).__name__}: its attention "
                          "does not go through transformers' attention interface")
-    settings = SequenceParallelSettings(method, group, ring_degree)
-    for m in modules:
-        setattr(m, _SETTINGS_ATTR, settings)
-    model.set_attn_implementation(_HF_NAMES[method])
+    if m.needs_ring_degree and world > 1 and 1 < ring_degree < world:
+        group = usp_groups(group, ring_degree)  # once, not at every forward
+    settings = SequenceParallelSettings(m.name, group, ring_degree)
+    for module in modules:
+        setattr(module, _SETTINGS_ATTR, settings)
+    model.set_attn_implementation(hf_attention_name(m.name))
     return model
 
 

@@ -23,21 +23,22 @@ them: each owner receives the sum of every rank's contribution to its chunks.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from .. import layouts
-from ..attention.kernels import Kernel, default_scale, select_kernel
 from ..attention.documents import document_mask
+from ..attention.kernels import Kernel, default_scale, select_kernel
 from ..attention.merge import merge_into
-from ..attention.saving import run_saved
-from .head_groups import backward_by_heads, forward_by_heads
-from .ring import check_document_ids, check_qkv
+from ..mesh import process_group
+from .comm import all_gather_into, reduce_scatter_into
+from .function import run_attention
+from .method import AttentionDims, Method
+from .zigzag import check_two_chunks
 
 Tensor = torch.Tensor
-# torch 2.13 renamed the *_tensor collectives (the old names warn); older torch has only those.
-_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 def _gather_kv(k: Tensor, v: Tensor, group, world: int) -> Tensor:
@@ -47,7 +48,7 @@ def _gather_kv(k: Tensor, v: Tensor, group, world: int) -> Tensor:
         return local
     # gloo wants the output as the inputs concatenated along dim 0: (N*2, B, s, Hkv, D)
     gathered = local.new_empty(world * 2, *local.shape[1:])
-    _all_gather(gathered, local, group=group)
+    all_gather_into(gathered, local, group=group)
     gathered = gathered.unflatten(0, (world, 2))
     # rank order along the sequence dim, then zigzag -> sequence order
     return layouts.unshard(gathered.movedim(0, 2).flatten(2, 3), "zigzag", world, dim=2)
@@ -71,7 +72,7 @@ def _gather_docs(doc: Tensor | None, group, world: int) -> Tensor | None:
     if doc is None or world == 1:
         return doc
     gathered = doc.new_empty(world * doc.size(0), doc.size(1))
-    _all_gather(gathered, doc.contiguous(), group=group)
+    all_gather_into(gathered, doc.contiguous(), group=group)
     return layouts.unshard(gathered.unflatten(0, (world, doc.size(0))).movedim(0, 1).flatten(1, 2),
                            "zigzag", world, dim=1)
 
@@ -87,6 +88,7 @@ def _block_calls(rank, world, s, causal, doc, all_docs):
 
 
 def allgather_forward(q, k, v, group, causal, scale, kernel, doc=None):
+    """(out in q's dtype, lse (B, H, S) float32) for this rank's queries."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     kv = _gather_kv(k, v, group, world)
     all_docs = _gather_docs(doc, group, world)
@@ -100,58 +102,92 @@ def allgather_forward(q, k, v, group, causal, scale, kernel, doc=None):
     return out.to(q.dtype), lse
 
 
-def allgather_backward(dout, q, k, v, out, lse, group, causal, scale, kernel, doc=None):
+def allgather_backward(dout, q, k, v, out, lse, group, causal, scale, kernel, doc, dq, dk, dv):
+    """Fills dq, dk, dv (views, the inputs' dtype) for this rank's shards."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     kv = _gather_kv(k, v, group, world)
     all_docs = _gather_docs(doc, group, world)
-    dq = torch.zeros_like(q, dtype=torch.float32)
+    dq_acc = torch.zeros_like(q, dtype=torch.float32)
     dkv = torch.zeros_like(kv, dtype=torch.float32)  # this rank's share, whole sequence
     for rows, keys, blk_causal, mask in _block_calls(rank, world, q.size(1), causal, doc, all_docs):
         dq_b, dk_b, dv_b = kernel.backward(
             dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows],
             lse[:, :, rows], causal=blk_causal, scale=scale, attn_mask=mask)
-        dq[:, rows] += dq_b
+        dq_acc[:, rows] += dq_b
         dkv[0][:, keys] += dk_b
         dkv[1][:, keys] += dv_b
+    del kv
     if world > 1:
         # send[r] = rank r's zigzag shard of our share; the sum over ranks lands at r.
         send = torch.stack([layouts.shard(dkv, "zigzag", r, world, dim=2) for r in range(world)])
         dkv = torch.empty_like(send[0])
-        _reduce_scatter(dkv, send.flatten(0, 1), group=group)
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+        reduce_scatter_into(dkv, send.flatten(0, 1), group=group)
+    dq.copy_(dq_acc)
+    dk.copy_(dkv[0])
+    dv.copy_(dkv[1])
 
 
-class AllGatherAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, group, causal: bool, scale: float, kernel: Kernel, doc):
-        out, lse = run_saved(lambda: forward_by_heads(
-            lambda qg, kg, vg: allgather_forward(qg, kg, vg, group, causal, scale, kernel, doc),
-            q, k, v))
-        ctx.save_for_backward(q, k, v, out, lse, doc)
-        ctx.args = (group, causal, scale, kernel)
-        return out
+@dataclass(frozen=True)
+class AllGatherAlgorithm:
+    """All-gather attention's forward and backward for one group of KV heads (function.py)."""
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, doc = ctx.saved_tensors
-        dq, dk, dv = backward_by_heads(lambda *t: allgather_backward(*t, *ctx.args, doc=doc),
-                                       dout.contiguous(), q, k, v, out, lse)
-        return dq, dk, dv, None, None, None, None, None
+    group: dist.ProcessGroup | None
+    causal: bool
+    scale: float
+    kernel: Kernel
+    kv_heads_per_group: int = 1
+
+    def forward(self, q, k, v, doc):
+        return allgather_forward(q, k, v, self.group, self.causal, self.scale, self.kernel, doc)
+
+    def backward(self, dout, q, k, v, out, lse, doc, dq, dk, dv):
+        allgather_backward(dout, q, k, v, out, lse, self.group, self.causal, self.scale,
+                           self.kernel, doc, dq, dk, dv)
 
 
-def allgather_attn(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None = None,
-                   causal: bool = True, softmax_scale: float | None = None,
-                   document_ids: Tensor | None = None) -> Tensor:
+def allgather_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = True,
+                   softmax_scale: float | None = None, document_ids: Tensor | None = None,
+                   ring_degree: int | None = None) -> Tensor:
     """All-gather attention over zigzag shards. q: (B, S/N, Hq, D), k, v: (B, S/N, Hkv, D).
 
     ``document_ids`` (B, S/N), optional: packed documents; no token attends across them.
     """
-    check_qkv(q, k, v)
-    check_document_ids(q, document_ids)
-    if q.size(1) % 2:
-        raise ValueError(f"a zigzag shard holds two equal chunks; its length {q.size(1)} is odd. "
-                         "Shard the sequence with the zigzag layout (length divisible by 2N)")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_two_chunks(q)
     scale = default_scale(q.size(-1)) if softmax_scale is None else softmax_scale
-    return AllGatherAttention.apply(q, k, v, group, causal, scale, select_kernel(q), document_ids)
+    algo = AllGatherAlgorithm(process_group(group), bool(causal), scale, select_kernel(q))
+    return run_attention(algo, q, k, v, document_ids)
+
+
+# --------------------------------------------------------------------------- planner costs
+def allgather_buffers(dims: AttentionDims, s: int, a: int, world: int,
+                      ring_degree: int | None) -> int:
+    """One KV head at a time: the group's float32 dq (g D x 4 per token), and for its KV head
+    the whole sequence's K/V gathered (and reordered: 2 copies), their float32 dK/dV and the
+    reduce-scatter send buffer: N s x 2D x (2a + 8)."""
+    hq, hkv, hd = dims
+    return s * (hq // hkv) * hd * 4 + world * s * 2 * hd * (2 * a + 8)
+
+
+def allgather_comm(dims: AttentionDims, s: int, a: int, world: int,
+                   ring_degree: int | None) -> int:
+    """K/V gathered in forward and again in backward (each rank's shard goes to N-1 others),
+    and the float32 dK/dV reduce-scattered."""
+    hq, hkv, hd = dims
+    kv = s * 2 * hkv * hd
+    return (world - 1) * kv * (2 * a + 4)
+
+
+def allgather_unsuitable(heads: int, kv_heads: int, world: int) -> str | None:
+    if heads < GQA_RATIO * kv_heads:
+        return (f"K/V are {kv_heads}/{heads} of the heads (no strong GQA): gathering them "
+                "costs more than a ring")
+    return None
+
+
+GQA_RATIO = 4  # heads / kv_heads from which all-gathering K/V is cheaper than a ring
+
+METHOD = Method(
+    name="allgather_attn", attention=allgather_attn, layout="zigzag", short="AG", speed_rank=3,
+    summary="K/V gathered once per layer (Llama-3 style), zigzag query shards",
+    use_when="few KV heads (GQA): one gather moves little", aliases=("allgather",),
+    unsuitable=allgather_unsuitable, buffers=allgather_buffers, comm_bytes=allgather_comm)

@@ -1,4 +1,5 @@
-"""Point-to-point communication for the ring-shaped sequence-parallel methods.
+"""Communication for the sequence-parallel methods: batched point-to-point transfers, and
+the collectives under the names this torch version gives them.
 
 Every function takes the process group explicitly; ``None`` means the world group. Peers are
 given as ranks *within* the group and translated to global ranks here, because
@@ -11,6 +12,9 @@ import torch
 import torch.distributed as dist
 
 Tensor = torch.Tensor
+# torch 2.13 renamed the *_tensor collectives (the old names warn); older torch has only those.
+all_gather_into = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 def group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:

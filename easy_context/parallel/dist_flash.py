@@ -28,6 +28,7 @@ accumulator would (accumulate.py), in the output buffer where that is exact.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
@@ -35,11 +36,12 @@ import torch.distributed as dist
 
 from ..attention.kernels import Kernel, default_scale, select_kernel
 from ..attention.merge import merge_into
-from ..attention.saving import run_saved
+from ..mesh import process_group
 from .accumulate import GradSum, max_cover, span
 from .comm import Exchange, group_rank_size
-from .head_groups import backward_into_heads, forward_by_heads
-from .ring import check_qkv
+from .function import run_attention
+from .method import AttentionDims, Method
+from .ring import ring_buffers
 
 Tensor = torch.Tensor
 
@@ -188,8 +190,8 @@ def dist_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     q/out/dout rows for one KV-head group, so posting it early holds a send copy as well as
     the receive buffer through the call (unlike ring.py's relayed shards, which are sent as
     they arrived). Posting step 1's inputs before the diagonal call raised the per-rank peak
-    at N = 2, L = 16K, bf16 from 38.9 to 41.4 MB (0.57 -> 0.61 of single-process attention,
-    over the 0.6 target) to hide ~2-3 ms of transfer per head group, under 1% of the backward.
+    over the memory target to hide under 1% of the backward (benchmarks/attention.py,
+    benchmarks/results/attention.json).
     """
     rank, world = group_rank_size(group)
     s = q.size(1)
@@ -264,34 +266,61 @@ def _task_backward(task: Task, rank: int, got: dict, inputs, kernel: Kernel, cau
     return owed
 
 
-class DistFlashAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, kernel):
-        out, lse = run_saved(lambda: forward_by_heads(
-            lambda qg, kg, vg: dist_flash_forward(qg, kg, vg, group, causal, scale, kernel), q, k, v))
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, causal, scale, kernel)
-        return out
+@dataclass(frozen=True)
+class DistFlashAlgorithm:
+    """DistFlashAttn's forward and backward for one group of KV heads (function.py)."""
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = backward_into_heads(
-            lambda *t: dist_flash_backward(*t[:6], *ctx.args, grads=t[6:]), dout.contiguous(),
-            q, k, v, out, lse)
-        return dq, dk, dv, None, None, None, None
+    group: dist.ProcessGroup | None
+    causal: bool
+    scale: float
+    kernel: Kernel
+    kv_heads_per_group: int = 1
+
+    def forward(self, q, k, v, doc):
+        return dist_flash_forward(q, k, v, self.group, self.causal, self.scale, self.kernel)
+
+    def backward(self, dout, q, k, v, out, lse, doc, dq, dk, dv):
+        dist_flash_backward(dout, q, k, v, out, lse, self.group, self.causal, self.scale,
+                            self.kernel, grads=(dq, dk, dv))
 
 
-def dist_flash_attn(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None = None,
-                    causal: bool = True, softmax_scale: float | None = None) -> Tensor:
+def dist_flash_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = True,
+                    softmax_scale: float | None = None, document_ids: Tensor | None = None,
+                    ring_degree: int | None = None) -> Tensor:
     """DistFlashAttn over contiguous shards. q: (B, S/N, Hq, D), k, v: (B, S/N, Hkv, D).
 
     Every rank of ``group`` (None: the world) must hold a shard of the same length.
     """
-    check_qkv(q, k, v)
-    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
-        raise ValueError(f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if document_ids is not None:
+        raise ValueError("dist_flash_attn does not support packed documents (document_ids) yet")
     scale = default_scale(q.size(-1)) if softmax_scale is None else softmax_scale
-    return DistFlashAttention.apply(q, k, v, group, bool(causal), scale, select_kernel(q))
+    algo = DistFlashAlgorithm(process_group(group), bool(causal), scale, select_kernel(q))
+    return run_attention(algo, q, k, v, None)
+
+
+def dist_flash_buffers(dims: AttentionDims, s: int, a: int, world: int,
+                       ring_degree: int | None) -> int:
+    """As the ring's (ring_buffers), plus the relayed q, out and dout rows of one KV head's
+    query heads (3 x g D x a per token)."""
+    hq, hkv, hd = dims
+    return ring_buffers(dims, s, a, world, ring_degree) + s * 3 * (hq // hkv) * hd * a
+
+
+def dist_flash_comm(dims: AttentionDims, s: int, a: int, world: int,
+                    ring_degree: int | None) -> int:
+    """Bytes the busiest rank sends per layer: at each of the ~N/2 off-diagonal steps either
+    its K/V shard, or (as a helper's query owner) q rows, then the block's (out, lse) back;
+    in backward K/V or q, out, dout and lse, and the partial gradients back."""
+    hq, hkv, hd = dims
+    steps = world // 2
+    kv, q = s * 2 * hkv * hd * a, s * hq * hd * a
+    lse = s * hq * 4
+    return steps * (max(kv, 2 * q + lse) + max(2 * kv, 4 * q + lse))
+
+
+METHOD = Method(
+    name="dist_flash_attn", attention=dist_flash_attn, layout="contiguous", short="DF",
+    speed_rank=5, documents=False, aliases=("dist_flash",),
+    summary="LightSeq's schedule: idle ranks compute blocks for busy ones and send back (out, lse)",
+    use_when="balanced without reordering tokens; more, smaller messages than zigzag",
+    buffers=dist_flash_buffers, comm_bytes=dist_flash_comm)

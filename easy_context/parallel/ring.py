@@ -22,13 +22,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..attention.kernels import Kernel, default_scale, select_kernel
 from ..attention.documents import document_mask
+from ..attention.kernels import Kernel, default_scale, select_kernel
 from ..attention.merge import merge_into
-from ..attention.saving import run_saved
+from ..mesh import process_group
 from .accumulate import GradSum, max_cover, span
 from .comm import Exchange, group_rank_size, ring_pass
-from .head_groups import backward_into_heads, forward_by_heads
+from .function import run_attention
+from .method import AttentionDims, Method
 
 Tensor = torch.Tensor
 ALL = slice(None)
@@ -107,23 +108,21 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     owner, which sums its partials (accumulate.GradSum: in the output buffer when an element
     gets at most two, else in float32).
 
-    When transfers are posted (memory against overlap; per-rank figures at L=16K, N=2, bf16,
-    8 KV heads, in units U of one KV head's K for the local rows, 1 MB there): a kernel call
-    is where a step's memory peaks (its dq/dk/dv blocks and its own float32 working buffers,
-    ~5.6U above the outputs on the diagonal), so every buffer in flight during one adds to
-    the peak.
+    When transfers are posted is memory against overlap: a kernel call is where a step's
+    memory peaks (its dq/dk/dv blocks and its own float32 working buffers), so every buffer
+    in flight during one adds to the peak.
     - Steps 1 .. N-2 (N >= 3): the shard held came in from the previous rank, contiguous, so
       it is passed on as it is before the kernel runs, and the next shard lands in a reused
-      double buffer (the receive buffers of the shard passed on a step earlier): +2U during
-      the call, the price of hiding the transfer, and a rank need not wait for its
-      predecessor's kernel to end before starting the next step (zigzag at N = 4, L = 16K:
-      per-rank peak 24.5 -> 25.4 MB, 0.36 -> 0.37 of single-process attention).
+      double buffer (the receive buffers of the shard passed on a step earlier): two shards'
+      worth more during the call, the price of hiding the transfer, and a rank need not wait
+      for its predecessor's kernel to end before starting the next step.
     - Step 0: our own shard is a view of one KV head of k, v, not contiguous: posting it
-      before the diagonal call would hold a 2U send copy and a 2U receive buffer through it
-      (measured with zigzag at N = 2: peak 39.1 -> 42.3 MB per rank, 0.57 -> 0.62 of
-      single-process attention, over the 0.6 target) to hide a transfer of ~2-3 ms per head
-      group, under 1% of the backward. So step 0's shard is posted after the call, with the
+      before the diagonal call would hold a send copy and a receive buffer through it, which
+      cost more memory (it broke the per-rank memory target at N = 2) than the transfer it
+      hides (under 1% of the backward). So step 0's shard is posted after the call, with the
       first partials; at N = 2 that is the only shard that travels.
+    The figures behind these choices: benchmarks/attention.py, results in
+    benchmarks/results/attention.json.
     - The dK/dV partials exist only after the kernel: posted after it.
     """
     rank, world = group_rank_size(group)
@@ -214,58 +213,64 @@ def _ring_step_backward(dout, q, k, v, out, lse, held, doc, src, rank, causal, s
     return owed
 
 
-class RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, schedule, kernel, doc):
-        out, lse = run_saved(lambda: forward_by_heads(
-            lambda qg, kg, vg: ring_forward(qg, kg, vg, group, causal, scale, schedule, kernel, doc),
-            q, k, v))
-        ctx.save_for_backward(q, k, v, out, lse, doc)
-        ctx.args = (group, causal, scale, schedule, kernel)
-        return out
+@dataclass(frozen=True)
+class RingAlgorithm:
+    """One ring-shaped method's forward and backward for one group of KV heads (function.py)."""
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, doc = ctx.saved_tensors
-        dq, dk, dv = backward_into_heads(
-            lambda *t: ring_backward(*t[:6], *ctx.args, doc=doc, grads=t[6:]), dout.contiguous(),
-            q, k, v, out, lse)
-        return dq, dk, dv, None, None, None, None, None, None
+    group: dist.ProcessGroup | None
+    causal: bool
+    scale: float
+    schedule: Schedule
+    kernel: Kernel
+    kv_heads_per_group: int = 1
 
+    def forward(self, q, k, v, doc):
+        return ring_forward(q, k, v, self.group, self.causal, self.scale, self.schedule,
+                            self.kernel, doc)
 
-def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
-    """Shapes every method needs: (B, S_local, H, D), GQA heads that divide."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be (batch, seq_local, heads, head_dim); got shapes "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.size(3) != k.size(3):
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must "
-                         "agree in batch, sequence and head_dim, and k and v in heads")
-    if q.size(2) % k.size(2) != 0:
-        raise ValueError(f"query heads ({q.size(2)}) must be a multiple of key/value heads "
-                         f"({k.size(2)}) for grouped-query attention")
-
-
-def check_document_ids(q: Tensor, document_ids: Tensor | None) -> None:
-    if document_ids is not None and tuple(document_ids.shape) != tuple(q.shape[:2]):
-        raise ValueError(f"document_ids must be (batch, seq_local) = {tuple(q.shape[:2])}, "
-                         f"got {tuple(document_ids.shape)}")
+    def backward(self, dout, q, k, v, out, lse, doc, dq, dk, dv):
+        ring_backward(dout, q, k, v, out, lse, self.group, self.causal, self.scale,
+                      self.schedule, self.kernel, doc, grads=(dq, dk, dv))
 
 
 def run_ring(q, k, v, group, causal, softmax_scale, schedule: Schedule,
              document_ids: Tensor | None = None) -> Tensor:
-    check_qkv(q, k, v)
-    check_document_ids(q, document_ids)
+    """A ring method on local shards: ``schedule`` says which blocks each step computes."""
     scale = default_scale(q.size(-1)) if softmax_scale is None else softmax_scale
-    return RingAttention.apply(q, k, v, group, causal, scale, schedule, select_kernel(q),
-                               document_ids)
+    algo = RingAlgorithm(process_group(group), bool(causal), scale, schedule, select_kernel(q))
+    return run_attention(algo, q, k, v, document_ids)
 
 
-def ring_attn(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None = None,
-              causal: bool = True, softmax_scale: float | None = None,
-              document_ids: Tensor | None = None) -> Tensor:
+def ring_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = True,
+              softmax_scale: float | None = None, document_ids: Tensor | None = None,
+              ring_degree: int | None = None) -> Tensor:
     """Ring attention over contiguous shards. q: (B, S/N, Hq, D), k, v: (B, S/N, Hkv, D).
 
     ``document_ids`` (B, S/N), optional: packed documents; no token attends across them.
     """
     return run_ring(q, k, v, group, causal, softmax_scale, contiguous_schedule, document_ids)
+
+
+# --------------------------------------------------------------------------- planner costs
+def ring_buffers(dims: AttentionDims, s: int, a: int, world: int, ring_degree: int | None) -> int:
+    """One layer's backward, one KV head at a time: the K/V shard being sent (a contiguous
+    copy) and received (2 x 2D x a per token), the dK/dV partials sent back to their owner
+    and arriving, in the input dtype (2 x 2D x a; summed in the output buffers,
+    accumulate.py), and the group's float32 dq sum, which exists from N = 3 up (g D x 4;
+    counted always)."""
+    hq, hkv, hd = dims
+    return s * (2 * 2 * hd * a + 2 * 2 * hd * a + hq // hkv * hd * 4)
+
+
+def ring_comm(dims: AttentionDims, s: int, a: int, world: int, ring_degree: int | None) -> int:
+    """Bytes the busiest rank sends per layer: its K/V shard passed on N-1 times in forward
+    and again in backward, and N-1 dK/dV partials of up to a whole shard."""
+    hq, hkv, hd = dims
+    return 3 * (world - 1) * s * 2 * hkv * hd * a
+
+
+METHOD = Method(
+    name="ring_attn", attention=ring_attn, layout="contiguous", short="R", speed_rank=6,
+    summary="K/V blocks passed around a ring, overlapped with compute",
+    use_when="reference; unbalanced under a causal mask (the last rank does N times the first's work)",
+    aliases=("ring",), buffers=ring_buffers, comm_bytes=ring_comm)

@@ -11,6 +11,9 @@ N % Hkv == 0 each KV head is replicated N/Hkv times while it is packed for sendi
 j receives exactly the KV head its query heads use (q head h uses KV head h // (Hq/Hkv));
 the replicas' gradients are summed on the way back.
 
+Packed documents: the document ids of the group's whole sequence are all-gathered once (one
+integer per token), and the local attention keeps the documents apart.
+
 The all-to-all is the hot path, so it is written here with point-to-point transfers rather
 than all_to_all_single: a rank's own 1/N never travels, and each tensor is copied once per
 direction in all, where DeepSpeed's DistributedAttention copies 1 + 1/N of it (it packs or
@@ -21,12 +24,11 @@ into the output while they travel; for batch 1 each peer's tokens are received i
 (the output is (B, N, s, h, D)), so nothing is unpacked. Back towards the sequence, chunks
 are sent as they lie (no copy for batch 1), the own one is copied into the output while the
 others travel, and each received chunk is copied into its heads once. The transfers of q, k
-and v (or of their gradients) are all posted before any is waited on. The eight exchanges of
-a forward + backward (N = 2, bf16, 8 heads of 64, gloo, no kernel) took a median 13.9 ms
-against 17.4 ms with all_to_all_single (DeepSpeed's: 17.3-18.1) at L = 4K, 59-61 against
-62-64 ms at 16K. Also measured on gloo: fusing q, k, v into one buffer saved no time but
-forced either an unpacking copy or head-strided inputs (~10% slower kernel); the list form
-of all_to_all was 2x slower.
+and v (or of their gradients) are all posted before any is waited on. On gloo this beat
+all_to_all_single and DeepSpeed's DistributedAttention side by side (benchmarks/attention.py,
+benchmarks/results/attention.json); fusing q, k, v into one buffer saved no time but forced
+either an unpacking copy or head-strided inputs (a slower kernel), and the list form of
+all_to_all was slower still.
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..attention.local import local_attention
-from .comm import Exchange
-from .ring import check_qkv
+from ..mesh import process_group
+from .comm import Exchange, all_gather_into
+from .function import check_inputs
+from .local import local_attention
+from .method import AttentionDims, Method, standard_saved_per_token
 
 Tensor = torch.Tensor
 
@@ -137,8 +141,8 @@ def kv_replication(hq: int, hkv: int, world: int, method: str = "ulysses_attn") 
     """How many times each KV head is sent (1: split them); a ValueError when heads don't fit."""
     if hq % world != 0:
         raise ValueError(
-            f"{method}: {hq} query heads cannot be split over {world} ranks (Ulysses needs "
-            f"heads % ranks == 0); use a world size that divides {hq}, or usp_attn with a "
+            f"{method}: {hq} query heads cannot be split over {world} ranks (Ulysses needs the "
+            f"heads divisible by the ranks); use a world size that divides {hq}, or usp_attn with a "
             f"ring_degree so that {hq} is divisible by world_size // ring_degree")
     if hkv % world == 0:
         return 1
@@ -150,22 +154,87 @@ def kv_replication(hq: int, hkv: int, world: int, method: str = "ulysses_attn") 
         f"use a world size that divides or is a multiple of {hkv}, or usp_attn with a ring_degree")
 
 
+def gather_documents(doc: Tensor | None, group, world: int) -> Tensor | None:
+    """(B, s) document ids of this rank's contiguous shard -> (B, N*s) of the group's whole
+    sequence (what each rank holds after the all-to-all towards heads)."""
+    if doc is None or world == 1:
+        return doc
+    # gloo wants the output as the inputs concatenated along dim 0: (N*B, s)
+    gathered = doc.new_empty(world * doc.size(0), doc.size(1))
+    all_gather_into(gathered, doc.contiguous(), group=group)
+    return gathered.unflatten(0, (world, doc.size(0))).movedim(0, 1).flatten(1, 2)
+
+
 def ulysses_apply(q: Tensor, k: Tensor, v: Tensor, group, inner: Callable[..., Tensor],
-                  method: str = "ulysses_attn") -> Tensor:
-    """All-to-all to head shards, ``inner(q, k, v)`` on the full sequence, all-to-all back."""
-    check_qkv(q, k, v)
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+                  document_ids: Tensor | None = None, method: str = "ulysses_attn") -> Tensor:
+    """All-to-all to head shards, ``inner(q, k, v, document_ids)`` on the whole sequence of
+    the group, all-to-all back."""
+    check_inputs(q, k, v, document_ids)
     world = dist.get_world_size(group)
     rep = kv_replication(q.size(2), k.size(2), world, method)
     if world == 1:
-        return inner(q, k, v)
+        return inner(q, k, v, document_ids)
+    docs = gather_documents(document_ids, group, world)
     qh, kh, vh = _SeqToHeads.apply(group, world, [1, rep, rep], q, k, v)
-    return _HeadsToSeq.apply(group, world, inner(qh, kh, vh))
+    return _HeadsToSeq.apply(group, world, inner(qh, kh, vh, docs))
 
 
-def ulysses_attn(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None = None,
-                 causal: bool = True, softmax_scale: float | None = None) -> Tensor:
-    """Ulysses over contiguous shards. q: (B, S/N, Hq, D), k, v: (B, S/N, Hkv, D)."""
-    return ulysses_apply(q, k, v, group,
-                         lambda qh, kh, vh: local_attention(qh, kh, vh, causal, softmax_scale))
+def ulysses_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = True,
+                 softmax_scale: float | None = None, document_ids: Tensor | None = None,
+                 ring_degree: int | None = None) -> Tensor:
+    """Ulysses over contiguous shards. q: (B, S/N, Hq, D), k, v: (B, S/N, Hkv, D).
+
+    ``document_ids`` (B, S/N), optional: packed documents; gathered once (they are small) so
+    that local attention on the whole sequence keeps them apart.
+    """
+    return ulysses_apply(
+        q, k, v, process_group(group),
+        lambda qh, kh, vh, docs: local_attention(qh, kh, vh, causal, softmax_scale,
+                                                 document_ids=docs),
+        document_ids)
+
+
+# --------------------------------------------------------------------------- description
+def check_heads(method: str, heads: int | None, kv_heads: int | None, ranks: int) -> None:
+    if heads is not None and kv_heads is not None:
+        kv_replication(heads, kv_heads, ranks, method)
+
+
+def replicas(kv_heads: int, ranks: int) -> int:
+    """Copies of each KV head after the all-to-all (1 when the KV heads split evenly)."""
+    return 1 if kv_heads % ranks == 0 else max(1, ranks // kv_heads)
+
+
+def ulysses_saved_per_token(dims: AttentionDims, a: int, ranks: int) -> int:
+    """Saved per local token over ``ranks`` Ulysses ranks: the received head-sharded q, k, v
+    (KV heads replicated when fewer than the ranks), the output in both layouts, the lse."""
+    hq, hkv, hd = dims
+    if ranks == 1:
+        return standard_saved_per_token(dims, a, 1, None)
+    return (hq + 2 * hkv * replicas(hkv, ranks)) * hd * a + 2 * hq * hd * a + hq * 4
+
+
+def ulysses_buffers(dims: AttentionDims, s: int, a: int, ranks: int) -> int:
+    """All-to-all send and receive buffers of q, k, v (KV replicated if Hkv < N) in backward,
+    for their gradients."""
+    hq, hkv, hd = dims
+    return 0 if ranks == 1 else 2 * s * (hq + 2 * hkv * replicas(hkv, ranks)) * hd * a
+
+
+def ulysses_comm(dims: AttentionDims, s: int, a: int, ranks: int) -> int:
+    """q, k, v towards heads and the output back in forward, their gradients in backward:
+    each rank keeps its own 1/N of every tensor."""
+    hq, hkv, hd = dims
+    return 4 * (ranks - 1) * s * hd * a * (hq + hkv * replicas(hkv, ranks)) // ranks
+
+
+METHOD = Method(
+    name="ulysses_attn", attention=ulysses_attn, layout="contiguous", short="U", speed_rank=1,
+    summary="all-to-all from sequence shards to head shards, local attention, all-to-all back",
+    use_when="DeepSpeed-Ulysses: two all-to-alls per layer, no ring steps, balanced; needs "
+    "heads divisible by N",
+    aliases=("ulysses",),
+    check_fn=lambda heads, kv, world, rd: check_heads("ulysses_attn", heads, kv, world),
+    saved_per_token=lambda dims, a, world, rd: ulysses_saved_per_token(dims, a, world),
+    buffers=lambda dims, s, a, world, rd: ulysses_buffers(dims, s, a, world),
+    comm_bytes=lambda dims, s, a, world, rd: ulysses_comm(dims, s, a, world))

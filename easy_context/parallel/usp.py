@@ -20,83 +20,101 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .ring import check_qkv
-from .ulysses import kv_replication, ulysses_apply, ulysses_attn
+from ..mesh import SPGroup, usp_groups
+from .method import AttentionDims, Method, check_ring_degree
+from .ring import ring_buffers, ring_comm
+from .ulysses import (kv_replication, replicas, ulysses_apply, ulysses_attn, ulysses_buffers,
+                      ulysses_comm, ulysses_saved_per_token)
 from .zigzag import zigzag_ring_attn
 
 Tensor = torch.Tensor
 
-# Sub-groups by their global ranks: a process creates each rank set once (creating a group
-# is a collective, and gloo connections are not free).
-_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
-# (parent's global ranks, ring_degree) -> (this rank's Ulysses group, this rank's ring group)
-_GRIDS: dict[tuple[tuple[int, ...], int], tuple] = {}
 
-
-def _new_group(ranks: tuple[int, ...], local: bool):
-    if ranks not in _GROUPS:
-        _GROUPS[ranks] = dist.new_group(list(ranks), use_local_synchronization=local)
-    return _GROUPS[ranks]
-
-
-def usp_groups(group: dist.ProcessGroup | None, ring_degree: int):
-    """This rank's (Ulysses group, ring group) for ``group`` split with ``ring_degree``."""
-    parent = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-    key = (parent, ring_degree)
-    if key not in _GRIDS:
-        uly = len(parent) // ring_degree
-        uly_sets = [parent[i * uly:(i + 1) * uly] for i in range(ring_degree)]
-        ring_sets = [parent[u::uly] for u in range(uly)]
-        me = dist.get_rank()
-        # When the parent is the whole world every rank runs this, so every rank creates every
-        # group in the same order (what plain new_group requires). A smaller parent (say one
-        # SP group of a DP x SP grid) runs only on its members: then each rank creates just
-        # its own two groups, synchronizing with their members only.
-        local = len(parent) != dist.get_world_size()
-        mine = {}
-        for kind, sets in (("uly", uly_sets), ("ring", ring_sets)):
-            for ranks in sets:
-                if not local or me in ranks:
-                    pg = _new_group(ranks, local)
-                    if me in ranks:
-                        mine[kind] = pg
-        _GRIDS[key] = (mine["uly"], mine["ring"])
-    return _GRIDS[key]
-
-
-def check_ring_degree(ring_degree: int | None, world: int) -> int:
-    divisors = [d for d in range(1, world + 1) if world % d == 0]
-    if ring_degree is None:
-        raise ValueError(f"usp_attn needs ring_degree (the number of ring ranks); with "
-                         f"{world} ranks pick one of {divisors} (1: pure Ulysses, {world}: "
-                         "pure zigzag ring)")
-    if not isinstance(ring_degree, int) or ring_degree < 1 or world % ring_degree:
-        raise ValueError(f"usp_attn: ring_degree={ring_degree!r} does not divide the "
-                         f"{world} ranks; pick one of {divisors}")
-    return ring_degree
-
-
-def usp_attn(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None = None,
-             causal: bool = True, softmax_scale: float | None = None,
+def usp_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = True,
+             softmax_scale: float | None = None, document_ids: Tensor | None = None,
              ring_degree: int | None = None) -> Tensor:
-    """USP over usp-layout shards. q: (B, S/N, Hq, D), k, v: (B, S/N, Hkv, D)."""
-    world = dist.get_world_size(group)
-    ring_degree = check_ring_degree(ring_degree, world)
-    check_qkv(q, k, v)
+    """USP over usp-layout shards. q: (B, S/N, Hq, D), k, v: (B, S/N, Hkv, D).
+
+    ``group``: an SPGroup (easy_context.mesh: its ring and Ulysses groups are used), or a
+    process group / None (the world), split here with ``ring_degree``.
+    """
+    world = group.size if isinstance(group, SPGroup) else dist.get_world_size(group)
+    if isinstance(group, SPGroup) and ring_degree is None:
+        ring_degree = group.ring_degree
+    ring_degree = check_ring_degree("usp_attn", world, ring_degree)
     if ring_degree == 1:  # the usp layout is then the contiguous one
-        return ulysses_attn(q, k, v, group, causal, softmax_scale)
+        return ulysses_attn(q, k, v, group, causal, softmax_scale, document_ids)
     if ring_degree == world:  # ... and here the zigzag one
-        return zigzag_ring_attn(q, k, v, group, causal, softmax_scale)
+        return zigzag_ring_attn(q, k, v, group, causal, softmax_scale, document_ids)
     # Fail on the heads before creating groups: every rank sees the same shapes, so every
     # rank raises and none is left waiting in a collective.
+    check_usp(q.size(2), k.size(2), world, ring_degree)
+    groups = usp_groups(group, ring_degree)
+    return ulysses_apply(
+        q, k, v, groups.ulysses,
+        lambda qh, kh, vh, docs: zigzag_ring_attn(qh, kh, vh, groups.ring, causal,
+                                                  softmax_scale, docs),
+        document_ids, method="usp_attn")
+
+
+def check_usp(heads: int | None, kv_heads: int | None, world: int,
+              ring_degree: int | None) -> None:
+    ring_degree = check_ring_degree("usp_attn", world, ring_degree)
     uly = world // ring_degree
+    if heads is None or kv_heads is None or uly == 1:
+        return
     try:
-        kv_replication(q.size(2), k.size(2), uly, "usp_attn")
+        kv_replication(heads, kv_heads, uly, "usp_attn")
     except ValueError as e:
         raise ValueError(f"{e} (here ulysses_degree = {world} // ring_degree {ring_degree} "
                          f"= {uly}; a larger ring_degree lowers it)") from None
-    uly_group, ring_group = usp_groups(group, ring_degree)
-    return ulysses_apply(
-        q, k, v, uly_group,
-        lambda qh, kh, vh: zigzag_ring_attn(qh, kh, vh, ring_group, causal, softmax_scale),
-        method="usp_attn")
+
+
+def usp_ring_degrees(heads: int, kv_heads: int, world: int) -> list[int]:
+    """Ring degrees whose Ulysses degree U (1 < U < N) the heads allow, largest U first:
+    Ulysses is the faster half, the ring takes what it cannot."""
+    out = []
+    for u in sorted((d for d in range(2, world) if world % d == 0), reverse=True):
+        if heads % u == 0 and (kv_heads % u == 0 or u % kv_heads == 0):
+            out.append(world // u)
+    return out
+
+
+def usp_unsuitable(heads: int, kv_heads: int, world: int) -> str | None:
+    if not usp_ring_degrees(heads, kv_heads, world):
+        return f"no Ulysses degree 1 < U < {world} divides both N and the {heads} heads"
+    return None
+
+
+def _degrees(world: int, ring_degree: int | None) -> tuple[int, int]:
+    r = ring_degree or world
+    return r, world // r
+
+
+def usp_saved_per_token(dims: AttentionDims, a: int, world: int, ring_degree: int | None) -> int:
+    return ulysses_saved_per_token(dims, a, _degrees(world, ring_degree)[1])
+
+
+def usp_buffers(dims: AttentionDims, s: int, a: int, world: int, ring_degree: int | None) -> int:
+    """The Ulysses buffers over U = N / ring_degree ranks, plus the ring's per KV-head group
+    over the U x s tokens each ring rank holds after the all-to-all."""
+    r, u = _degrees(world, ring_degree)
+    ring = ring_buffers(dims, u * s, a, r, None) if r > 1 else 0
+    return ulysses_buffers(dims, s, a, u) + ring
+
+
+def usp_comm(dims: AttentionDims, s: int, a: int, world: int, ring_degree: int | None) -> int:
+    """Ulysses over U ranks, then the ring over R on U x s tokens of Hkv x rep / U KV heads."""
+    r, u = _degrees(world, ring_degree)
+    hq, hkv, hd = dims
+    ring_dims = AttentionDims(hq // u, max(1, hkv * replicas(hkv, u) // u), hd)
+    return ulysses_comm(dims, s, a, u) + (ring_comm(ring_dims, u * s, a, r, None) if r > 1 else 0)
+
+
+METHOD = Method(
+    name="usp_attn", attention=usp_attn, layout="usp", short="USP", speed_rank=2,
+    summary="Ulysses inside groups of neighbouring ranks, zigzag ring across them (ring_degree)",
+    use_when="more ranks than heads: Ulysses speed beyond the head count",
+    aliases=("usp",), needs_ring_degree=True, check_fn=check_usp, unsuitable=usp_unsuitable,
+    ring_degrees=usp_ring_degrees, saved_per_token=usp_saved_per_token, buffers=usp_buffers,
+    comm_bytes=usp_comm)

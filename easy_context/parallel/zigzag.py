@@ -11,9 +11,9 @@ Every off-diagonal step is therefore half a block on every rank: the ranks stay 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from .ring import ALL, Block, run_ring
+from .method import Method
+from .ring import ALL, Block, ring_buffers, ring_comm, run_ring
 
 Tensor = torch.Tensor
 
@@ -29,14 +29,25 @@ def zigzag_schedule(src: int, rank: int, local_len: int, causal: bool) -> list[B
     return [Block(slice(half, None), ALL, False)]
 
 
-def zigzag_ring_attn(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None = None,
-                     causal: bool = True, softmax_scale: float | None = None,
-                     document_ids: Tensor | None = None) -> Tensor:
+def zigzag_ring_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = True,
+                     softmax_scale: float | None = None, document_ids: Tensor | None = None,
+                     ring_degree: int | None = None) -> Tensor:
     """Ring attention over zigzag shards. q: (B, S/N, Hq, D), k, v: (B, S/N, Hkv, D).
 
     ``document_ids`` (B, S/N), optional: packed documents; no token attends across them.
     """
+    check_two_chunks(q)
+    return run_ring(q, k, v, group, causal, softmax_scale, zigzag_schedule, document_ids)
+
+
+def check_two_chunks(q: Tensor) -> None:
     if q.size(1) % 2:
         raise ValueError(f"a zigzag shard holds two equal chunks; its length {q.size(1)} is odd. "
                          "Shard the sequence with the zigzag layout (length divisible by 2N)")
-    return run_ring(q, k, v, group, causal, softmax_scale, zigzag_schedule, document_ids)
+
+
+METHOD = Method(
+    name="zigzag_ring_attn", attention=zigzag_ring_attn, layout="zigzag", short="Z",
+    speed_rank=4, summary="ring over zigzag shards (chunks r and 2N-1-r): every rank does "
+    "half a block per step", use_when="the default: balanced under the causal mask, any head count",
+    aliases=("zigzag",), buffers=ring_buffers, comm_bytes=ring_comm)

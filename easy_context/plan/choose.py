@@ -1,19 +1,11 @@
 """Pick the sequence-parallel method for a setup, and the longest sequence that fits.
 
-The order of preference is by speed, from what each method communicates and how it balances
-a causal mask (ours and the papers' measurements agree on the order; it is not measured per
-setup here):
-  1. ulysses_attn: two all-to-alls per attention, O(s H D) per device whatever N, no ring
-     steps, balanced. Needs heads % N == 0 (and KV heads dividing N or N dividing them).
-  2. usp_attn: Ulysses inside groups of U devices, zigzag ring across N/U groups: Ulysses
-     speed when N exceeds (or does not divide) the head count.
-  3. allgather_attn: one all-gather of K/V per layer; cheap when K/V are a small fraction of
-     q (GQA with heads / kv_heads >= 4), but holds the whole sequence's K/V.
-  4. zigzag_ring_attn: N ring steps overlapped with compute, balanced under the causal mask;
-     works for any N and head count.
-  5. dist_flash_attn: balanced too, with more, smaller messages (relayed q/out/dout).
-  6. ring_attn: the last device does N times the first one's work under a causal mask.
-The first candidate whose constraints hold and whose estimate fits the device is chosen.
+The order of preference is each method's ``speed_rank`` (easy_context.parallel: Ulysses,
+USP, all-gather, zigzag ring, dist_flash, ring), from what each method communicates and how
+it balances a causal mask (ours and the papers' measurements agree on the order; it is not
+measured per setup here). The first method whose description accepts the heads and ranks
+(``check``), that suits them (``unsuitable``: e.g. all-gather without strong GQA) and whose
+estimate fits the device is chosen.
 """
 
 from __future__ import annotations
@@ -21,12 +13,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..parallel import SEQUENCE_PARALLEL, get_method
 from .estimate import MemoryEstimate, estimate_memory
 from .shapes import ModelShape
 
-ORDER = ("ulysses_attn", "usp_attn", "allgather_attn", "zigzag_ring_attn", "dist_flash_attn",
-         "ring_attn")
-GQA_ALLGATHER_RATIO = 4  # heads / kv_heads from which all-gathering K/V is cheaper than a ring
+ORDER = SEQUENCE_PARALLEL
 
 
 @dataclass
@@ -39,55 +30,36 @@ class MethodChoice:
 
 
 def required_multiple(method: str, world_size: int, ring_degree: int | None = None) -> int:
-    """What seq_len must be divisible by: the method's layout rule (easy_context.layouts);
-    "local" (one device) needs nothing; usp without a ring degree plans a pure ring."""
-    if method == "local" or world_size == 1:
-        return 1
-    from ..sequence_parallel import required_multiple as layout_multiple
-
-    if method == "usp_attn" and ring_degree is None:
+    """What seq_len must be divisible by (the method's rule); usp without a ring degree plans
+    a pure ring."""
+    m = get_method(method)
+    if m.needs_ring_degree and ring_degree is None:
         ring_degree = world_size
-    return layout_multiple(method, world_size, ring_degree)
-
-
-def _kv_ok(kv_heads: int, n: int) -> bool:
-    return kv_heads % n == 0 or n % kv_heads == 0
+    return m.required_multiple(world_size, ring_degree)
 
 
 def constraint(shape: ModelShape, method: str, world_size: int) -> tuple[str | None, int | None]:
-    """(why ``method`` cannot or should not run here, or None; the usp ring degree)."""
-    n, hq, hkv = world_size, shape.heads, shape.kv_heads
-    if method == "ulysses_attn":
-        if hq % n:
-            return f"Ulysses needs heads divisible by N ({hq} % {n} != 0)", None
-        if not _kv_ok(hkv, n):
-            return f"Ulysses needs KV heads ({hkv}) to divide N or N to divide them", None
-        return None, None
-    if method == "usp_attn":
-        # The largest Ulysses degree U < N that the heads allow; the ring takes the rest.
-        for u in sorted((d for d in range(2, n) if n % d == 0), reverse=True):
-            if hq % u == 0 and _kv_ok(hkv, u):
-                return None, n // u
-        return f"no Ulysses degree 1 < U < {n} divides both N and the {hq} heads", None
-    if method == "allgather_attn":
-        if hq < GQA_ALLGATHER_RATIO * hkv:
-            return (f"K/V are {hkv}/{hq} of the heads (no strong GQA): gathering them costs "
-                    f"more than a ring", None)
-        return None, None
-    if method in ("zigzag_ring_attn", "dist_flash_attn", "ring_attn"):
-        return None, None
-    raise ValueError(f"unknown method {method!r}")
+    """(why ``method`` cannot or should not run here, or None; the ring degree to use)."""
+    m = get_method(method)
+    why = m.unsuitable(shape.heads, shape.kv_heads, world_size)
+    if why:
+        return why, None
+    for ring_degree in m.ring_degrees(shape.heads, shape.kv_heads, world_size):
+        try:
+            m.check(shape.heads, shape.kv_heads, world_size, ring_degree)
+        except ValueError as e:
+            why = str(e)
+            continue
+        return None, ring_degree
+    return why or f"{method} cannot run with {shape.heads} heads on {world_size} devices", None
 
 
-_WHY = {
-    "ulysses_attn": "Ulysses: two all-to-alls per layer, no ring steps, balanced",
-    "usp_attn": "USP: Ulysses inside groups of {u}, zigzag ring over {r} groups "
-                "(Ulysses alone cannot use all N devices with {h} heads)",
-    "allgather_attn": "all-gather: K/V are only {kv}/{h} of the heads (GQA), one gather per layer",
-    "zigzag_ring_attn": "zigzag ring: works for any N and head count, balanced under the causal mask",
-    "dist_flash_attn": "dist_flash (LightSeq): balanced, with more, smaller messages",
-    "ring_attn": "ring: the simplest; unbalanced under the causal mask",
-}
+def _reason(method: str, world_size: int, ring_degree: int | None) -> str:
+    m = get_method(method)
+    if ring_degree is None:
+        return f"{m.name}: {m.use_when}"
+    return (f"{m.name}: {m.use_when} (Ulysses groups of {world_size // ring_degree}, "
+            f"ring_degree {ring_degree})")
 
 
 def choose_method(shape: ModelShape, seq_len: int, world_size: int, device_bytes: int,
@@ -119,8 +91,7 @@ def choose_method(shape: ModelShape, seq_len: int, world_size: int, device_bytes
                                 f"{device_bytes / 2**30:.1f} GiB")
             best_tried = best_tried or est
             continue
-        u = world_size // ring_degree if ring_degree else world_size
-        reason = _WHY[method].format(u=u, r=ring_degree, h=shape.heads, kv=shape.kv_heads)
+        reason = _reason(method, world_size, ring_degree)
         skipped = [m for m in methods[: methods.index(method)]]
         if skipped:
             reason += "; faster ones ruled out: " + "; ".join(
@@ -141,9 +112,9 @@ def max_sequence_length(shape: ModelShape, world_size: int, device_bytes: int,
         best, best_m = 0, None
         candidates = ("local",) if world_size == 1 else ORDER
         for m in candidates:
-            if m != "local" and constraint(shape, m, world_size)[0]:
+            why_not, rd = (None, None) if m == "local" else constraint(shape, m, world_size)
+            if why_not:
                 continue
-            rd = constraint(shape, m, world_size)[1] if m == "usp_attn" else None
             length, _ = max_sequence_length(shape, world_size, device_bytes, m, rd, granularity,
                                             limit, **kw)
             if length > best:

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from ..utils.paths import check_output_path
-from .choose import ORDER, choose_method, constraint, max_sequence_length, required_multiple
+from .choose import ORDER, choose_method, max_sequence_length, required_multiple
 from .estimate import CHECKPOINTING, DTYPES, ENGINES, GIB, OFFLOADS, estimate_memory
 from .shapes import BUILTIN, load_shape, with_overrides
 
@@ -75,21 +75,13 @@ def check_plan_args(args: argparse.Namespace) -> None:
 
 
 def _check_method(shape, method: str, n: int, ring_degree: int | None) -> None:
-    """A method asked for by name must be able to run on these heads and devices."""
-    if method == "ulysses_attn":
-        why, _ = constraint(shape, method, n)
-        if why:
-            raise ValueError(f"--method ulysses_attn on {n} devices: {why}; use another --devices, "
-                             "or --method usp_attn / zigzag_ring_attn")
-    if method == "usp_attn" and ring_degree is not None:
-        if n % ring_degree:
-            raise ValueError(f"--ring-degree {ring_degree} does not divide --devices {n}")
-        u = n // ring_degree
-        if shape.heads % u or (shape.kv_heads % u and u % shape.kv_heads):
-            raise ValueError(f"usp_attn with --ring-degree {ring_degree} runs Ulysses over {u} "
-                             f"devices, which must divide the {shape.heads} heads (and the "
-                             f"{shape.kv_heads} KV heads, or be divisible by them); pick another "
-                             "--ring-degree")
+    """A method asked for by name must be able to run on these heads and devices (the
+    method's own check, easy_context/parallel)."""
+    from ..parallel import get_method
+
+    if method == "usp_attn" and ring_degree is None:
+        return  # planned as a pure ring (plan.choose.required_multiple)
+    get_method(method).check(shape.heads, shape.kv_heads, n, ring_degree)
 
 
 def run_plan(args) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..parallel import get_method
 from .shapes import ModelShape
 
 GIB = 2**30
@@ -65,6 +66,7 @@ class MemoryEstimate:
     loss: int
     runtime: int
     host_bytes: int  # CPU memory per device for offloaded states / checkpoints (not in total)
+    communication_per_layer: int = 0  # bytes a device sends per layer, fwd + bwd (not memory)
 
     COMPONENTS = ("parameters", "gradients", "gradients_in_backward", "optimizer",
                   "optimizer_step", "gathered_parameters", "stored_activations", "mlp_backward",
@@ -124,6 +126,9 @@ class MemoryEstimate:
                      f"[{'backward' if bwd else 'optimizer step'} phase]")
         if self.host_bytes:
             lines.append(f"  {'host memory (offloaded)':24s} {self.host_bytes / GIB:10.2f} GiB")
+        if self.communication_per_layer:
+            lines.append(f"  {'sent per layer (fwd+bwd)':24s} "
+                         f"{self.communication_per_layer / GIB:10.2f} GiB")
         return "\n".join(lines)
 
 
@@ -199,21 +204,13 @@ def layer_saved_per_token(shape: ModelShape, a: int, method: str, world_size: in
     - each RMSNorm: its fp32 upcast input (4; in fp32 the input itself), the normalized value
       in the input dtype (a) and its output (a), which the next projections save as their
       input: H x (4 + 2a);
-    - attention: RoPE'd q, k and v (a), the attention output (a; o_proj saves the same
-      storage) and lse (fp32); Ulysses (and USP, over its U = N / ring_degree ranks) saves
-      its received head-sharded q/k/v instead (with KV heads replicated U/Hkv times when
-      Hkv < U) and its output in both layouts;
+    - attention: what the method's description says (Method.saved_per_token: RoPE'd q, k, v,
+      the output and the lse; Ulysses keeps its head-sharded copies instead);
     - gated MLP: gate, SiLU(gate), up and their product (down_proj's input): 4 x I x a.
     """
-    h, hd, hq, hkv = shape.hidden, shape.hd, shape.heads, shape.kv_heads
-    norm = h * (4 + 2 * a)
-    u = {"ulysses_attn": world_size,
-         "usp_attn": world_size // (ring_degree or world_size)}.get(method, 1)
-    if u > 1:
-        rep = 1 if hkv % u == 0 else max(1, u // hkv)
-        attn = (hq + 2 * hkv * rep) * hd * a + 2 * hq * hd * a + hq * 4
-    else:
-        attn = (hq + 2 * hkv) * hd * a + hq * hd * a + hq * 4
+    norm = shape.hidden * (4 + 2 * a)
+    m = get_method("local" if world_size == 1 else method)
+    attn = m.saved_per_token(shape.attention_dims(), a, world_size, ring_degree)
     return {"input_norm": norm, "attention": attn, "post_norm": norm,
             "mlp": 4 * shape.intermediate * a}
 
@@ -235,47 +232,20 @@ def backward_transients(shape: ModelShape, a: int) -> tuple[int, int]:
 
 def attention_buffers(shape: ModelShape, s: int, a: int, method: str, world_size: int,
                       ring_degree: int | None = None) -> int:
-    """Method-specific communication buffers alive in one layer's backward, bytes.
-
-    kv = Hkv x D elements per token for K (same for V); s local tokens; g = Hq / Hkv.
-    - ring/zigzag run one KV-head group at a time (easy_context.parallel.head_groups): for
-      one KV head, K/V being sent (contiguous copies) and received (2 x 2D x a), the dK/dV
-      partials sent back to their owner and arriving, in the input dtype (2 x 2D x a;
-      partial gradients are summed in the output buffers, easy_context.parallel.accumulate),
-      and the group's fp32 dq sum, which exists from N = 3 up (g D x 4; counted always);
-    - dist_flash: as ring, plus the group's relayed q, out and dout rows (3 x g D a);
-    - allgather, also one KV-head group at a time: the group's fp32 dq (g D x 4), and for
-      its KV head the whole sequence's K/V gathered (and reordered: 2 copies), their fp32
-      dK/dV and the reduce-scatter send buffer: N s x 2D x (2a + 8);
-    - ulysses: all-to-all send and receive buffers of q, k, v (KV replicated if Hkv < N) in
-      backward, for the gradients: 2 x s x (Hq + 2 Hkv rep) D a;
-    - usp: the Ulysses buffers over U = N / ring_degree ranks plus the ring's, per KV-head
-      group, over the U x s tokens each ring rank holds after the all-to-all.
-    One device (N = 1): none.
-    """
-    if world_size == 1 or method == "local":
+    """The method's communication buffers alive in one layer's backward, bytes, for s local
+    tokens (its description's ``buffers``; each method's module says what they are). One
+    device (N = 1): none."""
+    if world_size == 1:
         return 0
-    hd, hq, hkv = shape.hd, shape.heads, shape.kv_heads
-    g = hq // hkv
-    ring = s * (2 * 2 * hd * a + 2 * 2 * hd * a + g * hd * 4)
-    if method in ("ring_attn", "zigzag_ring_attn"):
-        return ring
-    if method == "dist_flash_attn":
-        return ring + s * 3 * g * hd * a
-    if method == "allgather_attn":
-        return s * g * hd * 4 + world_size * s * 2 * hd * (2 * a + 8)
+    return get_method(method).buffers(shape.attention_dims(), s, a, world_size, ring_degree)
 
-    def ulysses(u: int) -> int:
-        rep = 1 if hkv % u == 0 else max(1, u // hkv)
-        return 2 * s * (hq + 2 * hkv * rep) * hd * a
 
-    if method == "ulysses_attn":
-        return ulysses(world_size)
-    if method == "usp_attn":
-        r = ring_degree or world_size
-        u = world_size // r
-        return (ulysses(u) if u > 1 else 0) + (u * ring if r > 1 else 0)
-    raise ValueError(f"unknown method {method!r}")
+def communication_per_layer(shape: ModelShape, s: int, a: int, method: str, world_size: int,
+                            ring_degree: int | None = None) -> int:
+    """Bytes one rank sends per layer, forward and backward (Method.comm_bytes)."""
+    if world_size == 1:
+        return 0
+    return get_method(method).comm_bytes(shape.attention_dims(), s, a, world_size, ring_degree)
 
 
 def activations(shape: ModelShape, s: int, a: int, method: str, world_size: int,
@@ -382,9 +352,11 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
         stored_activations=stored, mlp_backward=mlp_w, attention_backward=attn_w,
         attention_buffers=attention_buffers(model_shape, s, a, method, world_size, ring_degree),
         loss=loss_bytes(model_shape, s, a, _chunk_rows(loss_chunk, model_shape)), runtime=runtime_bytes,
-        host_bytes=st.host + act_host)
+        host_bytes=st.host + act_host,
+        communication_per_layer=communication_per_layer(model_shape, s, a, method, world_size,
+                                                        ring_degree))
 
 
 __all__ = ["MemoryEstimate", "States", "estimate_memory", "model_states", "activations",
-           "loss_bytes", "attention_buffers", "ENGINES", "OFFLOADS", "CHECKPOINTING", "DTYPES",
+           "loss_bytes", "attention_buffers", "communication_per_layer", "ENGINES", "OFFLOADS", "CHECKPOINTING", "DTYPES",
            "CPU_RUNTIME_BYTES", "GPU_RUNTIME_BYTES"]

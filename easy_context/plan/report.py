@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..parallel import get_method
 from .choose import choose_method, max_sequence_length, required_multiple
 from .estimate import GIB, GPU_RUNTIME_BYTES, estimate_memory
 from .shapes import load_shape
@@ -127,8 +128,6 @@ def how_far_markdown() -> str:
            "`easy-context plan --seq-len L` picks the fastest that fits L). "
            "Predictions, validated against measured peaks on CPU for tiny models; allow some "
            "margin on GPUs. Regenerate with `easy-context plan --report table`.", ""]
-    abbrev = {"ulysses_attn": "U", "usp_attn": "USP", "allgather_attn": "AG",
-              "zigzag_ring_attn": "Z", "dist_flash_attn": "DF", "ring_attn": "R", "local": "1 GPU"}
     for title, kw in TABLE_SETUPS:
         out += [f"**{title}**", "",
                 "| model | " + " | ".join(f"{n} GPU{'s' if n > 1 else ''}" for n in TABLE_DEVICES) + " |",
@@ -139,7 +138,8 @@ def how_far_markdown() -> str:
             for n in TABLE_DEVICES:
                 longest, m = max_sequence_length(shape, n, budget, granularity=1024, dtype="bf16",
                                                  loss_chunk="auto", **kw)
-                cells.append(f"{_fmt_len(longest)} ({abbrev[m]})" if m and n > 1 else _fmt_len(longest))
+                cells.append(f"{_fmt_len(longest)} ({get_method(m).short})" if m and n > 1
+                             else _fmt_len(longest))
             out.append(f"| {name} | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)

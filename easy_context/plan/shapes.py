@@ -40,6 +40,12 @@ class ModelShape:
     def hd(self) -> int:
         return self.head_dim or self.hidden // self.heads
 
+    def attention_dims(self):
+        """(heads, kv_heads, head_dim), as the methods' cost functions take them."""
+        from ..parallel import AttentionDims
+
+        return AttentionDims(self.heads, self.kv_heads, self.hd)
+
     def layer_params(self) -> int:
         """Parameters of one decoder layer: q/k/v/o projections, gated MLP, two RMSNorms."""
         h, hd = self.hidden, self.hd

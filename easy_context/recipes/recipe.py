@@ -152,7 +152,7 @@ def load_recipe(path: str | Path, output_root: str | Path | None = None) -> Reci
 
 
 def _check_config_stage(path: Path, stage: Stage) -> None:
-    from ..eval.model_loading import parse_rope_scaling
+    from ..models import parse_rope_scaling
 
     theta = stage.set_rope_theta
     if theta is not None:

@@ -21,7 +21,7 @@ def _previous_model(recipe: Recipe, index: int) -> Path:
 def run_config_stage(recipe: Recipe, index: int) -> dict:
     """Copy the previous model and change its RoPE settings, without training (the original's
     final 250M -> 1B step, which it did with sed on config.json)."""
-    from ..eval.model_loading import apply_rope_overrides
+    from ..models import apply_rope_overrides
     from transformers import AutoConfig
 
     stage = recipe.stages[index]
@@ -117,14 +117,16 @@ def _shapes(recipe: Recipe) -> list:
 
 def _estimates(stage: Stage, shape, world: int):
     """(peak memory per rank in GiB, estimated hours) from the planner, or a reason."""
+    from ..parallel import get_method
     from ..plan.estimate import estimate_memory
 
     train = stage.train
     if shape is None:
         return None, None, f"no model shape for {train['model']} (not a local folder or a built-in name)"
-    method = train["parallel_mode"]
-    sp = 1 if method == "data_parallel" else (train.get("sp_size") or world)
-    est = estimate_memory(shape, train["seq_length"], sp, "local" if sp == 1 else method,
+    config = TrainConfig(**train)
+    sp = config.sp_size_for(world)
+    est = estimate_memory(shape, train["seq_length"], sp, "local" if sp == 1 else
+                          get_method(config.parallel_mode).name,
                           engine=train["engine"], offload=train["offload"],
                           checkpointing=train["checkpointing"], dtype=train["mixed_precision"],
                           loss_chunk="auto" if train["chunked_loss"] else None,

@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import one_line
+from ..parallel import SEQUENCE_PARALLEL, get_method
 
 
 def _f(default, help: str, **kw):
@@ -30,9 +31,9 @@ class TrainConfig:
     dataset: str = _f(None, "dataset: a save_to_disk folder, or a load_dataset path or name, "
                             "with an input_ids column of seq_length+1 tokens")
     seq_length: int = _f(4096, "tokens per training sequence (inputs; targets are shifted by one)")
-    parallel_mode: str = _f("zigzag_ring_attn", "sequence-parallel method (ring_attn, "
-                            "zigzag_ring_attn, dist_flash_attn, ulysses_attn, usp_attn, "
-                            "allgather_attn), or data_parallel")
+    parallel_mode: str = _f("zigzag_ring_attn", "sequence-parallel method: "
+                            + ", ".join(SEQUENCE_PARALLEL) + "; or data_parallel (the local "
+                            "method: whole sequences on each rank)")
     ring_degree: int = _f(None, "usp_attn: ranks in each ring (the rest are Ulysses)")
     rope_theta: float = _f(None, "set the RoPE base frequency before training")
     batch_size: int = _f(1, "sequences per data-parallel rank per micro-step")
@@ -68,11 +69,16 @@ class TrainConfig:
     trust_remote_code: bool = _f(False, "allow code from the model folder to run")
     export: bool = _f(True, "write a Hugging Face model folder (safetensors) at the end")
 
+    def sp_size_for(self, world: int) -> int:
+        """Ranks per sequence-parallel group in a world of ``world`` ranks."""
+        if get_method(self.parallel_mode).layout == "whole":
+            return 1
+        return self.sp_size or world
+
     def validate(self) -> None:
         """Check every value on its own and against the others (not against files or the
         machine: see easy_context/train/preflight.py); raise a ValueError saying what to change."""
-        from ..compat import resolve_seq_algo
-        from ..eval.model_loading import parse_rope_scaling
+        from ..models import parse_rope_scaling
 
         for name, f in _fields().items():  # YAML files and recipes bypass argparse's types
             setattr(self, name, _coerce(name, _type_of(f), getattr(self, name)))
@@ -80,7 +86,7 @@ class TrainConfig:
             raise ValueError("--model is required (a local model folder or a hub name)")
         if not self.dataset:
             raise ValueError("--dataset is required (a save_to_disk folder, or a dataset name)")
-        self.parallel_mode = resolve_seq_algo(self.parallel_mode)
+        method = get_method(self.parallel_mode)  # the user's spelling (an alias) is kept
         positive = ("seq_length", "batch_size", "gradient_accumulate_every", "max_train_steps",
                     "log_every", "nproc_per_node", "sp_size", "ring_degree")
         for name in positive:
@@ -102,13 +108,14 @@ class TrainConfig:
             if choices and getattr(self, name) not in choices:
                 raise ValueError(f"{_flag(name)} must be one of {choices}, "
                                  f"got {getattr(self, name)!r}")
-        if self.parallel_mode == "data_parallel" and self.sp_size not in (None, 1):
-            raise ValueError("data_parallel has no sequence parallelism: drop --sp-size or set it to 1")
-        if self.parallel_mode == "usp_attn" and self.ring_degree is None:
-            raise ValueError("usp_attn needs --ring-degree (ranks per ring; sp_size / ring_degree "
-                             "ranks do Ulysses)")
-        if self.ring_degree is not None and self.parallel_mode != "usp_attn":
-            raise ValueError(f"--ring-degree is usp_attn's; drop it for {self.parallel_mode}")
+        if method.layout == "whole" and self.sp_size not in (None, 1):
+            raise ValueError(f"{self.parallel_mode} has no sequence parallelism: drop --sp-size "
+                             "or set it to 1")
+        if method.needs_ring_degree and self.ring_degree is None:
+            raise ValueError(f"{method.name} needs --ring-degree (ranks per ring; sp_size / "
+                             "ring_degree ranks do Ulysses)")
+        if self.ring_degree is not None and not method.needs_ring_degree:
+            raise ValueError(f"--ring-degree applies to usp_attn only, not {method.name}; drop it")
         parse_rope_scaling(self.rope_scaling)
 
 

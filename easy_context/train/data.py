@@ -85,11 +85,16 @@ class TrainBatches:
 
     def get(self, micro_batch: int) -> dict[str, torch.Tensor]:
         """The ``micro_batch``-th batch of this dp rank: (B, L) input_ids, position_ids,
-        target_ids (-100 where a target would cross into the next document)."""
+        target_ids (-100 where a target would cross into the next document, and where a
+        ``labels`` column, if the data has one, says the token is not trained on)."""
         rows = self.dataset[self._indices(micro_batch)]
         L = self.seq_length
         ids = torch.as_tensor(rows["input_ids"])[:, : L + 1].long()
         inputs, targets = ids[:, :L].clone(), ids[:, 1:].clone()
+        if "labels" in rows:
+            # Instruction / chat data (prepare-data --chat): only the tokens the model must
+            # learn to produce count (labels = the id there, -100 elsewhere).
+            targets = torch.as_tensor(rows["labels"])[:, 1: L + 1].long().clone()
         if "position_ids" in rows:
             positions = torch.as_tensor(rows["position_ids"])[:, : L + 1].long()
             # a target that starts a new document cannot be predicted from the last one

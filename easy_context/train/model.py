@@ -7,7 +7,7 @@ import logging
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ..eval.model_loading import check_model_path, load_config
+from ..models import check_model_path, load_config
 from .config import TrainConfig
 
 log = logging.getLogger(__name__)

@@ -24,27 +24,24 @@ def launch_world_size(config: TrainConfig) -> int:
     return int(os.environ.get("WORLD_SIZE", config.nproc_per_node))
 
 
-def check_layout(config: TrainConfig, world: int) -> None:
-    """The dp x sp grid and the sequence length fit ``world`` ranks."""
+def check_layout(config: TrainConfig, world: int, heads: int | None = None,
+                 kv_heads: int | None = None) -> None:
+    """The dp x sp grid, the method (with the model's heads when known) and the sequence
+    length fit ``world`` ranks: the checks the trainer makes on every rank, made once here."""
     from ..mesh import check_mesh
-    from ..sequence_parallel import required_multiple
+    from ..parallel import get_method
 
-    method = config.parallel_mode
-    if method == "data_parallel":
-        return
-    sp = config.sp_size or world
+    method = get_method(config.parallel_mode)
+    sp = config.sp_size_for(world)
     if sp > world:
         raise ValueError(f"--sp-size {sp} is more than the {world} ranks of this run: raise "
                          f"--nproc-per-node to a multiple of {sp}, or lower --sp-size")
-    check_mesh(world, sp)
-    if config.ring_degree is not None and sp % config.ring_degree:
-        divisors = [d for d in range(1, sp + 1) if sp % d == 0]
-        raise ValueError(f"--ring-degree {config.ring_degree} does not divide the {sp} ranks of a "
-                         f"sequence-parallel group; choose among {divisors}")
-    multiple = required_multiple(method, sp, config.ring_degree)
+    check_mesh(world, sp, config.ring_degree)
+    method.check(heads, kv_heads, sp, config.ring_degree)
+    multiple = method.required_multiple(sp, config.ring_degree)
     if config.seq_length % multiple:
         raise ValueError(f"--seq-length {config.seq_length} is not divisible by {multiple} "
-                         f"({method} over {sp} ranks); use a multiple of {multiple}, e.g. "
+                         f"({method.name} over {sp} ranks); use a multiple of {multiple}, e.g. "
                          f"{-(-config.seq_length // multiple) * multiple}")
 
 
@@ -54,7 +51,7 @@ def _looks_local(value: str) -> bool:
 
 
 def check_model(config: TrainConfig) -> None:
-    from ..eval.model_loading import check_model_path
+    from ..models import check_model_path
 
     check_model_path(config.model, weights=True)
 
@@ -71,8 +68,7 @@ def check_dataset(config: TrainConfig, world: int) -> None:
         raise FileNotFoundError(f"--dataset {config.dataset} does not exist; make one with "
                                 "`easy-context prepare-data`")
     ds = load_training_dataset(str(path))
-    sp = 1 if config.parallel_mode == "data_parallel" else (config.sp_size or world)
-    check_windows(ds, config.seq_length, config.batch_size, world // sp)
+    check_windows(ds, config.seq_length, config.batch_size, world // config.sp_size_for(world))
 
 
 def check_files(config: TrainConfig) -> None:
@@ -102,10 +98,14 @@ def check_packages(config: TrainConfig) -> None:
 def preflight(config: TrainConfig, model: bool = True) -> None:
     """Every check above, for a validated config. ``model=False`` skips the model folder, for
     a recipe stage whose model an earlier stage is still to write."""
+    from ..models import model_heads
+
     world = launch_world_size(config)
-    check_layout(config, world)
     check_files(config)
     check_packages(config)
     if model:
         check_model(config)
+        check_layout(config, world, *model_heads(config.model))
+    else:
+        check_layout(config, world)
     check_dataset(config, world)

@@ -22,11 +22,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..compat import prepare_seq_parallel_inputs
+from ..attention.documents import document_ids_from_positions, is_packed
 from ..integrations.hf import apply_sequence_parallel
-from ..mesh import build_mesh
 from ..memory.checkpointing import apply_activation_checkpointing
-from ..sequence_parallel import required_multiple
+from ..mesh import build_mesh, check_mesh
+from ..parallel import get_method
+from ..sequence_parallel import shard_batch
 from ..utils.memory import PeakMemory
 from .checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, save_config
@@ -42,15 +43,16 @@ class NonFiniteLoss(RuntimeError):
     pass
 
 
-def _make_engine(config: TrainConfig, model, device):
+def _make_engine(config: TrainConfig, model, device, mesh):
     if config.engine == "deepspeed":
         from .engines.deepspeed import DeepSpeedEngine
 
         return DeepSpeedEngine(model, device, config)
     from .engines.fsdp import FSDPEngine
 
-    return FSDPEngine(model, device, config.learning_rate, config.mixed_precision, config.offload,
-                      chunked_loss=config.chunked_loss)
+    return FSDPEngine(model, mesh.shard_mesh, config.learning_rate, config.mixed_precision,
+                      config.offload, chunked_loss=config.chunked_loss,
+                      pin_memory=device.type == "cuda")
 
 
 def _step_target_count(micro_batches: list[dict], dp_group, device) -> torch.Tensor:
@@ -65,30 +67,30 @@ def _step_target_count(micro_batches: list[dict], dp_group, device) -> torch.Ten
 def train(config: TrainConfig, device: torch.device) -> dict:
     """Run (or resume) a training run on this rank. Returns the final metrics on rank 0."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    method = config.parallel_mode
-    sp = 1 if method == "data_parallel" else (config.sp_size or world)
-    mesh = build_mesh(sp)
+    method = get_method(config.parallel_mode)
+    sp = config.sp_size_for(world)
+    # Every rule of the grid and the method, before any collective: all ranks raise the same.
+    check_mesh(world, sp, config.ring_degree)
+    multiple = method.required_multiple(sp, config.ring_degree)
+    if config.seq_length % multiple:
+        raise ValueError(f"--seq-length {config.seq_length} is not divisible by {multiple} "
+                         f"({method.name} over {sp} ranks); use a multiple of {multiple}, e.g. "
+                         f"{-(-config.seq_length // multiple) * multiple}")
+    torch.manual_seed(config.seed)
+    model, tokenizer = load_model_and_tokenizer(config)
+    mesh = build_mesh(sp, config.ring_degree, device.type)
     output = Path(config.output_dir)
     if rank == 0:
         output.mkdir(parents=True, exist_ok=True)
         save_config(config, output / "train_config.yaml")
-        log.info("%s; method %s", mesh.describe(), method)
-    multiple = 1 if method == "data_parallel" else required_multiple(method, sp, config.ring_degree)
-    if config.seq_length % multiple:
-        raise ValueError(f"--seq-length {config.seq_length} is not divisible by {multiple} "
-                         f"({method} over {sp} ranks); use a multiple of {multiple}, e.g. "
-                         f"{-(-config.seq_length // multiple) * multiple}")
-
-    torch.manual_seed(config.seed)
-    model, tokenizer = load_model_and_tokenizer(config)
-    # data_parallel: a "ring" of one rank is plain local attention, which also keeps packed
-    # documents apart (transformers' sdpa path would ignore document_ids).
-    apply_sequence_parallel(model, "ring_attn" if method == "data_parallel" else method,
-                            group=mesh.sp_group, ring_degree=config.ring_degree)
+        log.info("%s; method %s", mesh.describe(), method.name)
+    # local (data parallelism) keeps packed documents apart too: transformers' sdpa path
+    # would ignore document_ids.
+    apply_sequence_parallel(model, method.name, group=mesh.sp, ring_degree=config.ring_degree)
     apply_activation_checkpointing(model, config.checkpointing)
     model.to(device)
     model.train()
-    engine = _make_engine(config, model, device)
+    engine = _make_engine(config, model, device, mesh)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         engine.optimizer, lr_lambda(config.lr_schedule, config.warmup_steps, config.max_train_steps))
 
@@ -117,16 +119,12 @@ def train(config: TrainConfig, device: torch.device) -> dict:
         step_loss = 0.0
         with PeakMemory(device) as peak:
             for batch in micro_batches:
-                local = prepare_seq_parallel_inputs(
-                    method, batch["input_ids"], batch["position_ids"], batch["target_ids"],
-                    mesh.sp_rank, sp, device, ring_degree=config.ring_degree)
                 # Decided on the whole batch, which every sp rank holds, so all ranks agree.
-                packed = bool((batch["position_ids"][:, 1:] <= batch["position_ids"][:, :-1]).any())
-                documents = local["local_document_ids"]
-                loss = engine.loss(
-                    input_ids=local["local_input_ids"], position_ids=local["local_position_ids"],
-                    target_ids=local["local_target_ids"], group=dist.group.WORLD,
-                    document_ids=documents if packed else None, num_items_in_batch=denom)
+                if is_packed(batch["position_ids"]):
+                    batch["document_ids"] = document_ids_from_positions(batch["position_ids"])
+                local = {k: t.to(device) for k, t in shard_batch(
+                    batch, method.name, mesh.sp_rank, sp, config.ring_degree).items()}
+                loss = engine.loss(**local, group=dist.group.WORLD, num_items_in_batch=denom)
                 engine.backward(loss)
                 step_loss += loss.item()
             if not math.isfinite(step_loss):

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 import easy_context as ec
-from easy_context.attention import local_attention, reference_attention
+from easy_context.attention import reference_attention
+from easy_context.parallel.local import local_attention
 
 # (batch, seq per 2N-chunk, q heads, kv heads, head dim): lengths are not powers of two;
 # GQA 8/2; head dims 64 and 80.
@@ -68,7 +69,7 @@ def _per_document_reference(q, k, v, doc, causal):
     return out
 
 
-def check_documents(method: str, seed: int = 0):
+def check_documents(method: str, ring_degree: int | None = None, seed: int = 0):
     """Packed documents: the method with document_ids equals attention per document.
 
     Returns {case: {"out"|"dq"|"dk"|"dv": error}} (fp32, relative to max |ref|).
@@ -92,10 +93,10 @@ def check_documents(method: str, seed: int = 0):
         ref_out = _per_document_reference(*ref_in, doc, causal)
         ref_out.backward(dout.double())
         refs = {"out": ref_out.detach(), "dq": ref_in[0].grad, "dk": ref_in[1].grad, "dv": ref_in[2].grad}
-        shard = lambda t: ec.shard_sequence(t, method, rank, world)
+        shard = lambda t: ec.shard_sequence(t, method, rank, world, ring_degree=ring_degree)
         sp_in = [shard(t).detach().clone().requires_grad_() for t in (q, k, v)]
         sp_out = ec.sequence_parallel_attention(*sp_in, method=method, causal=causal,
-                                                document_ids=shard(doc))
+                                                document_ids=shard(doc), ring_degree=ring_degree)
         sp_out.backward(shard(dout))
         mine = {"out": sp_out.detach(), "dq": sp_in[0].grad, "dk": sp_in[1].grad, "dv": sp_in[2].grad}
         report["causal" if causal else "full"] = {n: _rel(mine[n], shard(refs[n])) for n in refs}

@@ -78,15 +78,18 @@ def check_family(family: str, methods: list[str], chunked_options=(True, False))
             ec.apply_sequence_parallel(model, method, ring_degree=ring_degree)
             local = ec.prepare_seq_parallel_inputs(method, inputs, positions, targets, rank, world,
                                                    "cpu", ring_degree=ring_degree)
+            # As the README's example does: the ids of an unpacked batch name one document
+            # per sequence, which must not switch document masking on in any method.
             loss = ec.causal_lm_loss(model, local["local_input_ids"], local["local_position_ids"],
-                                     local["local_target_ids"], chunked=chunked)
+                                     local["local_target_ids"], chunked=chunked,
+                                     document_ids=local["local_document_ids"])
             loss.backward()
             loss_err = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
             report[f"{method} chunked={chunked}"] = (loss_err, _grad_errors(model, ref))
     return report
 
 
-def check_packed_documents(family: str, method: str):
+def check_packed_documents(family: str, method: str, ring_degree: int | None = None):
     """Packed sequences: the SP loss with document ids equals each document run alone."""
     rank, world = dist.get_rank(), dist.get_world_size()
     base = tiny_model(family)
@@ -109,8 +112,9 @@ def check_packed_documents(family: str, method: str):
     ref_loss = total / count
     ref_loss.backward()
     model = copy.deepcopy(base)
-    ec.apply_sequence_parallel(model, method)
-    local = ec.prepare_seq_parallel_inputs(method, inputs, positions, targets, rank, world, "cpu")
+    ec.apply_sequence_parallel(model, method, ring_degree=ring_degree)
+    local = ec.prepare_seq_parallel_inputs(method, inputs, positions, targets, rank, world, "cpu",
+                                           ring_degree=ring_degree)
     loss = ec.causal_lm_loss(model, local["local_input_ids"], local["local_position_ids"],
                              local["local_target_ids"], document_ids=local["local_document_ids"],
                              chunked=True)

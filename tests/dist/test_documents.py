@@ -8,12 +8,15 @@ import pytest
 import torch
 
 import easy_context as ec
-from easy_context.attention import local_attention
+from easy_context.parallel.local import local_attention
 from easy_context.attention.documents import document_ids_from_positions
 
 from .attention_cases import check_documents
 
 DOC_METHODS = sorted(name for name, m in ec.METHODS.items() if m.documents)
+# (method, ring_degree) per world size: usp with every ring degree that splits the ranks
+CASES = {world: [(m, None) for m in DOC_METHODS if m != "usp_attn"]
+         + [("usp_attn", r) for r in ((1, 2) if world == 2 else (1, 2, 4))] for world in (2, 4)}
 
 
 def _assert_small(reports, tol=1e-5):
@@ -22,14 +25,14 @@ def _assert_small(reports, tol=1e-5):
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("method", DOC_METHODS)
-def test_documents_2_ranks(dist2, method):
-    _assert_small(dist2.run(check_documents, method))
+@pytest.mark.parametrize("method,ring_degree", CASES[2])
+def test_documents_2_ranks(dist2, method, ring_degree):
+    _assert_small(dist2.run(check_documents, method, ring_degree))
 
 
-@pytest.mark.parametrize("method", DOC_METHODS)
-def test_documents_4_ranks(dist4, method):
-    _assert_small(dist4.run(check_documents, method))
+@pytest.mark.parametrize("method,ring_degree", CASES[4])
+def test_documents_4_ranks(dist4, method, ring_degree):
+    _assert_small(dist4.run(check_documents, method, ring_degree))
 
 
 def test_document_ids_from_restarting_positions():

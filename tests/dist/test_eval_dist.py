@@ -9,7 +9,7 @@ from tests.unit.eval_fixtures import eval_config, random_model_dir
 
 
 def _needle_both(model_dir: str, method: str) -> tuple[dict, dict]:
-    from easy_context.eval.model_loading import load_model_and_tokenizer
+    from easy_context.models import load_model_and_tokenizer
     from easy_context.eval.needle import build_haystack, evaluate_needle
     from easy_context.integrations.hf import apply_sequence_parallel
 
@@ -24,7 +24,7 @@ def _needle_both(model_dir: str, method: str) -> tuple[dict, dict]:
 
 
 def _ppl_both(model_dir: str, method: str) -> tuple[list[float], list[float]]:
-    from easy_context.eval.model_loading import load_model_and_tokenizer
+    from easy_context.models import load_model_and_tokenizer
     from easy_context.eval.ppl import window_stats
     from easy_context.integrations.hf import apply_sequence_parallel
 

@@ -33,7 +33,13 @@ def test_family_4_ranks(dist4, family):
     _assert(dist4.run(check_family, family, METHODS, (True,)))
 
 
-@pytest.mark.parametrize("method", sorted(n for n, m in ec.METHODS.items() if m.documents))
-def test_packed_documents_equal_separate_documents(dist2, method):
-    for rank, (loss_err, grad_err) in enumerate(dist2.run(check_packed_documents, "llama", method)):
+DOC_CASES = [(2, m, None) for m in sorted(n for n, m in ec.METHODS.items() if m.documents)
+             if m != "usp_attn"] + [(2, "usp_attn", 1), (4, "usp_attn", 2), (4, "ulysses_attn", None)]
+
+
+@pytest.mark.parametrize("world,method,ring_degree", DOC_CASES)
+def test_packed_documents_equal_separate_documents(dist2, dist4, world, method, ring_degree):
+    pool = dist2 if world == 2 else dist4
+    for rank, (loss_err, grad_err) in enumerate(pool.run(check_packed_documents, "llama", method,
+                                                         ring_degree)):
         assert loss_err <= TOL and grad_err <= TOL, (rank, loss_err, grad_err)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import datasets
@@ -117,3 +118,36 @@ def test_bad_inputs_say_what_to_change(corpus, tmp_path):
     with pytest.raises(ValueError, match="not a prepare-data output; pass a new --output"):
         prepare_data(_cfg(corpus, foreign))
     assert (foreign / "notes.md").exists()
+
+
+def test_packed_ids_equal_plain_map_and_itertools_packing(tmp_path):
+    """The plain way (datasets.map over the tokenizer's own call, then itertools windows)
+    gives exactly our packed ids, in both modes: the faster backend call changes nothing."""
+    path = tmp_path / "c.jsonl"
+    texts = write_jsonl(path, n=40, length=3000, seed=31)
+    # Text that spells a special token, non-ASCII text, an empty document.
+    extra = ["a literal <|eos|> inside", "déjà vu — ünïcödé ✓ 中文", ""]
+    with path.open("a") as f:
+        for t in extra:
+            f.write(json.dumps({"text": t}) + "\n")
+    tok = load_tok()
+    ds = datasets.load_dataset("json", data_files=str(path), split="train",
+                               cache_dir=str(tmp_path / "cache"))
+
+    def tokenize(batch):
+        ids = tok(batch["text"], add_special_tokens=False)["input_ids"]
+        return {"input_ids": [[tok.bos_token_id] + x + [tok.eos_token_id] for x in ids]}
+
+    ids = ds.map(tokenize, batched=True, num_proc=2, remove_columns=ds.column_names)["input_ids"]
+    stream = itertools.chain.from_iterable(ids)
+    window = 97
+    plain = []
+    while len(w := list(itertools.islice(stream, window))) == window:
+        plain.append(w)
+    assert len(plain) > 20
+    for streaming in (False, True):
+        out = tmp_path / f"ours{streaming}"
+        prepare_data(PrepareConfig(inputs=[str(path)], tokenizer=tokenizer_dir(), output=str(out),
+                                   seq_length=window - 1, num_proc=2, shuffle=False,
+                                   streaming=streaming, batch_chars=5000))
+        np.testing.assert_array_equal(_columns(out)["input_ids"], np.array(plain))

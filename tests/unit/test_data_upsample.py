@@ -38,7 +38,7 @@ def test_plan_min_length_and_edge_cases():
     np.testing.assert_array_equal(plan_copies(lengths, UpsampleConfig(), min_length=10), [0, 0, 1, 1])
     # No long documents: nothing to upsample, so nothing is dropped either.
     np.testing.assert_array_equal(plan_copies(lengths, UpsampleConfig(threshold=1000)), [1, 1, 1, 1])
-    with pytest.raises(ValueError, match="keep probability"):
+    with pytest.raises(ValueError, match="--upsample-keep-prob must be in"):
         UpsampleConfig(threshold=10, keep_prob=1.5)
     assert length_histogram(np.array([1, 2, 3, 4, 7, 8])) == {"0-1": 1, "2-3": 2, "4-7": 2, "8-15": 1}
 

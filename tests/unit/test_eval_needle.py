@@ -116,7 +116,7 @@ def test_trained_tiny_model_beats_chance(tmp_path_factory):
     more answer digits right than guessing does (1 in 10): the eval measures retrieval. It
     does not yet copy all three digits reliably, so exact match is not asserted (issue 6:
     measured 44% of digits right, 0% exact, in 221 s on a loaded 2-core machine)."""
-    from easy_context.eval.model_loading import load_model_and_tokenizer
+    from easy_context.models import load_model_and_tokenizer
 
     model, tk = load_model_and_tokenizer(
         str(train_needle_model(tmp_path_factory.getbasetemp() / "needle_model")))
@@ -127,7 +127,7 @@ def test_trained_tiny_model_beats_chance(tmp_path_factory):
 
 
 def test_generation_agrees_with_teacher_forcing(tmp_path_factory):
-    from easy_context.eval.model_loading import load_model_and_tokenizer
+    from easy_context.models import load_model_and_tokenizer
 
     model, tk = load_model_and_tokenizer(
         str(random_model_dir(tmp_path_factory.getbasetemp() / "ppl_model")))
@@ -144,7 +144,7 @@ def test_generation_agrees_with_teacher_forcing(tmp_path_factory):
 
 
 def test_rope_overrides_reach_the_model(tmp_path_factory):
-    from easy_context.eval.model_loading import load_model_and_tokenizer, parse_rope_scaling
+    from easy_context.models import load_model_and_tokenizer, parse_rope_scaling
 
     path = str(random_model_dir(tmp_path_factory.getbasetemp() / "ppl_model"))
     base = load_model_and_tokenizer(path)[0]

@@ -20,7 +20,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(model_dir):
-    from easy_context.eval.model_loading import load_model_and_tokenizer
+    from easy_context.models import load_model_and_tokenizer
 
     return load_model_and_tokenizer(str(model_dir))[0]
 

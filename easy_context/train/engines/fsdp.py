@@ -14,7 +14,6 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -23,7 +22,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from ...integrations.hf import CausalLMLoss
@@ -44,10 +42,10 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 class FSDPEngine:
     name = "fsdp"
 
-    def __init__(self, model: nn.Module, device: torch.device, learning_rate: float,
-                 mixed_precision: str, offload: str, chunked_loss: bool | None = None):
-        world = dist.get_world_size()
-        mesh = init_device_mesh(device.type, (world,))
+    def __init__(self, model: nn.Module, mesh, learning_rate: float, mixed_precision: str,
+                 offload: str, chunked_loss: bool | None = None, pin_memory: bool = False):
+        """``mesh``: the 1-D device mesh over every rank (easy_context.mesh.ParallelMesh's
+        shard_mesh); ``pin_memory``: page-lock offloaded states (needs an accelerator)."""
         mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if mixed_precision == "bf16" else MixedPrecisionPolicy())
         if offload == "none":
@@ -57,7 +55,7 @@ class FSDPEngine:
                 log.info("FSDP2 offloads parameters, gradients and optimizer states together; "
                          "--offload optimizer alone needs --engine deepspeed")
             # Pinned host memory speeds up copies to a GPU; without a GPU it cannot be had.
-            offload_policy = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+            offload_policy = CPUOffloadPolicy(pin_memory=pin_memory)
         kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload_policy)
         for layer in decoder_layers(model):
             fully_shard(layer, **kw)

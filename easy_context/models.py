@@ -1,4 +1,6 @@
-"""Load a causal LM and its tokenizer for evaluation (and training, demos), with RoPE overrides.
+"""Loading models: config with RoPE overrides, weights (safetensors only), tokenizer.
+
+Shared by training, evaluation, the planner and the demo.
 
     model, tokenizer = load_model_and_tokenizer("path/to/model", rope_theta=5e6,
                                                 rope_scaling="linear:4", device="cpu")
@@ -105,6 +107,21 @@ def check_model_path(path: str, weights: bool = False) -> str:
     if path.startswith((".", "/", "~")) or path.count("/") > 1:
         raise FileNotFoundError(f"model folder {path} does not exist")
     return path
+
+
+def model_heads(path: str) -> tuple[int | None, int | None]:
+    """(query heads, key/value heads) from a local model folder's config.json, to check a
+    sequence-parallel method before any rank loads the model; (None, None) when unknown."""
+    file = Path(path).expanduser() / "config.json"
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None, None
+    config = config.get("text_config") or config  # multimodal models keep it there
+    heads = config.get("num_attention_heads")
+    kv_heads = config.get("num_key_value_heads") or heads
+    ok = all(isinstance(h, int) for h in (heads, kv_heads))
+    return (heads, kv_heads) if ok else (None, None)
 
 
 def load_config(path: str, rope_theta: float | None = None, rope_scaling: str | dict | None = None,

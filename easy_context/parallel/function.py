@@ -1,0 +1,72 @@
+"""The one autograd function every attention algorithm runs through, and its input check.
+
+An algorithm is an object with
+
+    forward(q, k, v, doc) -> (out, lse)                           # one group of KV heads
+    backward(dout, q, k, v, out, lse, doc, dq, dk, dv) -> None    # fills the views dq, dk, dv
+    kv_heads_per_group: int
+
+where out is in q's dtype and lse (B, H, S) float32. Backward gets the *final* out and lse,
+so each block's kernel backward returns exactly its share of the gradients. The function
+runs the algorithm a group of KV heads at a time (head_groups.py), saves what backward needs,
+and lets attention-saving checkpointing hand back a stored (out, lse) on recompute
+(easy_context.attention.saving).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention.saving import run_saved
+from .head_groups import backward_into_heads, forward_by_heads
+
+Tensor = torch.Tensor
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, doc, algo):
+        out, lse = run_saved(lambda: forward_by_heads(algo.forward, q, k, v, doc,
+                                                      algo.kv_heads_per_group))
+        ctx.save_for_backward(q, k, v, out, lse, doc)
+        ctx.algo = algo
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, doc = ctx.saved_tensors
+        dq, dk, dv = backward_into_heads(ctx.algo.backward, dout.contiguous(), q, k, v, out, lse,
+                                         doc, ctx.algo.kv_heads_per_group)
+        return dq, dk, dv, None, None
+
+
+def run_attention(algo, q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor | None) -> Tensor:
+    """Attention of local shards by ``algo``; autograd-aware. Checks the inputs first."""
+    check_inputs(q, k, v, document_ids)
+    return _Attention.apply(q, k, v, document_ids, algo)
+
+
+def check_inputs(q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor | None = None) -> None:
+    """What every method needs: (B, S_local, H, D) shards of one floating dtype on one device,
+    query heads a multiple of the KV heads, document ids (B, S_local) of integers."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be (batch, seq_local, heads, head_dim); got shapes "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.size(3) != k.size(3):
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must "
+                         "agree in batch, sequence and head_dim, and k and v in heads")
+    if q.size(2) % k.size(2) != 0:
+        raise ValueError(f"query heads ({q.size(2)}) must be a multiple of key/value heads "
+                         f"({k.size(2)}) for grouped-query attention")
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        raise ValueError(f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if document_ids is not None:
+        if tuple(document_ids.shape) != tuple(q.shape[:2]):
+            raise ValueError(f"document_ids must be (batch, seq_local) = {tuple(q.shape[:2])}, "
+                             f"got {tuple(document_ids.shape)}")
+        if document_ids.is_floating_point() or document_ids.device != q.device:
+            raise ValueError(f"document_ids must be integers on {q.device}; got "
+                             f"{document_ids.dtype} on {document_ids.device}")
