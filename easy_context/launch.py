@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import signal
 import socket
 import time
 import traceback
@@ -108,11 +109,15 @@ def launch(fn: Callable, nproc_per_node: int, *args: Any, timeout_minutes: float
     level = spawn_log.level
     spawn_log.setLevel(logging.ERROR)
     try:
-        mp.start_processes(_spawned, args=(nproc_per_node, free_port(), timeout_minutes, fn,
-                                           args, results),
-                           nprocs=nproc_per_node, join=True, start_method="spawn")
-    except mp.ProcessExitedException as e:
-        raise _first_failure(results, e) from None
+        context = mp.start_processes(
+            _spawned, args=(nproc_per_node, free_port(), timeout_minutes, fn, args, results),
+            nprocs=nproc_per_node, join=False, start_method="spawn")
+        try:
+            while not context.join():
+                pass
+        except (mp.ProcessExitedException, mp.ProcessRaisedException):
+            # join has ended every rank by now: their exit codes say who died how
+            raise _first_failure(results, [p.exitcode for p in context.processes]) from None
     finally:
         spawn_log.setLevel(level)
     ok, value = results.get()
@@ -121,11 +126,20 @@ def launch(fn: Callable, nproc_per_node: int, *args: Any, timeout_minutes: float
     return value
 
 
-def _first_failure(results: "mp.SimpleQueue", exited: "mp.ProcessExitedException") -> RankError:
-    """The first failure a rank reported; a rank killed before it could report (a signal,
-    the out-of-memory killer) is described by its exit."""
-    # The rank that exited first may not be the one that failed first, and its report may
-    # still be in the pipe: wait a moment for one.
+def _first_failure(results: "mp.SimpleQueue", exit_codes: list[int | None]) -> RankError:
+    """The root cause of a failed launch.
+
+    A rank killed by a signal (the out-of-memory killer's SIGKILL, a segfault) could not
+    report, and its peers' reports are consequences (a closed connection): it comes first.
+    Otherwise the first failure a rank reported, in the order they were reported. SIGTERM
+    is how torch ends the ranks still running after a failure, so it is no cause.
+    """
+    for rank, code in enumerate(exit_codes):
+        if code is not None and code < 0 and code != -signal.SIGTERM:
+            name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+            hint = " (the out-of-memory killer sends SIGKILL)" if name == "SIGKILL" else ""
+            return RankError(rank, "ProcessExited", f"the process was killed by {name}{hint}")
+    # A report written just before its rank exited may still be in the pipe.
     deadline = time.monotonic() + 5
     while results.empty() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -133,8 +147,6 @@ def _first_failure(results: "mp.SimpleQueue", exited: "mp.ProcessExitedException
         ok, value = results.get()
         if not ok:
             return value
-    signal_name = getattr(exited, "signal_name", None)
-    how = (f"was killed by {signal_name}" if signal_name else f"exited with code {exited.exit_code}")
-    hint = " (the out-of-memory killer sends SIGKILL)" if signal_name == "SIGKILL" else ""
-    return RankError(exited.error_index, "ProcessExited",
-                     f"the process {how} before it could report an error{hint}")
+    rank, code = next(((r, c) for r, c in enumerate(exit_codes) if c), (0, None))
+    return RankError(rank, "ProcessExited",
+                     f"the process exited with code {code} before it could report an error")
