@@ -182,6 +182,13 @@ def global_token_mean(local_sum: Tensor, local_count: Tensor | int,
     No valid target anywhere (denominator 0): the loss is 0 with zero gradient, not NaN --
     an all-padding batch is legal in packed training and must not poison the weights.
     """
+    if (isinstance(num_items_in_batch, Tensor) and num_items_in_batch.is_floating_point()
+            and torch.finfo(num_items_in_batch.dtype).bits < 32):
+        # bf16 holds integers exactly only up to 256 (100001 becomes 99840): the loss and
+        # every gradient would be off by up to 0.4%.
+        raise ValueError(f"num_items_in_batch is {num_items_in_batch.dtype}, which rounds token "
+                         "counts; a mixed-precision wrapper probably cast it with the inputs. "
+                         "Pass an int, or an int64/float64 tensor kept out of input casting")
     # float64 keeps the count exact and the cross-rank sum free of fp32 rounding.
     stats = torch.stack([local_sum.detach().double(),
                          torch.as_tensor(local_count, device=local_sum.device).double()])

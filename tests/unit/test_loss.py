@@ -198,3 +198,16 @@ def test_forward_and_backward_matmuls_share_a_dtype(autocast, dtype):
         loss.backward()
     assert mode.dtypes == {dtype}
     assert h.grad.dtype == w.grad.dtype == b.grad.dtype == torch.float32
+
+
+def test_a_rounded_token_count_is_refused():
+    """bf16 turns 100001 into 99840: a denominator cast by a mixed-precision wrapper must
+    fail loudly rather than scale the loss and every gradient by 1.0016."""
+    assert torch.tensor(100001.0).to(torch.bfloat16).item() == 99840.0
+    s = torch.tensor(12.0, requires_grad=True)
+    for dtype in (torch.bfloat16, torch.float16):
+        with pytest.raises(ValueError, match="rounds token counts"):
+            global_token_mean(s, 4, num_items_in_batch=torch.tensor(100001.0).to(dtype))
+    for exact in (100001, torch.tensor(100001), torch.tensor(100001.0, dtype=torch.float64)):
+        assert global_token_mean(s, 4, num_items_in_batch=exact).item() == pytest.approx(
+            12.0 / 100001, rel=1e-7)
