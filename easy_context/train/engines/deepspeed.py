@@ -295,8 +295,17 @@ class DeepSpeedEngine:
         # DeepSpeed zeroed the gradients in its step.
 
     # ---- checkpoints: every rank writes its ZeRO partitions
-    def save(self, folder: Path) -> None:
+    def save(self, folder: Path) -> list[Path]:
+        """Writes this rank's ZeRO partitions; returns the files this rank wrote (DeepSpeed
+        does not sync them): those named for its rank, and on rank 0 the shared ones
+        (DeepSpeed's recovery scripts)."""
         self.engine.save_checkpoint(str(folder), tag=CHECKPOINT_TAG, save_latest=False)
+        rank = dist.get_rank()  # = DeepSpeed's data-parallel rank: no model parallelism here
+        written = sorted(folder.rglob(f"*zero_pp_rank_{rank}_*"))
+        if rank == 0:
+            written += sorted(p for p in folder.rglob("*")
+                              if p.is_file() and "zero_pp_rank_" not in p.name)
+        return written
 
     def load(self, folder: Path) -> None:
         # DeepSpeed unpickles its own checkpoint files with torch.load (see the module docstring).

@@ -166,9 +166,13 @@ class FSDPEngine:
         self.optimizer.zero_grad(set_to_none=True)
 
     # ---- checkpoints: every rank writes its shards (torch.distributed.checkpoint)
-    def save(self, folder: Path) -> None:
+    def save(self, folder: Path) -> list[Path]:
+        """Writes this rank's shards; returns the files it wrote that still need an fsync:
+        none, as DCP's writer syncs each file it writes (and rank 0's metadata)."""
         model_sd, optim_sd = get_state_dict(self.loss_module, self.optimizer)
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(folder))
+        dcp.save({"model": model_sd, "optimizer": optim_sd},
+                 storage_writer=dcp.FileSystemWriter(str(folder), sync_files=True))
+        return []
 
     def load(self, folder: Path) -> None:
         model_sd, optim_sd = get_state_dict(self.loss_module, self.optimizer)
