@@ -32,6 +32,7 @@ from ..utils.memory import PeakMemory
 from .checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, save_config
 from .data import TrainBatches, load_training_dataset
+from .determinism import deterministic_kernels
 from .logs import MetricsLogger
 from .model import build_empty_model, load_tokenizer
 from .schedule import lr_lambda
@@ -186,7 +187,8 @@ def run_training(config: TrainConfig) -> dict:
     if dist.get_rank() != 0:
         logging.getLogger("easy_context").setLevel(logging.WARNING)
     try:
-        return train(config, device)
+        with deterministic_kernels(config.deterministic):
+            return train(config, device)
     except Exception:
         log.exception("rank %d failed", dist.get_rank())
         raise
