@@ -51,7 +51,8 @@ def build_model_and_engine(config: TrainConfig, device: torch.device, mesh: Para
     if config.engine == "deepspeed":
         from .engines.deepspeed import DeepSpeedEngine, zero_init
 
-        model, pretrained = build_empty_model(config, lambda mc: zero_init(config, mc, device))
+        model, pretrained = build_empty_model(config, lambda mc: zero_init(config, mc, device),
+                                              buffers_outside=True)
     else:
         from .engines.fsdp import FSDPEngine
 

@@ -28,12 +28,13 @@ def _setup(model_dir: str, engine: str, **overrides):
     return build_model_and_engine(config, torch.device("cpu"), mesh)
 
 
-def loaded_differences(model_dir: str, engine: str) -> list[str]:
-    """Rank 0: every tensor of the engine's full state dict that is not bit-equal to the one
-    from_pretrained loads (fp32), and every tensor missing on either side."""
+def loaded_differences(model_dir: str, engine: str, mixed_precision: str = "fp32") -> list[str]:
+    """Rank 0: every tensor of the engine's full state dict (the fp32 master weights) and
+    every buffer that is not bit-equal, dtype included, to what from_pretrained loads in
+    fp32; and every tensor missing."""
     from transformers import AutoModelForCausalLM
 
-    model, eng = _setup(model_dir, engine)
+    model, eng = _setup(model_dir, engine, mixed_precision=mixed_precision)
     state = eng.full_state_dict()
     if dist.get_rank() != 0:
         return []

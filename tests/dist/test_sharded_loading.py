@@ -3,8 +3,9 @@
 
 Exactness: the loaded weights are bit-equal to ``from_pretrained``'s, for FSDP on 1, 2 and 4
 ranks (rows not divisible by the world, tied embeddings, bf16 and fp32 checkpoints), for
-DeepSpeed zero.Init on 2, and for a checkpoint only transformers can map (Mixtral: its
-per-expert tensors are fused on load), which rank 0 loads and the engine broadcasts.
+DeepSpeed zero.Init on 2 (fp32, and bf16 with fp32 rotary tables), and for a checkpoint
+only transformers can map (Mixtral: its per-expert tensors are fused on load), which rank 0
+loads and the engine broadcasts.
 
 Memory, measured from outside (VmRSS and VmHWM in /proc/self/status of each rank), for a
 model of M = 288 MB in fp32, stored in bf16 as hub checkpoints are, on 2 ranks, in fresh
@@ -63,6 +64,14 @@ def test_fsdp_loads_exactly(models, model, pool_name, request):
 def test_deepspeed_loads_exactly(models, model, dist2):
     pytest.importorskip("deepspeed")
     assert dist2.run(loaded_differences, str(models / model), "deepspeed")[0] == []
+
+
+def test_deepspeed_bf16_keeps_fp32_rotary_tables(models, dist2):
+    """zero.Init casts every floating tensor made inside it to bf16, the rotary inv_freq
+    too; the buffers come from a build outside it. A bf16 checkpoint makes the bf16
+    partitions (and so the fp32 master weights) exact as well."""
+    pytest.importorskip("deepspeed")
+    assert dist2.run(loaded_differences, str(models / "tied16"), "deepspeed", "bf16")[0] == []
 
 
 @pytest.fixture(scope="module")
