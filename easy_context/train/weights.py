@@ -3,7 +3,7 @@
 The model is built with its parameters on the meta device (no memory; DeepSpeed builds it
 under ``zero.Init`` instead) and its buffers real: rotary tables are computed when the model
 is built, not read from checkpoints. The engine shards it, then fills its shards from the
-model folder's safetensors files, which are memory-mapped and read a slice at a time:
+model folder's safetensors files, read a slice at a time:
 
 - FSDP2 (engines/fsdp.py): every rank reads the rows of each tensor that its shard holds,
   so host and device memory stay at about 1/world of the model on every rank, and the
@@ -71,9 +71,10 @@ def has_meta_parameters(model: nn.Module) -> bool:
 
 class SafetensorsFolder:
     """The tensors of a model folder's safetensors files, read one tensor (or rows of one) at
-    a time. Each read maps the file and unmaps it again, so the pages it touched leave this
-    process's resident memory with it (a map kept open would hold every page read so far);
-    the values read are copies."""
+    a time. Each read maps the file for that tensor only: what it returns is backed by the
+    map, which goes (and the pages read with it leave this process's resident memory) when
+    the tensor is freed -- the engines copy it into their shards and drop it. A map kept
+    open for the whole load would hold every page read so far."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)

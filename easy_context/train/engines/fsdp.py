@@ -107,8 +107,8 @@ class FSDPEngine:
                 m.set_force_sum_reduction_for_comms(True)
         self.model = model
         if meta:
-            # Every shard gets memory on this rank's device (FSDP moves offloaded shards
-            # back to the CPU), then its values.
+            # Every shard gets memory on this rank's device (with --offload on a GPU, FSDP
+            # then moves the shards to pinned host memory), then its values.
             self.loss_module.to_empty(device=device)
             with torch.no_grad():
                 for name, value in buffers.items():
