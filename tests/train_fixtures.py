@@ -12,10 +12,15 @@ TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_laye
             max_position_embeddings=1024, attention_dropout=0.0, tie_word_embeddings=False)
 
 
-def tiny_model_dir(folder: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+def tiny_model_dir(folder: Path, family: str = "llama", seed: int = 0,
+                   dtype: torch.dtype | None = None, **overrides) -> Path:
+    """A randomly initialised model saved with save_pretrained (stored in ``dtype`` if given,
+    as hub checkpoints are usually bf16)."""
     config = AutoConfig.for_model(family, **{**TINY, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
+    if dtype is not None:
+        model.to(dtype)
     model.save_pretrained(folder, safe_serialization=True)
     return Path(folder)
 

@@ -213,7 +213,9 @@ def _flash_attn_kernel() -> Kernel:
         else:
             kw["window_size_left"], kw["window_size_right"] = -1, -1
         for name, value in (("softcap", 0.0), ("alibi_slopes", None), ("return_softmax", False),
-                            ("deterministic", False), ("rng_state", None)):
+                            # --deterministic (easy_context.train.determinism)
+                            ("deterministic", torch.are_deterministic_algorithms_enabled()),
+                            ("rng_state", None)):
             if name in params:
                 kw[name] = value
         return {k: v for k, v in kw.items() if k in params}

@@ -15,6 +15,7 @@ transformers passes extra keyword arguments through to the attention function.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers import AttentionInterface
 
-from ..mesh import SPGroup, group_size, usp_groups
+from ..mesh import SPGroup, group_size, process_group, usp_groups
 from ..parallel import METHODS, get_method
 from ..sequence_parallel import sequence_parallel_attention
 
@@ -93,6 +94,7 @@ def _make_attention(method: str):
 
 for _method in METHODS:
     AttentionInterface.register(hf_attention_name(_method), _make_attention(_method))
+_HF_NAMES = frozenset(hf_attention_name(m) for m in METHODS)
 
 
 def _text_config(model: nn.Module):
@@ -119,6 +121,43 @@ def check_model_supported(model: nn.Module) -> None:
         if getattr(config, name, None):
             raise ValueError(f"{type(model).__name__} uses {name}={getattr(config, name)}, "
                              "which the block attention kernels do not support")
+
+
+_MASK_HOOK_ATTR = "_easy_context_mask_hook"
+
+
+def _refuse_padding(group):
+    """A forward pre-hook for the decoder: the sequence-parallel attention functions build
+    their own causal (and packed-document) masks and take no other, and transformers hands a
+    custom attention function no mask at all, so a padding mask would silently be ignored.
+    Raise instead, on every rank of ``group`` (one collective, only when a mask is given)."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        if getattr(module.config, "_attn_implementation", None) not in _HF_NAMES:
+            return None  # switched back to a plain attention since
+        if "attention_mask" in kwargs:
+            mask = kwargs["attention_mask"]
+        else:  # passed by position (input_ids, attention_mask, ...)
+            params = list(inspect.signature(module.forward).parameters)
+            index = params.index("attention_mask") if "attention_mask" in params else len(args)
+            mask = args[index] if index < len(args) else None
+        if mask is None:
+            return None
+        if not isinstance(mask, Tensor) or mask.dim() != 2:
+            raise ValueError("sequence-parallel attention takes no prepared (4-D) attention "
+                             "mask: it is causal, and keeps packed documents apart with "
+                             "document_ids")
+        padded = (mask == 0).any().to(torch.int32).reshape(1)
+        if group_size(group) > 1:  # some ranks' shards may be padded and others not
+            dist.all_reduce(padded, op=dist.ReduceOp.MAX, group=process_group(group))
+        if padded.item():
+            raise ValueError("attention_mask has zeros (padding), which sequence-parallel "
+                             "attention cannot honour: pack sequences instead (position_ids "
+                             "restarting at 0, or document_ids), or, for padding at the end "
+                             "of a sequence, drop the mask and set those targets to -100")
+        return None
+
+    return hook
 
 
 def _attention_modules(model: nn.Module):
@@ -153,6 +192,11 @@ def apply_sequence_parallel(model: nn.Module, method: str, group=None,
     settings = SequenceParallelSettings(m.name, group, ring_degree)
     for module in modules:
         setattr(module, _SETTINGS_ATTR, settings)
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    if getattr(decoder, _MASK_HOOK_ATTR, None) is not None:
+        getattr(decoder, _MASK_HOOK_ATTR).remove()  # applied again: the new group counts
+    setattr(decoder, _MASK_HOOK_ATTR, decoder.register_forward_pre_hook(
+        _refuse_padding(group), with_kwargs=True))
     model.set_attn_implementation(hf_attention_name(m.name))
     return model
 

@@ -1,8 +1,9 @@
 """Activation checkpointing per decoder layer, three kinds.
 
 - ``full``: keep only each layer's input; recompute the layer in backward.
-- ``offload``: as full, and the kept inputs wait in CPU memory (pinned on CUDA) instead of
-  device memory: at 1M tokens they are L x S x hidden, which is most of what full keeps.
+- ``offload``: as full, and the kept inputs wait in CPU memory (pinned when they come from
+  an accelerator) instead of device memory: at 1M tokens they are L x S x hidden, which is
+  most of what full keeps.
 - ``attention``: as full, but the recompute reuses each layer's attention output and lse
   (easy_context.attention.saving), so backward does not run attention, nor its
   communication, twice.
@@ -25,10 +26,20 @@ from ..attention.saving import saving_context
 KINDS = ("none", "full", "offload", "attention")
 
 
-def _offloaded_checkpoint(function, *args, pin_memory: bool, **kwargs):
+def pin_offloaded(*args) -> bool:
+    """Whether host copies of these activations should be pinned: when they live on an
+    accelerator. A pageable copy is staged and synchronous; a pinned one is a direct DMA. On
+    the CPU there is nothing to copy across (and pinning needs an accelerator)."""
+    tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return tensor is not None and tensor.device.type not in ("cpu", "meta")
+
+
+def _offloaded_checkpoint(function, *args, **kwargs):
     # Reentrant checkpointing saves the layer inputs with save_for_backward, which
     # save_on_cpu intercepts: the inputs then live in host memory until the recompute.
-    with torch.autograd.graph.save_on_cpu(pin_memory=pin_memory):
+    # Pinning is decided here, from the activations, at every call: when checkpointing is
+    # applied the model may not have reached its GPU yet.
+    with torch.autograd.graph.save_on_cpu(pin_memory=pin_offloaded(*args)):
         return checkpoint(function, *args, use_reentrant=True, **kwargs)
 
 
@@ -46,8 +57,7 @@ def apply_activation_checkpointing(model: nn.Module, kind: str) -> nn.Module:
     if kind == "attention":
         func = functools.partial(checkpoint, use_reentrant=False, context_fn=saving_context)
     else:
-        pin = torch.cuda.is_available() and next(model.parameters()).is_cuda
-        func = functools.partial(_offloaded_checkpoint, pin_memory=pin)
+        func = _offloaded_checkpoint
     layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
     for layer in layers:
         layer._gradient_checkpointing_func = func

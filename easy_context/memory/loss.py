@@ -11,8 +11,13 @@ Backward recomputes each block instead of keeping it (one extra matmul buys ~T*V
 
     d loss_t / d logits_t = softmax(logits_t) - onehot(y_t) = exp(logits_t - lse_t) - onehot(y_t)
 
-Matmuls run in the inputs' dtype (as the model's lm_head would); softmax, lse and the token
-losses are fp32, and the sums across chunks (loss, grad W, grad b) accumulate in fp32.
+Matmuls run in one dtype, chosen once in forward and reused in backward: the inputs' dtype,
+or autocast's (bf16) when forward runs under ``torch.autocast``, as the model's lm_head would
+compute. Backward runs outside autocast, so letting autocast decide each matmul would give
+bf16 logits (and lse) in forward but fp32 logits in backward: softmax = exp(logits - lse)
+then mixes two precisions, and with logits of magnitude ~10 the gradient is off by several
+percent (tests/unit/test_loss.py measures it). Softmax, lse and the token losses are fp32,
+and the sums across chunks (loss, grad W, grad b) accumulate in fp32.
 
 The mean is over every valid target (!= ignore_index) of the global batch: each rank's
 summed loss and count are all-reduced, then divided. The original EasyContext averaged the
@@ -49,10 +54,38 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _matmul_dtype(hidden: Tensor) -> torch.dtype:
+    """The inputs' dtype, or autocast's when it is on for their device (float64 is never
+    autocast, as torch's own autocast leaves it alone)."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device) and hidden.dtype != torch.float64:
+        return torch.get_autocast_dtype(device)
+    return hidden.dtype
+
+
+def _cast(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    return None if t is None else t.to(dtype)
+
+
 def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """(C, H) x (V, H) -> (C, V) logits for one chunk, in the accumulation dtype."""
+    """(C, H) x (V, H) -> (C, V) logits for one chunk, in the accumulation dtype. The caller
+    has cast h, weight and bias to the matmul dtype and turned autocast off."""
     logits = h @ weight.T if bias is None else torch.addmm(bias, h, weight.T)
     return logits.to(_acc_dtype(logits.dtype))
+
+
+def _forward_chunk(h: Tensor, weight: Tensor, bias: Tensor | None, y: Tensor, ignore_index: int,
+                   lse_out: Tensor) -> Tensor:
+    """One chunk's summed token loss; writes its rows' lse into ``lse_out`` (C,)."""
+    valid = y != ignore_index
+    logits = _chunk_logits(h, weight, bias)  # (C, V) fp32
+    # Ignored rows gather column 0 (any index is fine): they are masked out below.
+    tgt = logits.gather(1, torch.where(valid, y, 0).unsqueeze(1)).squeeze(1)
+    # logsumexp in place (torch.logsumexp would allocate a second (C, V) buffer):
+    # lse = m + log(sum(exp(logits - m))), m = row max.
+    m = logits.amax(dim=1)
+    lse_out.copy_(logits.sub_(m.unsqueeze(1)).exp_().sum(dim=1).log_().add_(m))
+    return ((lse_out - tgt) * valid).sum()
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -65,25 +98,20 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None,
                 chunk_size: int, ignore_index: int) -> tuple[Tensor, Tensor]:
-        T, acc = hidden.shape[0], _acc_dtype(hidden.dtype)
+        dtype = _matmul_dtype(hidden)
+        T, acc = hidden.shape[0], _acc_dtype(dtype)
         lse = torch.zeros(T, dtype=acc, device=hidden.device)  # (T,)
         total = torch.zeros((), dtype=acc, device=hidden.device)
-        for s in range(0, T, chunk_size):
-            e = min(s + chunk_size, T)
-            y = targets[s:e]
-            valid = y != ignore_index
-            logits = _chunk_logits(hidden[s:e], weight, bias)  # (C, V) fp32
-            # Ignored rows gather column 0 (any index is fine): they are masked out below.
-            tgt = logits.gather(1, torch.where(valid, y, 0).unsqueeze(1)).squeeze(1)
-            # logsumexp in place (torch.logsumexp would allocate a second (C, V) buffer):
-            # lse = m + log(sum(exp(logits - m))), m = row max.
-            m = logits.amax(dim=1)
-            lse[s:e] = logits.sub_(m.unsqueeze(1)).exp_().sum(dim=1).log_().add_(m)
-            total += ((lse[s:e] - tgt) * valid).sum()
-            del logits
+        # One cast of the head (as autocast would cache it), not one per chunk.
+        w, b = weight.to(dtype), _cast(bias, dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, T, chunk_size):
+                e = min(s + chunk_size, T)
+                total += _forward_chunk(hidden[s:e].to(dtype), w, b, targets[s:e], ignore_index,
+                                        lse[s:e])
         count = count_valid_targets(targets, ignore_index)
         ctx.save_for_backward(hidden, weight, targets, bias, lse)
-        ctx.chunk_size, ctx.ignore_index = chunk_size, ignore_index
+        ctx.chunk_size, ctx.ignore_index, ctx.dtype = chunk_size, ignore_index, dtype
         ctx.mark_non_differentiable(count)
         return total, count
 
@@ -91,31 +119,35 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total: Tensor, _grad_count: Tensor | None):
         hidden, weight, targets, bias, lse = ctx.saved_tensors
         need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
-        T, acc = hidden.shape[0], lse.dtype
+        T, acc, dtype = hidden.shape[0], lse.dtype, ctx.dtype
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
         g = grad_total.to(acc)
-        for s in range(0, T, ctx.chunk_size):
-            e = min(s + ctx.chunk_size, T)
-            h, y = hidden[s:e], targets[s:e]
-            valid = y != ctx.ignore_index
-            # softmax - onehot, built in place in the recomputed logits buffer.
-            p = _chunk_logits(h, weight, bias)  # (C, V) fp32
-            p.sub_(lse[s:e].unsqueeze(1)).exp_()
-            rows = torch.arange(e - s, device=p.device)
-            p[rows, torch.where(valid, y, 0)] -= 1.0
-            # Ignored targets get zero rows; grad_total scales the whole block.
-            p.mul_((valid.to(acc) * g).unsqueeze(1))
-            if need_b:
-                grad_b += p.sum(0)
-            pc = p.to(hidden.dtype)
-            del p
-            if need_h:
-                grad_h[s:e] = pc @ weight
-            if need_w:
-                grad_w += pc.T @ h
-            del pc
+        # The forward's matmul dtype, whatever autocast says now: the recomputed logits must
+        # be the ones whose lse forward kept.
+        w, b = weight.to(dtype), _cast(bias, dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, T, ctx.chunk_size):
+                e = min(s + ctx.chunk_size, T)
+                h, y = hidden[s:e].to(dtype), targets[s:e]
+                valid = y != ctx.ignore_index
+                # softmax - onehot, built in place in the recomputed logits buffer.
+                p = _chunk_logits(h, w, b)  # (C, V) fp32
+                p.sub_(lse[s:e].unsqueeze(1)).exp_()
+                rows = torch.arange(e - s, device=p.device)
+                p[rows, torch.where(valid, y, 0)] -= 1.0
+                # Ignored targets get zero rows; grad_total scales the whole block.
+                p.mul_((valid.to(acc) * g).unsqueeze(1))
+                if need_b:
+                    grad_b += p.sum(0)
+                pc = p.to(dtype)
+                del p
+                if need_h:
+                    grad_h[s:e] = pc @ w
+                if need_w:
+                    grad_w += pc.T @ h
+                del pc
         return (grad_h,
                 None if grad_w is None else grad_w.to(weight.dtype),
                 None,
@@ -150,6 +182,13 @@ def global_token_mean(local_sum: Tensor, local_count: Tensor | int,
     No valid target anywhere (denominator 0): the loss is 0 with zero gradient, not NaN --
     an all-padding batch is legal in packed training and must not poison the weights.
     """
+    if (isinstance(num_items_in_batch, Tensor) and num_items_in_batch.is_floating_point()
+            and torch.finfo(num_items_in_batch.dtype).bits < 32):
+        # bf16 holds integers exactly only up to 256 (100001 becomes 99840): the loss and
+        # every gradient would be off by up to 0.4%.
+        raise ValueError(f"num_items_in_batch is {num_items_in_batch.dtype}, which rounds token "
+                         "counts; a mixed-precision wrapper probably cast it with the inputs. "
+                         "Pass an int, or an int64/float64 tensor kept out of input casting")
     # float64 keeps the count exact and the cross-rank sum free of fp32 rounding.
     stats = torch.stack([local_sum.detach().double(),
                          torch.as_tensor(local_count, device=local_sum.device).double()])

@@ -2,10 +2,20 @@
 
 A checkpoint is a folder ``checkpoints/step_000123`` holding the engine's sharded model and
 optimizer state, ``trainer_state.json`` (step, data position, scheduler, config) and one
-``rng_rank{r}.pt`` per rank. All of it is first written to ``step_000123.tmp``, files are
-fsynced, and rank 0 renames the folder: a crash leaves either the old checkpoint or the new
-one, never half of one. ``checkpoints/latest`` names the newest complete checkpoint (written
-to a temporary file and renamed, too).
+``rng_rank{r}.pt`` per rank. All of it is first written to ``step_000123.tmp``; every rank
+fsyncs the files it wrote, in parallel, before the barrier; then rank 0 syncs the folder's
+entries and renames it: a crash leaves either the old checkpoint or the new one, never half
+of one. ``checkpoints/latest`` names the newest complete checkpoint (written to a temporary
+file and renamed, too).
+
+Several nodes: ``--output-dir`` must be on a filesystem that every rank sees under the same
+path (NFS, Lustre, GPFS, ...), with close-to-open consistency: a file one rank wrote, synced
+and closed before the barrier is there for rank 0 after it. Each rank creates the folder
+itself (another node may not see rank 0's mkdir at once), and rank 0 checks that every
+rank's files arrived before it renames: on node-local disks they would not, and the run
+stops with a message instead of leaving a checkpoint without them. Rank 0 never flushes
+other ranks' data (it used to fsync every rank's files alone while the others waited on the
+barrier, whose timeout is --pg-timeout-minutes).
 
 RNG states are saved as tensors and lists and read back with ``weights_only=True``: loading
 a checkpoint never unpickles arbitrary objects.
@@ -24,16 +34,32 @@ import torch
 import torch.distributed as dist
 
 
-def _fsync_tree(folder: Path) -> None:
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-    fd = os.open(folder, os.O_RDONLY)
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a folder's entries, to stable storage."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Every file, then every folder (deepest first), of ``folder``."""
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            _fsync(path)
+    _fsync_folders(folder)
+
+
+def _fsync_folders(folder: Path) -> None:
+    for path in sorted((p for p in folder.rglob("*") if p.is_dir()), reverse=True):
+        _fsync(path)
+    _fsync(folder)
+
+
+def missing_rank_files(folder: Path, world: int) -> list[str]:
+    """The per-rank files that rank 0 cannot see in ``folder`` (a sign of node-local disks)."""
+    return [f"rng_rank{r}.pt" for r in range(world) if not (folder / f"rng_rank{r}.pt").exists()]
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -70,25 +96,36 @@ def checkpoint_dir(output_dir: Path) -> Path:
 
 def save_checkpoint(engine, output_dir: Path, step: int, trainer_state: dict) -> Path:
     """Collective: every rank calls it. Returns the final folder."""
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     root = checkpoint_dir(output_dir)
     final = root / f"step_{step:07d}"
     tmp = root / f"step_{step:07d}.tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
-        tmp.mkdir(parents=True)
     dist.barrier()
-    engine.save(tmp / "engine")
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    tmp.mkdir(parents=True, exist_ok=True)
+    written = list(engine.save(tmp / "engine"))  # the files this rank must sync
+    written.append(tmp / f"rng_rank{rank}.pt")
+    torch.save(rng_state(), written[-1])
     if rank == 0:
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+        written.append(tmp / "trainer_state.json")
+        written[-1].write_text(json.dumps(trainer_state, indent=1))
+    for path in written:
+        _fsync(path)
     dist.barrier()
+    missing = [missing_rank_files(tmp, world) if rank == 0 else None]
+    dist.broadcast_object_list(missing, src=0)  # every rank raises, or none
+    if missing[0]:
+        raise RuntimeError(f"checkpoint {tmp}: rank 0 does not see {missing[0]} that the other "
+                           "ranks wrote: --output-dir must be one filesystem shared by every "
+                           "node (NFS, Lustre, ...)")
     if rank == 0:
-        _fsync_tree(tmp)
+        _fsync_folders(tmp)  # the entries of the files just synced
         if final.exists():  # the same step saved again (e.g. the end of a resumed run)
             shutil.rmtree(final)
         os.replace(tmp, final)
         write_text_atomic(root / "latest", final.name)
+        _fsync(root)  # the rename and the new pointer
     dist.barrier()
     return final
 

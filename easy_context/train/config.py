@@ -67,6 +67,9 @@ class TrainConfig:
     chunked_loss: bool = _f(True, "compute the loss chunk by chunk, never building full logits")
     pg_timeout_minutes: float = _f(10.0, "a collective that waits longer fails with a message")
     trust_remote_code: bool = _f(False, "allow code from the model folder to run")
+    deterministic: bool = _f(False, "deterministic kernels (slower backward): on GPUs, the same "
+                                    "step gives the same bits, so a resumed run equals an "
+                                    "uninterrupted one")
     export: bool = _f(True, "write a Hugging Face model folder (safetensors) at the end")
 
     def sp_size_for(self, world: int) -> int:

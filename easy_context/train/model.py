@@ -1,28 +1,70 @@
-"""The model to train: fp32 master weights, RoPE overrides, a tokenizer if the folder has one."""
+"""The model to train: built empty, then filled by its engine (easy_context.train.weights).
+
+Master weights are fp32 (FSDP's mixed-precision policy computes in bf16). RoPE overrides go
+into the config before the model is built, as the rotary tables are computed then.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from typing import Callable
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
 
 from ..models import check_model_path, load_config
 from .config import TrainConfig
+from .weights import Pretrained, params_on_meta
 
 log = logging.getLogger(__name__)
 
 
-def load_model_and_tokenizer(config: TrainConfig):
+def build_empty_model(config: TrainConfig,
+                      init_context: Callable[[PretrainedConfig], contextlib.AbstractContextManager],
+                      buffers_outside: bool = False):
+    """The model of ``config.model``, built under ``init_context(model_config)`` (parameters
+    on the meta device, or DeepSpeed's zero.Init), and where its weights come from.
+
+    ``buffers_outside``: replace the buffers by those of a build outside the context (with
+    its parameters on the meta device: free). zero.Init casts every floating-point tensor
+    made inside it to the compute dtype, the rotary tables too; bf16 rounds inv_freq by up
+    to 0.4%, which shifts the phase of far positions by whole turns.
+    """
     path = check_model_path(config.model)
     model_config = load_config(path, config.rope_theta, config.rope_scaling, config.trust_remote_code)
-    # Master weights stay fp32; FSDP's mixed-precision policy computes in bf16.
-    model = AutoModelForCausalLM.from_pretrained(
-        path, config=model_config, dtype=torch.float32, use_safetensors=True,
-        trust_remote_code=config.trust_remote_code, attn_implementation="sdpa")
+
+    def build():
+        return AutoModelForCausalLM.from_config(
+            model_config, dtype=torch.float32, trust_remote_code=config.trust_remote_code,
+            attn_implementation="sdpa")
+
+    with init_context(model_config):
+        model = build()
+    if buffers_outside:
+        with params_on_meta():
+            reference = build()
+        for name, buf in reference.named_buffers():
+            owner, _, leaf = name.rpartition(".")
+            module = model.get_submodule(owner)
+            module._buffers[leaf] = buf.to(module._buffers[leaf].device)
+    try:  # what from_pretrained would have read, so that the export carries it on
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:
+        pass
+
+    def load_full():
+        return AutoModelForCausalLM.from_pretrained(
+            path, config=model_config, dtype=torch.float32, use_safetensors=True,
+            trust_remote_code=config.trust_remote_code, attn_implementation="sdpa")
+
+    return model, Pretrained(path, load_full)
+
+
+def load_tokenizer(config: TrainConfig):
+    path = check_model_path(config.model)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
     except (OSError, ValueError, TypeError):
         log.info("no tokenizer in %s: the export will hold the model only", path)
-        tokenizer = None
-    return model, tokenizer
+        return None

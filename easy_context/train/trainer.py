@@ -25,16 +25,18 @@ import torch.distributed as dist
 from ..attention.documents import document_ids_from_positions, is_packed
 from ..integrations.hf import apply_sequence_parallel
 from ..memory.checkpointing import apply_activation_checkpointing
-from ..mesh import build_mesh, check_mesh
+from ..mesh import ParallelMesh, build_mesh, check_mesh
 from ..parallel import get_method
 from ..sequence_parallel import shard_batch
 from ..utils.memory import PeakMemory
 from .checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, save_config
 from .data import TrainBatches, load_training_dataset
+from .determinism import deterministic_kernels
 from .logs import MetricsLogger
-from .model import load_model_and_tokenizer
+from .model import build_empty_model, load_tokenizer
 from .schedule import lr_lambda
+from .weights import params_on_meta
 
 log = logging.getLogger("easy_context.train")
 
@@ -43,16 +45,29 @@ class NonFiniteLoss(RuntimeError):
     pass
 
 
-def _make_engine(config: TrainConfig, model, device, mesh):
+def build_model_and_engine(config: TrainConfig, device: torch.device, mesh: ParallelMesh):
+    """The model, built empty, made sequence-parallel, sharded by its engine and then loaded
+    shard by shard: no rank ever holds the whole model (easy_context.train.weights)."""
     if config.engine == "deepspeed":
-        from .engines.deepspeed import DeepSpeedEngine
+        from .engines.deepspeed import DeepSpeedEngine, zero_init
 
-        return DeepSpeedEngine(model, device, config)
-    from .engines.fsdp import FSDPEngine
+        model, pretrained = build_empty_model(config, lambda mc: zero_init(config, mc, device),
+                                              buffers_outside=True)
+    else:
+        from .engines.fsdp import FSDPEngine
 
-    return FSDPEngine(model, mesh.shard_mesh, config.learning_rate, config.mixed_precision,
-                      config.offload, chunked_loss=config.chunked_loss,
-                      pin_memory=device.type == "cuda")
+        model, pretrained = build_empty_model(config, lambda _: params_on_meta())
+    # local (data parallelism) keeps packed documents apart too: transformers' sdpa path
+    # would ignore document_ids.
+    apply_sequence_parallel(model, config.parallel_mode, group=mesh.sp,
+                            ring_degree=config.ring_degree)
+    apply_activation_checkpointing(model, config.checkpointing)
+    model.train()
+    if config.engine == "deepspeed":
+        return model, DeepSpeedEngine(model, device, config, pretrained)
+    return model, FSDPEngine(model, mesh.shard_mesh, config.learning_rate, config.mixed_precision,
+                             config.offload, chunked_loss=config.chunked_loss, device=device,
+                             pretrained=pretrained)
 
 
 def _step_target_count(micro_batches: list[dict], dp_group, device) -> torch.Tensor:
@@ -77,20 +92,14 @@ def train(config: TrainConfig, device: torch.device) -> dict:
                          f"({method.name} over {sp} ranks); use a multiple of {multiple}, e.g. "
                          f"{-(-config.seq_length // multiple) * multiple}")
     torch.manual_seed(config.seed)
-    model, tokenizer = load_model_and_tokenizer(config)
     mesh = build_mesh(sp, config.ring_degree, device.type)
     output = Path(config.output_dir)
     if rank == 0:
         output.mkdir(parents=True, exist_ok=True)
         save_config(config, output / "train_config.yaml")
         log.info("%s; method %s", mesh.describe(), method.name)
-    # local (data parallelism) keeps packed documents apart too: transformers' sdpa path
-    # would ignore document_ids.
-    apply_sequence_parallel(model, method.name, group=mesh.sp, ring_degree=config.ring_degree)
-    apply_activation_checkpointing(model, config.checkpointing)
-    model.to(device)
-    model.train()
-    engine = _make_engine(config, model, device, mesh)
+    model, engine = build_model_and_engine(config, device, mesh)
+    tokenizer = load_tokenizer(config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         engine.optimizer, lr_lambda(config.lr_schedule, config.warmup_steps, config.max_train_steps))
 
@@ -180,7 +189,8 @@ def run_training(config: TrainConfig) -> dict:
         logging.getLogger("easy_context").setLevel(logging.WARNING)
     # No log.exception here: the error reaches the user once, through launch (RankError) or
     # the exception itself, and the traceback with --debug.
-    return train(config, device)
+    with deterministic_kernels(config.deterministic):
+        return train(config, device)
 
 
 def results_of(output_dir: Path) -> list[dict]:

@@ -139,3 +139,75 @@ def test_never_allocates_tokens_by_vocab():
     with _LargestAllocation() as mode:
         logits_cross_entropy(h @ w.T, y).backward()
     assert mode.largest >= t * v
+
+
+def _autocast_case(scale: float):
+    """Logits of magnitude ~scale: bf16 rounds them by ~scale/256, which the lse inherits."""
+    g = torch.Generator().manual_seed(0)
+    t, h_dim, v = 256, 64, 1000
+    h = torch.randn(t, h_dim, generator=g).requires_grad_()
+    w = (scale * torch.randn(v, h_dim, generator=g) / h_dim**0.5).requires_grad_()
+    y = torch.randint(0, v, (t,), generator=g)
+    y[::7] = -100
+    return h, w, y
+
+
+def test_autocast_uses_one_precision_like_the_logits_path():
+    """Under torch.autocast(bf16) the chunked loss computes its logits in bf16 in forward AND
+    in backward, exactly as the lm_head + cross-entropy path does. Before: forward's lse came
+    from bf16 logits and backward recomputed fp32 logits, and the gradient was 3x further from
+    fp32 than the logits path's (12% vs 3.8% at logits ~16)."""
+    h, w, y = _autocast_case(scale=16.0)
+    ref = _reference(h, w, None, y)  # fp32 throughout
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        chunked = chunked_cross_entropy(h, w, y, chunk_size=64)
+        logits = logits_cross_entropy(F.linear(h, w), y)
+    assert chunked.dtype == torch.float32
+    assert _rel(chunked, logits) <= 1e-5
+    got, via_logits, want = _grads(chunked, h, w), _grads(logits, h, w), _grads(ref, h, w)
+    for g, l, r in zip(got, via_logits, want):
+        assert g.dtype == torch.float32  # gradients in the parameters' dtype
+        # the same bf16 computation, up to one bf16 rounding (2^-7): grad W sums its chunks in fp32
+        assert _rel(g, l) <= 8e-3, _rel(g, l)
+        # and no further from fp32 than the logits path (whose error is bf16's own, ~4%)
+        assert _rel(g, r) <= 1.1 * _rel(l, r) + 1e-3, (_rel(g, r), _rel(l, r))
+
+
+class _MatmulDtypes(TorchDispatchMode):
+    """The dtypes of every matmul run (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            self.dtypes.add(args[1].dtype if func.overloadpacket is torch.ops.aten.mm
+                            else args[2].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("autocast, dtype", [(True, torch.bfloat16), (False, torch.float32)])
+def test_forward_and_backward_matmuls_share_a_dtype(autocast, dtype):
+    h, w, y = _autocast_case(scale=1.0)
+    b = torch.zeros(w.shape[0], requires_grad=True)
+    with _MatmulDtypes() as mode:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = chunked_cross_entropy(h, w, y, b, chunk_size=64)
+        # backward runs outside autocast, as in a training loop
+        loss.backward()
+    assert mode.dtypes == {dtype}
+    assert h.grad.dtype == w.grad.dtype == b.grad.dtype == torch.float32
+
+
+def test_a_rounded_token_count_is_refused():
+    """bf16 turns 100001 into 99840: a denominator cast by a mixed-precision wrapper must
+    fail loudly rather than scale the loss and every gradient by 1.0016."""
+    assert torch.tensor(100001.0).to(torch.bfloat16).item() == 99840.0
+    s = torch.tensor(12.0, requires_grad=True)
+    for dtype in (torch.bfloat16, torch.float16):
+        with pytest.raises(ValueError, match="rounds token counts"):
+            global_token_mean(s, 4, num_items_in_batch=torch.tensor(100001.0).to(dtype))
+    for exact in (100001, torch.tensor(100001), torch.tensor(100001.0, dtype=torch.float64)):
+        assert global_token_mean(s, 4, num_items_in_batch=exact).item() == pytest.approx(
+            12.0 / 100001, rel=1e-7)

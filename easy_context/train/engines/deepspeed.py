@@ -73,6 +73,7 @@ from torch import nn
 
 from ...integrations.hf import CausalLMLoss, plain_lm_head
 from ..config import TrainConfig
+from ..weights import Pretrained, checkpoint_names
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +81,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "zero3_offloa
 CHECKPOINT_TAG = "state"
 
 
-def _hidden_size(model: nn.Module) -> int:
-    config = model.config
+def _hidden_size(config) -> int:
     if hasattr(config, "get_text_config"):
         config = config.get_text_config()
     hidden = getattr(config, "hidden_size", None) or getattr(config, "d_model", None)
@@ -98,9 +98,10 @@ def _set_flag_value(section: dict, key: str, value, what: str) -> None:
     section[key] = value
 
 
-def build_deepspeed_config(config: TrainConfig, model: nn.Module, world_size: int,
+def build_deepspeed_config(config: TrainConfig, model_config, world_size: int,
                            on_accelerator: bool) -> dict:
-    """The DeepSpeed config dict for this run: the JSON file with every "auto" resolved."""
+    """The DeepSpeed config dict for this run: the JSON file with every "auto" resolved
+    (``model_config``: the model's transformers config, for the bucket sizes)."""
     path = Path(config.deepspeed_config) if config.deepspeed_config else DEFAULT_CONFIG
     if not path.is_file():
         raise FileNotFoundError(f"--deepspeed-config {path}: no such file")
@@ -132,7 +133,7 @@ def build_deepspeed_config(config: TrainConfig, model: nn.Module, world_size: in
         if key in zero and not on_accelerator:
             zero[key]["pin_memory"] = False  # pinned memory needs an accelerator
 
-    hidden = _hidden_size(model)
+    hidden = _hidden_size(model_config)
     auto = {"reduce_bucket_size": hidden * hidden,
             "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
             "stage3_param_persistence_threshold": 10 * hidden}
@@ -163,27 +164,52 @@ def build_deepspeed_config(config: TrainConfig, model: nn.Module, world_size: in
     return ds
 
 
+def _start_deepspeed_comm() -> None:
+    import deepspeed
+
+    if not dist.is_initialized():
+        raise RuntimeError("DeepSpeedEngine needs an initialised torch.distributed process group")
+    # DeepSpeed reads these from the environment (torchrun sets them; a process group
+    # started by hand, e.g. easy_context.testing.DistPool, may not): one machine assumed.
+    for key, value in (("RANK", dist.get_rank()), ("WORLD_SIZE", dist.get_world_size()),
+                       ("LOCAL_RANK", dist.get_rank())):
+        os.environ.setdefault(key, str(value))
+    # Uses the process group the trainer initialised (gloo or nccl); no new one.
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+
+
+def zero_init(config: TrainConfig, model_config, device: torch.device):
+    """The context to build the model in: ZeRO-3's ``zero.Init`` partitions each parameter
+    over the ranks as soon as its module is built (on the device, or in host memory with
+    parameter offload), so no rank ever holds the whole model."""
+    import deepspeed
+
+    _start_deepspeed_comm()
+    ds = build_deepspeed_config(config, model_config, dist.get_world_size(),
+                                on_accelerator=device.type != "cpu")
+    return deepspeed.zero.Init(config_dict_or_path=ds)
+
+
 class DeepSpeedEngine:
     name = "deepspeed"
 
-    def __init__(self, model: nn.Module, device: torch.device, config: TrainConfig):
+    def __init__(self, model: nn.Module, device: torch.device, config: TrainConfig,
+                 pretrained: Pretrained | None = None):
+        """``model``: built under :func:`zero_init` and then filled from ``pretrained``, or
+        an ordinary model whose weights are already there (``pretrained=None``)."""
         import deepspeed
         from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
-        if not dist.is_initialized():
-            raise RuntimeError("DeepSpeedEngine needs an initialised torch.distributed process group")
+        _start_deepspeed_comm()
         self.world = dist.get_world_size()
         self.accum = config.gradient_accumulate_every
         self.model = model
-        self.ds_config = build_deepspeed_config(config, model, self.world,
+        self.ds_config = build_deepspeed_config(config, model.config, self.world,
                                                 on_accelerator=device.type != "cpu")
-        # DeepSpeed reads these from the environment (torchrun sets them; a process group
-        # started by hand, e.g. easy_context.testing.DistPool, may not): one machine assumed.
-        for key, value in (("RANK", dist.get_rank()), ("WORLD_SIZE", self.world),
-                           ("LOCAL_RANK", dist.get_rank())):
-            os.environ.setdefault(key, str(value))
-        # Uses the process group the trainer initialised (gloo or nccl); no new one.
-        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+        # Before deepspeed.initialize: the optimizer's fp32 partitions are copied from the
+        # parameters there.
+        if pretrained is not None:
+            self._load_pretrained(pretrained)
         loss_module = CausalLMLoss(model, chunked=config.chunked_loss)
         client_optimizer = torch.optim.AdamW(loss_module.parameters(), lr=config.learning_rate,
                                              betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8)
@@ -206,6 +232,35 @@ class DeepSpeedEngine:
                  zero.get("offload_optimizer", {}).get("device", "none"),
                  zero.get("offload_param", {}).get("device", "none"), self.accum,
                  self.ds_config["gradient_clipping"])
+
+    def _load_pretrained(self, pretrained: Pretrained) -> None:
+        """Rank 0 reads one tensor at a time; every rank gathers that parameter (one at a
+        time), rank 0 writes it, and DeepSpeed partitions rank 0's values again."""
+        import deepspeed
+
+        rank = dist.get_rank()
+        folder = pretrained.folder()
+        names = None if folder is None else checkpoint_names(self.model, folder)
+        if names is None:
+            log.warning("%s: the checkpoint's tensor names are not the model's; rank 0 loads "
+                        "the whole model with from_pretrained (one model of host memory on "
+                        "rank 0)", pretrained.path)
+            full = pretrained.load_full().state_dict() if rank == 0 else {}
+            names = {name: name for name in self.model.state_dict()}
+            read = full.__getitem__
+        else:
+            read = folder.read
+        persistent = set(self.model.state_dict().keys())
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                    if rank == 0:
+                        param.data.copy_(read(names[name]))
+            for name, buf in self.model.named_buffers():  # not partitioned: broadcast
+                if name in persistent and name in names:
+                    if rank == 0:
+                        buf.copy_(read(names[name]))
+                    dist.broadcast(buf, src=0)
 
     # ---- one optimizer step = accum x (loss, backward), clip_grad_norm, step
     def loss(self, **batch) -> torch.Tensor:
@@ -240,8 +295,17 @@ class DeepSpeedEngine:
         # DeepSpeed zeroed the gradients in its step.
 
     # ---- checkpoints: every rank writes its ZeRO partitions
-    def save(self, folder: Path) -> None:
+    def save(self, folder: Path) -> list[Path]:
+        """Writes this rank's ZeRO partitions; returns the files this rank wrote (DeepSpeed
+        does not sync them): those named for its rank, and on rank 0 the shared ones
+        (DeepSpeed's recovery scripts)."""
         self.engine.save_checkpoint(str(folder), tag=CHECKPOINT_TAG, save_latest=False)
+        rank = dist.get_rank()  # = DeepSpeed's data-parallel rank: no model parallelism here
+        written = sorted(folder.rglob(f"*zero_pp_rank_{rank}_*"))
+        if rank == 0:
+            written += sorted(p for p in folder.rglob("*")
+                              if p.is_file() and "zero_pp_rank_" not in p.name)
+        return written
 
     def load(self, folder: Path) -> None:
         # DeepSpeed unpickles its own checkpoint files with torch.load (see the module docstring).
