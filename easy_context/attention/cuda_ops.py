@@ -20,8 +20,8 @@ run for real by benchmarks/gpu_check.py):
 - the flash op copies dout and out to contiguous itself; its lse must be (B, H, Sq)
   contiguous float32, which we pass.
 - neither gets a mask or a bias: documents never reach a kernel as a mask (documents.py).
-Where neither op fits (fp32 flash, a head dim the efficient kernel has no alignment for, an
-older GPU), the reference kernel runs instead: slower, never a crash.
+Where neither op fits (a head dim that is not a multiple of 8, float64), the reference kernel
+runs instead: slower, never a crash.
 """
 
 from __future__ import annotations
@@ -52,7 +52,9 @@ def choose_path(q: Tensor, capability: tuple[int, int]) -> str:
     d = q.size(-1)
     if q.dtype in HALF and capability >= (8, 0) and d % 8 == 0 and d <= 256:
         return "flash"
-    if q.dtype in HALF + (torch.float32,) and d % (8 if q.dtype in HALF else 4) == 0:
+    # SDPA's own dispatcher asks the efficient kernel for head dims that are multiples of 8
+    # (sdp_utils.cpp, check_head_dim_size_mem_efficient); we ask the same of every dtype.
+    if q.dtype in HALF + (torch.float32,) and d % 8 == 0:
         return "efficient"
     return "reference"
 

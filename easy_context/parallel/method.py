@@ -120,12 +120,14 @@ class Method:
     def kv_heads_per_group(self, dims: AttentionDims, s: int, a: int, world: int,
                            ring_degree: int | None = None, budget: int | None = None) -> int:
         """KV heads per pass under ``budget`` bytes (default: the GPU budget), as the method
-        picks them at run time (head_groups.kv_heads_per_group)."""
+        picks them at run time (head_groups.kv_heads_per_group): the budget bounds the part
+        of the buffers that grows with the group (usp's Ulysses buffers do not)."""
         from .head_groups import BUDGETS, kv_heads_per_group
 
         budget = BUDGETS["cuda"] if budget is None else budget
+        fixed = self.group_buffers(dims, s, a, world, ring_degree, 0)
         return kv_heads_per_group(
-            lambda g: self.group_buffers(dims, s, a, world, ring_degree, g),
+            lambda g: self.group_buffers(dims, s, a, world, ring_degree, g) - fixed,
             self.grouped_heads(dims, world, ring_degree), budget)
 
     def buffers(self, dims: AttentionDims, s: int, a: int, world: int,
