@@ -5,5 +5,5 @@ from .kernels import KERNELS, Kernel, available_kernels, default_scale, select_k
 from .merge import merge, merge_into
 from .reference import reference_attention
 
-__all__ = ["KERNELS", "Kernel", "available_kernels", "default_scale", "select_kernel", "reference_attention", "merge",
-           "merge_into"]
+__all__ = ["KERNELS", "Kernel", "available_kernels", "default_scale", "select_kernel",
+           "reference_attention", "merge", "merge_into"]

@@ -84,12 +84,17 @@ def _seeds(q: Tensor) -> tuple[Tensor, Tensor]:
     return z, z
 
 
-def cuda_forward(q, k, v, causal=False, scale=None, *, ops=None, capability=None):
-    """``ops``: the aten namespace (stand-ins in tests); ``capability``: (major, minor)."""
+def _path(q: Tensor, capability, path: str | None) -> str:
+    return path or choose_path(q, device_capability(q) if capability is None else capability)
+
+
+def cuda_forward(q, k, v, causal=False, scale=None, *, ops=None, capability=None, path=None):
+    """``ops``: the aten namespace (stand-ins in tests); ``capability``: (major, minor);
+    ``path``: force "flash" or "efficient" (default: choose_path)."""
     check_block(q, k, causal)
     ops = torch.ops.aten if ops is None else ops
     scale = default_scale(q.size(-1)) if scale is None else scale
-    path = choose_path(q, device_capability(q) if capability is None else capability)
+    path = _path(q, capability, path)
     if path == "flash":
         res = ops._scaled_dot_product_flash_attention(
             heads_first(q), heads_first(k), heads_first(v), 0.0, causal, False, scale=scale)
@@ -104,11 +109,11 @@ def cuda_forward(q, k, v, causal=False, scale=None, *, ops=None, capability=None
 
 
 def cuda_backward(dout, q, k, v, out, lse, causal=False, scale=None, *, ops=None,
-                  capability=None):
+                  capability=None, path=None):
     check_block(q, k, causal)
     ops = torch.ops.aten if ops is None else ops
     scale = default_scale(q.size(-1)) if scale is None else scale
-    path = choose_path(q, device_capability(q) if capability is None else capability)
+    path = _path(q, capability, path)
     seed, offset = _seeds(q)
     if path == "flash":
         dq, dk, dv = ops._scaled_dot_product_flash_attention_backward(
@@ -129,11 +134,15 @@ def cuda_backward(dout, q, k, v, out, lse, causal=False, scale=None, *, ops=None
 
 
 def make_cuda_kernel(ops=None, capability: tuple[int, int] | None = None,
-                     name: str = "cuda_torch") -> Kernel:
+                     name: str = "cuda_torch", path: str | None = None) -> Kernel:
     """The kernel over ``ops`` (default torch.ops.aten) and a fixed capability (default:
-    the tensor's device's)."""
-    return Kernel(name, functools.partial(cuda_forward, ops=ops, capability=capability),
-                  functools.partial(cuda_backward, ops=ops, capability=capability))
+    the tensor's device's), always on ``path`` when given."""
+    kw = dict(ops=ops, capability=capability, path=path)
+    return Kernel(name, functools.partial(cuda_forward, **kw),
+                  functools.partial(cuda_backward, **kw))
 
 
 CUDA_TORCH = make_cuda_kernel()
+# One op each, whatever the inputs (for checks and comparisons; they fail where it cannot run).
+CUDA_TORCH_FLASH = make_cuda_kernel(name="cuda_torch_flash", path="flash")
+CUDA_TORCH_EFFICIENT = make_cuda_kernel(name="cuda_torch_efficient", path="efficient")

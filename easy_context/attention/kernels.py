@@ -146,10 +146,10 @@ KERNELS = {"reference": REFERENCE, "cpu_flash": CPU_FLASH}
 def available_kernels() -> dict[str, Kernel]:
     """Every kernel this machine can name: the CPU ones, torch's CUDA ops, and the installed
     flash-attn adapters (whether a GPU is present or not)."""
-    from .cuda_ops import CUDA_TORCH
+    from .cuda_ops import CUDA_TORCH, CUDA_TORCH_EFFICIENT, CUDA_TORCH_FLASH
     from .flash_attn_adapters import installed_flash_attn_kernels
 
-    return {**KERNELS, CUDA_TORCH.name: CUDA_TORCH,
+    return {**KERNELS, **{k.name: k for k in (CUDA_TORCH, CUDA_TORCH_FLASH, CUDA_TORCH_EFFICIENT)},
             **{k.name: k for k in installed_flash_attn_kernels()}}
 
 
