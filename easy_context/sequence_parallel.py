@@ -70,8 +70,11 @@ def sequence_parallel_attention(q: Tensor, k: Tensor, v: Tensor, method: str,
 
     q: (B, S_local, Hq, D), k, v: (B, S_local, Hkv, D), each rank's shard cut by
     :func:`shard_sequence` with the same method. Returns this rank's (B, S_local, Hq, D).
-    ``document_ids`` (B, S_local), this rank's shard of per-token document ids, keeps packed
-    documents apart.
+    ``document_ids`` (B, S_local), this rank's shard of per-token integer ids (cut with the same
+    layout), keeps packed documents apart: token i sees token j iff their ids are equal (and
+    j <= i when causal). Every method supports it, with no mask (attention/documents.py);
+    ids that increase along the sequence (document_ids_from_positions) need the fewest
+    kernel calls.
     """
     m = get_method(method)
     if document_ids is not None and not m.documents:

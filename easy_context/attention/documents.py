@@ -1,15 +1,32 @@
 """Packed documents: which keys each query may see when one sequence holds several documents.
 
-Each token carries a document id (equal within a document). A query attends only to keys of
-its own document (and, under the causal mask, not to later ones). Ids come from position ids
-that restart at 0 at each document start: see :func:`document_ids_from_positions`.
+Each token carries a document id. A query attends to the keys of its own document (and,
+under the causal mask, not to later ones): token i sees token j iff id[i] == id[j] (and
+j <= i). Ids come from position ids that restart at 0 at each document start
+(:func:`document_ids_from_positions`: 0, 1, 2, ... along the sequence).
+
+No mask is ever built. The ids of every shard are turned, on the host and once per attention
+call, into *runs* (maximal stretches of rows with one id), and every block a method computes
+is cut into one kernel call per pair of runs with the same id: a run of query rows against a
+run of key rows is either entirely visible (full attention), or, on a causal diagonal block
+where both are the same tokens, a causal square. Rows of a block whose document has no key
+there are in no call: they keep lse = -inf for that block, which the merge ignores.
+Methods keep every token of a shard in sequence order (layouts.py), so with ids that are
+non-decreasing along the sequence, each id is one run per shard and a block needs at most one
+call per document in it. Ids that return to an earlier value (the same id in two separate
+stretches) are exact too: every pair of same-id runs gets its call (then a row can receive
+partials from several calls of one block; they are summed in float32).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 Tensor = torch.Tensor
+ALL = slice(None)
+Run = tuple[int, int, int]  # (document id, first row, one past the last row)
 
 
 def document_ids_from_positions(position_ids: Tensor) -> Tensor:
@@ -29,25 +46,112 @@ def is_packed(position_ids: Tensor) -> bool:
     return bool((position_ids[:, 1:] <= position_ids[:, :-1]).any())
 
 
-def document_mask(q_doc: Tensor | None, kv_doc: Tensor | None, causal: bool):
-    """How to run one block when sequences pack several documents.
+def runs_of(ids: list[int]) -> tuple[Run, ...]:
+    """The maximal stretches of equal ids in one row: ((id, start, stop), ...)."""
+    runs, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[start]:
+            runs.append((ids[start], start, i))
+            start = i
+    return tuple(runs)
 
-    q_doc (B, Sq), kv_doc (B, Sk): per-token document ids. Returns ``(skip, causal, mask)``:
-    skip when no query can see any key, else the causal flag and an additive float mask
-    (B, 1, Sq, Sk) that keeps each query inside its document, or None when every token of
-    the block is in one document (the common case, which keeps the fast unmasked kernel).
+
+@dataclass(frozen=True)
+class Call:
+    """One kernel call inside a block, in block-relative rows: batch rows, query rows, key
+    rows, and whether it is a causal square."""
+
+    batch: slice
+    q: slice
+    kv: slice
+    causal: bool
+
+
+def whole_block(causal: bool) -> list[Call]:
+    return [Call(ALL, ALL, ALL, causal)]
+
+
+@dataclass
+class ShardDocuments:
+    """The document runs of every shard a method pairs blocks from, for every batch row.
+
+    ``runs[shard][b]``: the runs of batch row b of that shard, in the shard's row order
+    (shard = a rank of the group; all-gather attention and Ulysses use one shard: the whole
+    sequence). Built once per attention call (one host copy of the ids); block calls are
+    memoised, since every KV-head group and the backward ask for the same blocks.
     """
-    if q_doc is None:
-        return False, causal, None
-    q_lo, q_hi, k_lo, k_hi = (int(x) for x in torch.stack(
-        [q_doc.min(), q_doc.max(), kv_doc.min(), kv_doc.max()]).tolist())
-    if q_hi < k_lo or k_hi < q_lo:
-        return True, causal, None
-    if q_lo == q_hi == k_lo == k_hi:
-        return False, causal, None
-    keep = q_doc[:, None, :, None] == kv_doc[:, None, None, :]
-    if causal:  # fold the causal mask in: the kernels take one mask or the other
-        keep = keep & torch.ones(q_doc.size(1), kv_doc.size(1), dtype=torch.bool,
-                                 device=q_doc.device).tril()
-    mask = torch.zeros(keep.shape, dtype=torch.float32, device=q_doc.device)
-    return False, False, mask.masked_fill_(~keep, float("-inf"))
+
+    runs: tuple[tuple[tuple[Run, ...], ...], ...]
+    lengths: tuple[int, ...]
+    repeated: bool = False
+    """Some id forms two separate runs within one shard's row (ids not non-decreasing)."""
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_ids(cls, ids: Tensor | list[Tensor]) -> "ShardDocuments":
+        """``ids``: a (shards, B, S) integer tensor, or a list of (B, S_i) ones (shards of
+        different lengths); any device, copied to the host once."""
+        shards = list(ids.unbind(0)) if isinstance(ids, Tensor) else list(ids)
+        if any(t.is_floating_point() for t in shards):
+            raise ValueError(f"document ids must be integers, got {shards[0].dtype}")
+        runs = tuple(tuple(runs_of(row) for row in t.detach().to("cpu").tolist())
+                     for t in shards)
+        repeated = any(len({r[0] for r in row}) < len(row) for shard in runs for row in shard)
+        return cls(runs, tuple(t.size(1) for t in shards), repeated)
+
+    def calls(self, q_shard: int, q_rows: slice, kv_shard: int, kv_rows: slice,
+              causal: bool) -> list[Call]:
+        """The kernel calls of the block (q_shard's ``q_rows``) x (kv_shard's ``kv_rows``);
+        ``causal``: the block is a causal diagonal (both sides the same tokens). Empty: no
+        query of the block sees any of its keys."""
+        key = (q_shard, _bounds(q_rows, self.lengths[q_shard]), kv_shard,
+               _bounds(kv_rows, self.lengths[kv_shard]), causal)
+        if key not in self._memo:
+            self._memo[key] = self._plan(*key)
+        return self._memo[key]
+
+    def _plan(self, q_shard, q_span, kv_shard, kv_span, causal) -> list[Call]:
+        (q0, q1), (k0, k1) = q_span, kv_span
+        per_row = [_pairs(_clip(qr, q0, q1), _clip(kr, k0, k1), causal)
+                   for qr, kr in zip(self.runs[q_shard], self.runs[kv_shard])]
+        if all(p == per_row[0] for p in per_row):  # every batch row alike: one batched call
+            rows = [(ALL, per_row[0])]
+        else:
+            rows = [(slice(b, b + 1), p) for b, p in enumerate(per_row)]
+        whole = ((0, q1 - q0), (0, k1 - k0), causal)
+        return [Call(batch, ALL, ALL, c) if (qs, ks, c) == whole else
+                Call(batch, slice(*qs), slice(*ks), c)
+                for batch, pairs in rows for qs, ks, c in pairs]
+
+
+def _bounds(rows: slice, length: int) -> tuple[int, int]:
+    r = range(length)[rows]
+    if r.step != 1:
+        raise ValueError("block rows must be a contiguous slice")
+    return r.start, r.stop
+
+
+def _clip(runs: tuple[Run, ...], lo: int, hi: int) -> list[Run]:
+    """The runs' parts inside rows [lo, hi), shifted to block-relative rows."""
+    return [(d, max(a, lo) - lo, min(b, hi) - lo) for d, a, b in runs if a < hi and b > lo]
+
+
+def _pairs(q_runs: list[Run], kv_runs: list[Run], causal: bool):
+    """((q start, stop), (kv start, stop), causal) per pair of same-id runs that see each
+    other. On a causal diagonal block both sides are the same tokens, so two same-id runs
+    are the same stretch (a causal square), or one lies wholly before the other."""
+    by_id: dict[int, list[tuple[int, int]]] = {}
+    for d, a, b in kv_runs:
+        by_id.setdefault(d, []).append((a, b))
+    out = []
+    for d, qa, qb in q_runs:
+        for ka, kb in by_id.get(d, ()):
+            if not causal:
+                out.append(((qa, qb), (ka, kb), False))
+            elif (ka, kb) == (qa, qb):
+                out.append(((qa, qb), (ka, kb), True))
+            elif kb <= qa:
+                out.append(((qa, qb), (ka, kb), False))
+            elif ka < qb:
+                raise AssertionError("runs of a causal diagonal block overlap partially")
+    return tuple(out)

@@ -12,8 +12,8 @@ kernel's causal mask is top-left aligned, so causal is only ever used on the squ
 The zigzag layout gives every rank chunks j and 2N-1-j, i.e. the same 2N+1 chunk-pairs of
 work. Non-causal: every query sees all keys, one block.
 
-Packed documents: the document ids are gathered like K/V, and each block gets a mask that
-keeps queries inside their document (blocks no query can see are skipped).
+Packed documents: the document ids are gathered once per call (one integer per token) and
+each block runs as one kernel call per document it holds (blocks.py); no mask.
 
 Backward re-gathers K/V (saving the gathered copies would keep O(S) per layer alive), calls
 the kernel's backward per block with the final out and lse, accumulates dK/dV for the whole
@@ -29,12 +29,12 @@ import torch
 import torch.distributed as dist
 
 from .. import layouts
-from ..attention.documents import document_mask
+from ..attention.documents import ShardDocuments
 from ..attention.kernels import Kernel, default_scale, select_kernel
-from ..attention.merge import merge_into
 from ..mesh import process_group
-from .comm import all_gather_into, reduce_scatter_into
-from .function import run_attention
+from .blocks import backward_block, block_calls, forward_block, group_buffer_choice
+from .comm import all_gather_into, gather_shards, reduce_scatter_into
+from .function import check_inputs, run_attention
 from .method import AttentionDims, Method
 from .zigzag import check_two_chunks
 
@@ -67,52 +67,48 @@ def _blocks(rank: int, world: int, c: int, causal: bool):
     return blocks
 
 
-def _gather_docs(doc: Tensor | None, group, world: int) -> Tensor | None:
-    """(B, S) document ids of the whole sequence, in sequence order."""
-    if doc is None or world == 1:
-        return doc
-    gathered = doc.new_empty(world * doc.size(0), doc.size(1))
-    all_gather_into(gathered, doc.contiguous(), group=group)
-    return layouts.unshard(gathered.unflatten(0, (world, doc.size(0))).movedim(0, 1).flatten(1, 2),
-                           "zigzag", world, dim=1)
+def gather_documents(doc: Tensor | None, group, world: int) -> ShardDocuments | None:
+    """Runs of two shards: 0 = this rank's queries, 1 = the whole sequence in order."""
+    if doc is None:
+        return None
+    gathered = gather_shards(doc, group)  # (N, B, s)
+    whole = layouts.unshard(gathered.movedim(0, 1).flatten(1, 2), "zigzag", world, dim=1)
+    return ShardDocuments.from_ids([doc, whole])
 
 
-def _block_calls(rank, world, s, causal, doc, all_docs):
-    """Per kernel call: (rows, keys, causal, mask), skipping blocks no query can see."""
+def _block_calls(rank, world, s, causal, docs):
+    """Per block: (query rows, key rows of the full sequence, its kernel calls), skipping
+    blocks no query can see."""
     for rows, keys, blk_causal in _blocks(rank, world, s // 2, causal):
-        skip, blk_causal, mask = document_mask(
-            None if doc is None else doc[:, rows], None if doc is None else all_docs[:, keys],
-            blk_causal)
-        if not skip:
-            yield rows, keys, blk_causal, mask
+        calls = block_calls(docs, 0, rows, 1, keys, blk_causal)
+        if calls:
+            yield rows, keys, calls
 
 
-def allgather_forward(q, k, v, group, causal, scale, kernel, doc=None):
+def allgather_forward(q, k, v, group, causal, scale, kernel, docs=None):
     """(out in q's dtype, lse (B, H, S) float32) for this rank's queries."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     kv = _gather_kv(k, v, group, world)
-    all_docs = _gather_docs(doc, group, world)
     b, s, h, d = q.shape
     out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
-    for rows, keys, blk_causal, mask in _block_calls(rank, world, s, causal, doc, all_docs):
-        block_out, block_lse = kernel.forward(q[:, rows], kv[0][:, keys], kv[1][:, keys],
-                                              causal=blk_causal, scale=scale, attn_mask=mask)
-        merge_into(out[:, rows], lse[:, :, rows], block_out, block_lse)
+    for rows, keys, calls in _block_calls(rank, world, s, causal, docs):
+        forward_block(kernel, calls, q[:, rows], kv[0][:, keys], kv[1][:, keys], scale,
+                      out[:, rows], lse[:, :, rows])
     return out.to(q.dtype), lse
 
 
-def allgather_backward(dout, q, k, v, out, lse, group, causal, scale, kernel, doc, dq, dk, dv):
+def allgather_backward(dout, q, k, v, out, lse, group, causal, scale, kernel, docs, dq, dk, dv):
     """Fills dq, dk, dv (views, the inputs' dtype) for this rank's shards."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     kv = _gather_kv(k, v, group, world)
-    all_docs = _gather_docs(doc, group, world)
     dq_acc = torch.zeros_like(q, dtype=torch.float32)
     dkv = torch.zeros_like(kv, dtype=torch.float32)  # this rank's share, whole sequence
-    for rows, keys, blk_causal, mask in _block_calls(rank, world, q.size(1), causal, doc, all_docs):
-        dq_b, dk_b, dv_b = kernel.backward(
-            dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows],
-            lse[:, :, rows], causal=blk_causal, scale=scale, attn_mask=mask)
+    repeated = docs is not None and docs.repeated
+    for rows, keys, calls in _block_calls(rank, world, q.size(1), causal, docs):
+        dq_b, dk_b, dv_b = backward_block(
+            kernel, calls, dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys],
+            out[:, rows], lse[:, :, rows], scale, sum_float32=repeated)
         dq_acc[:, rows] += dq_b
         dkv[0][:, keys] += dk_b
         dkv[1][:, keys] += dv_b
@@ -135,14 +131,16 @@ class AllGatherAlgorithm:
     causal: bool
     scale: float
     kernel: Kernel
+    docs: ShardDocuments | None = None
     kv_heads_per_group: int = 1
 
-    def forward(self, q, k, v, doc):
-        return allgather_forward(q, k, v, self.group, self.causal, self.scale, self.kernel, doc)
+    def forward(self, q, k, v):
+        return allgather_forward(q, k, v, self.group, self.causal, self.scale, self.kernel,
+                                 self.docs)
 
-    def backward(self, dout, q, k, v, out, lse, doc, dq, dk, dv):
+    def backward(self, dout, q, k, v, out, lse, dq, dk, dv):
         allgather_backward(dout, q, k, v, out, lse, self.group, self.causal, self.scale,
-                           self.kernel, doc, dq, dk, dv)
+                           self.kernel, self.docs, dq, dk, dv)
 
 
 def allgather_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = True,
@@ -152,20 +150,27 @@ def allgather_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = T
 
     ``document_ids`` (B, S/N), optional: packed documents; no token attends across them.
     """
+    check_inputs(q, k, v, document_ids)
     check_two_chunks(q)
     scale = default_scale(q.size(-1)) if softmax_scale is None else softmax_scale
-    algo = AllGatherAlgorithm(process_group(group), bool(causal), scale, select_kernel(q))
-    return run_attention(algo, q, k, v, document_ids)
+    pg = process_group(group)
+    world = dist.get_world_size(pg)
+    dims = AttentionDims(q.size(2), k.size(2), q.size(3))
+    per_group = group_buffer_choice(
+        lambda g: allgather_buffers(dims, q.size(1), q.element_size(), world, None, g), q, k)
+    algo = AllGatherAlgorithm(pg, bool(causal), scale, select_kernel(q),
+                              gather_documents(document_ids, pg, world), per_group)
+    return run_attention(algo, q, k, v)
 
 
 # --------------------------------------------------------------------------- planner costs
 def allgather_buffers(dims: AttentionDims, s: int, a: int, world: int,
-                      ring_degree: int | None) -> int:
-    """One KV head at a time: the group's float32 dq (g D x 4 per token), and for its KV head
-    the whole sequence's K/V gathered (and reordered: 2 copies), their float32 dK/dV and the
+                      ring_degree: int | None, kv_heads: int = 1) -> int:
+    """Per KV head of a group: its query heads' float32 dq (g D x 4 per token), the whole
+    sequence's K/V gathered (and reordered: 2 copies), their float32 dK/dV and the
     reduce-scatter send buffer: N s x 2D x (2a + 8)."""
     hq, hkv, hd = dims
-    return s * (hq // hkv) * hd * 4 + world * s * 2 * hd * (2 * a + 8)
+    return kv_heads * (s * (hq // hkv) * hd * 4 + world * s * 2 * hd * (2 * a + 8))
 
 
 def allgather_comm(dims: AttentionDims, s: int, a: int, world: int,
@@ -190,4 +195,5 @@ METHOD = Method(
     name="allgather_attn", attention=allgather_attn, layout="zigzag", short="AG", speed_rank=3,
     summary="K/V gathered once per layer (Llama-3 style), zigzag query shards",
     use_when="few KV heads (GQA): one gather moves little", aliases=("allgather",),
-    unsuitable=allgather_unsuitable, buffers=allgather_buffers, comm_bytes=allgather_comm)
+    unsuitable=allgather_unsuitable, group_buffers=allgather_buffers,
+    comm_bytes=allgather_comm)

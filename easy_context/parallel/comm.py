@@ -75,3 +75,14 @@ def ring_pass(tensors: list[Tensor], group: dist.ProcessGroup | None) -> tuple[E
         ex.send(t, nxt)
         bufs.append(ex.recv(t, prv))
     return ex.start(), bufs
+
+
+def gather_shards(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """(N, *t.shape): every rank's ``t`` stacked in group-rank order (one all-gather)."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return t.unsqueeze(0)
+    # gloo wants the output as the inputs concatenated along dim 0
+    out = t.new_empty(world * t.size(0), *t.shape[1:])
+    all_gather_into(out, t.contiguous(), group=group)
+    return out.unflatten(0, (world, t.size(0)))

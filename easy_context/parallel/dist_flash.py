@@ -17,6 +17,10 @@ Every difference a - b in 1..N-1 is covered once (t, or N - t), every rank does 
 two half blocks' worth: the diagonal and the 2t == N step) per step, and at step t each rank
 receives one tensor set from (i - t) mod N and sends one to (i + t) mod N.
 
+Packed documents: the ids of every shard are gathered once per call (one integer per token),
+and every task runs as one kernel call per document its block holds (blocks.py): a helper
+sends back its block's (out, lse) with lse = -inf on rows that saw no key there.
+
 Without a mask all N^2 pairs are needed and every rank already has equal work: step t = 1..N-1
 has rank a compute (a, (a - t) mod N), kv coming straight from its owner (a ring without relays).
 
@@ -34,12 +38,15 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..attention.documents import Call, ShardDocuments
 from ..attention.kernels import Kernel, default_scale, select_kernel
 from ..attention.merge import merge_into
 from ..mesh import process_group
 from .accumulate import GradSum, max_cover, span
+from .blocks import (backward_block, block_calls, block_result, forward_block,
+                     group_buffer_choice, shard_documents)
 from .comm import Exchange, group_rank_size
-from .function import run_attention
+from .function import check_inputs, run_attention
 from .method import AttentionDims, Method
 from .ring import ring_buffers
 
@@ -83,6 +90,12 @@ def _rows(part: str, length: int) -> slice:
     return {ALL_ROWS: slice(0, length), FIRST_HALF: slice(0, half), SECOND_HALF: slice(half, length)}[part]
 
 
+def _calls(task: Task, docs: ShardDocuments | None, causal: bool, length: int) -> list[Call]:
+    """The kernel calls of a task's block (its diagonal is the only causal block)."""
+    return block_calls(docs, task.q_owner, _rows(task.rows, length), task.kv_owner,
+                       slice(None), causal and task.q_owner == task.kv_owner)
+
+
 def _steps(world: int, causal: bool, length: int) -> list[list[Task]]:
     # A shard of one row has an empty first half: drop such tasks (on every rank alike).
     return [[t for t in step if _rows(t.rows, length).stop > _rows(t.rows, length).start]
@@ -114,7 +127,7 @@ def _route(group, rank: int, tasks: list[Task], payload: Callable[[Task, str], l
 
 
 def dist_flash_forward(q: Tensor, k: Tensor, v: Tensor, group, causal: bool, scale: float,
-                       kernel: Kernel) -> tuple[Tensor, Tensor]:
+                       kernel: Kernel, docs: ShardDocuments | None = None) -> tuple[Tensor, Tensor]:
     """Returns out (q's dtype) and lse (B, H, S) float32 for the local queries."""
     rank, world = group_rank_size(group)
     b, s, h, d = q.shape
@@ -144,11 +157,13 @@ def dist_flash_forward(q: Tensor, k: Tensor, v: Tensor, group, causal: bool, sca
             rows = _rows(task.rows, s)
             q_blk = q[:, rows] if task.q_owner == rank else got[(task, "q")][0]
             k_blk, v_blk = (k, v) if task.kv_owner == rank else got[(task, "kv")]
-            blk_out, blk_lse = kernel.forward(q_blk, k_blk, v_blk, scale=scale,
-                                              causal=causal and task.q_owner == task.kv_owner)
+            calls = _calls(task, docs, causal, s)
             if task.q_owner == rank:
-                merge_into(out[:, rows], lse[:, :, rows], blk_out, blk_lse)
+                forward_block(kernel, calls, q_blk, k_blk, v_blk, scale, out[:, rows],
+                              lse[:, :, rows])
             else:
+                blk_out, blk_lse = block_result(kernel, calls, q_blk, k_blk, v_blk, scale,
+                                                docs is not None and docs.repeated)
                 done[(task, "q")] = [blk_out.to(q.dtype), blk_lse.float()]
 
         def results(task, side):
@@ -179,6 +194,7 @@ def dist_flash_terms(steps: list[list[Task]], rank: int, length: int) -> tuple[i
 
 def dist_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                         group, causal: bool, scale: float, kernel: Kernel,
+                        docs: ShardDocuments | None = None,
                         grads: tuple[Tensor, Tensor, Tensor] | None = None,
                         ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv in the inputs' dtypes, written into ``grads`` (views to fill) when given.
@@ -222,7 +238,7 @@ def dist_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
         for task in tasks:
             if task.rank == rank:
                 done.update(_task_backward(task, rank, got, inputs, kernel, causal, scale,
-                                           q.dtype, s, dq, dk, dv))
+                                           q.dtype, s, docs, dq, dk, dv))
         got = {}  # the received inputs are no longer needed
 
         def results(task, side):
@@ -243,15 +259,17 @@ def dist_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
 
 
 def _task_backward(task: Task, rank: int, got: dict, inputs, kernel: Kernel, causal: bool,
-                   scale: float, dtype, s: int, dq: GradSum, dk: GradSum, dv: GradSum) -> dict:
-    """One kernel call; adds the partials this rank owns, returns those owed to others."""
+                   scale: float, dtype, s: int, docs: ShardDocuments | None, dq: GradSum,
+                   dk: GradSum, dv: GradSum) -> dict:
+    """One task's block; adds the partials this rank owns, returns those owed to others
+    (zeros for a block no query sees: the transfers are fixed by the schedule)."""
     rows = _rows(task.rows, s)
     q_blk, o_blk, do_blk, lse_blk = (inputs(task, "q") if task.q_owner == rank
                                      else got[(task, "q")])
     k_blk, v_blk = inputs(task, "kv") if task.kv_owner == rank else got[(task, "kv")]
-    dq_b, dk_b, dv_b = kernel.backward(do_blk, q_blk, k_blk, v_blk, o_blk, lse_blk,
-                                       causal=causal and task.q_owner == task.kv_owner,
-                                       scale=scale)
+    dq_b, dk_b, dv_b = backward_block(kernel, _calls(task, docs, causal, s), do_blk, q_blk,
+                                      k_blk, v_blk, o_blk, lse_blk, scale,
+                                      sum_float32=docs is not None and docs.repeated)
     owed = {}
     if task.q_owner == rank:
         dq.add(dq_b, rows)
@@ -274,14 +292,16 @@ class DistFlashAlgorithm:
     causal: bool
     scale: float
     kernel: Kernel
+    docs: ShardDocuments | None = None
     kv_heads_per_group: int = 1
 
-    def forward(self, q, k, v, doc):
-        return dist_flash_forward(q, k, v, self.group, self.causal, self.scale, self.kernel)
+    def forward(self, q, k, v):
+        return dist_flash_forward(q, k, v, self.group, self.causal, self.scale, self.kernel,
+                                  self.docs)
 
-    def backward(self, dout, q, k, v, out, lse, doc, dq, dk, dv):
+    def backward(self, dout, q, k, v, out, lse, dq, dk, dv):
         dist_flash_backward(dout, q, k, v, out, lse, self.group, self.causal, self.scale,
-                            self.kernel, grads=(dq, dk, dv))
+                            self.kernel, self.docs, grads=(dq, dk, dv))
 
 
 def dist_flash_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = True,
@@ -290,20 +310,27 @@ def dist_flash_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = 
     """DistFlashAttn over contiguous shards. q: (B, S/N, Hq, D), k, v: (B, S/N, Hkv, D).
 
     Every rank of ``group`` (None: the world) must hold a shard of the same length.
+    ``document_ids`` (B, S/N), optional: packed documents; no token attends across them.
     """
-    if document_ids is not None:
-        raise ValueError("dist_flash_attn does not support packed documents (document_ids) yet")
+    check_inputs(q, k, v, document_ids)
     scale = default_scale(q.size(-1)) if softmax_scale is None else softmax_scale
-    algo = DistFlashAlgorithm(process_group(group), bool(causal), scale, select_kernel(q))
-    return run_attention(algo, q, k, v, None)
+    pg = process_group(group)
+    world = dist.get_world_size(pg)
+    dims = AttentionDims(q.size(2), k.size(2), q.size(3))
+    per_group = group_buffer_choice(
+        lambda g: dist_flash_buffers(dims, q.size(1), q.element_size(), world, None, g), q, k)
+    algo = DistFlashAlgorithm(pg, bool(causal), scale, select_kernel(q),
+                              shard_documents(document_ids, pg), per_group)
+    return run_attention(algo, q, k, v)
 
 
 def dist_flash_buffers(dims: AttentionDims, s: int, a: int, world: int,
-                       ring_degree: int | None) -> int:
-    """As the ring's (ring_buffers), plus the relayed q, out and dout rows of one KV head's
-    query heads (3 x g D x a per token)."""
+                       ring_degree: int | None, kv_heads: int = 1) -> int:
+    """As the ring's (ring_buffers), plus the relayed q, out and dout rows of each KV head's
+    query heads (3 x g D x a per token and KV head of the group)."""
     hq, hkv, hd = dims
-    return ring_buffers(dims, s, a, world, ring_degree) + s * 3 * (hq // hkv) * hd * a
+    return (ring_buffers(dims, s, a, world, ring_degree, kv_heads)
+            + kv_heads * s * 3 * (hq // hkv) * hd * a)
 
 
 def dist_flash_comm(dims: AttentionDims, s: int, a: int, world: int,
@@ -320,7 +347,7 @@ def dist_flash_comm(dims: AttentionDims, s: int, a: int, world: int,
 
 METHOD = Method(
     name="dist_flash_attn", attention=dist_flash_attn, layout="contiguous", short="DF",
-    speed_rank=5, documents=False, aliases=("dist_flash",),
+    speed_rank=5, aliases=("dist_flash",),
     summary="LightSeq's schedule: idle ranks compute blocks for busy ones and send back (out, lse)",
     use_when="balanced without reordering tokens; more, smaller messages than zigzag",
-    buffers=dist_flash_buffers, comm_bytes=dist_flash_comm)
+    group_buffers=dist_flash_buffers, comm_bytes=dist_flash_comm)

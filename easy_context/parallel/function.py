@@ -2,13 +2,16 @@
 
 An algorithm is an object with
 
-    forward(q, k, v, doc) -> (out, lse)                           # one group of KV heads
-    backward(dout, q, k, v, out, lse, doc, dq, dk, dv) -> None    # fills the views dq, dk, dv
+    forward(q, k, v) -> (out, lse)                           # one group of KV heads
+    backward(dout, q, k, v, out, lse, dq, dk, dv) -> None    # fills the views dq, dk, dv
     kv_heads_per_group: int
 
 where out is in q's dtype and lse (B, H, S) float32. Backward gets the *final* out and lse,
-so each block's kernel backward returns exactly its share of the gradients. The function
-runs the algorithm a group of KV heads at a time (head_groups.py), saves what backward needs,
+so each block's kernel backward returns exactly its share of the gradients. An algorithm
+carries everything else it needs: its process group, its kernel, and the document runs of
+the shards it pairs (easy_context.attention.documents.ShardDocuments, built once per call
+before it runs, so neither forward nor backward touches the ids again). The function runs
+the algorithm a group of KV heads at a time (head_groups.py), saves what backward needs,
 and lets attention-saving checkpointing hand back a stored (out, lse) on recompute
 (easy_context.attention.saving).
 """
@@ -25,25 +28,25 @@ Tensor = torch.Tensor
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, doc, algo):
-        out, lse = run_saved(lambda: forward_by_heads(algo.forward, q, k, v, doc,
+    def forward(ctx, q, k, v, algo):
+        out, lse = run_saved(lambda: forward_by_heads(algo.forward, q, k, v,
                                                       algo.kv_heads_per_group))
-        ctx.save_for_backward(q, k, v, out, lse, doc)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.algo = algo
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, doc = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = backward_into_heads(ctx.algo.backward, dout.contiguous(), q, k, v, out, lse,
-                                         doc, ctx.algo.kv_heads_per_group)
-        return dq, dk, dv, None, None
+                                         ctx.algo.kv_heads_per_group)
+        return dq, dk, dv, None
 
 
-def run_attention(algo, q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor | None) -> Tensor:
-    """Attention of local shards by ``algo``; autograd-aware. Checks the inputs first."""
-    check_inputs(q, k, v, document_ids)
-    return _Attention.apply(q, k, v, document_ids, algo)
+def run_attention(algo, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Attention of local shards by ``algo``; autograd-aware. The caller has checked the
+    inputs (check_inputs) before any collective."""
+    return _Attention.apply(q, k, v, algo)
 
 
 def check_inputs(q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor | None = None) -> None:

@@ -3,7 +3,8 @@
 The method of data parallelism (every rank holds whole sequences; the user-facing name
 ``data_parallel`` is its alias), of one process, and what Ulysses runs after its all-to-all.
 It calls the same block kernels as the ring methods, so its (out, lse) and gradients are
-the reference the others are compared with, and it keeps packed documents apart the same way.
+the reference the others are compared with, and it keeps packed documents apart the same way:
+one kernel call per document (easy_context.attention.documents), never an (S, S) mask.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention.documents import document_mask
+from ..attention.documents import ShardDocuments
 from ..attention.kernels import Kernel, default_scale, select_kernel
-from .function import run_attention
+from .blocks import backward_block, block_calls, block_result
+from .function import check_inputs, run_attention
 from .method import Method
 
 Tensor = torch.Tensor
+ALL = slice(None)
 
 
 @dataclass(frozen=True)
@@ -26,17 +29,19 @@ class LocalAlgorithm:
     scale: float
     kernel: Kernel
     kv_heads_per_group: int
+    docs: ShardDocuments | None = None
 
-    def forward(self, q, k, v, doc):
-        skip, causal, mask = document_mask(doc, doc, self.causal)
-        return self.kernel.forward(q, k, v, causal=causal, scale=self.scale, attn_mask=mask)
+    def _calls(self):
+        return block_calls(self.docs, 0, ALL, 0, ALL, self.causal)
 
-    def backward(self, dout, q, k, v, out, lse, doc, dq, dk, dv):
-        _, causal, mask = document_mask(doc, doc, self.causal)
-        grads = self.kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=self.scale,
-                                     attn_mask=mask)
-        for dst, src in zip((dq, dk, dv), grads):
-            dst.copy_(src)
+    def forward(self, q, k, v):
+        return block_result(self.kernel, self._calls(), q, k, v, self.scale,
+                            self.docs is not None and self.docs.repeated)
+
+    def backward(self, dout, q, k, v, out, lse, dq, dk, dv):
+        backward_block(self.kernel, self._calls(), dout, q, k, v, out, lse, self.scale,
+                       sum_float32=self.docs is not None and self.docs.repeated,
+                       into=(dq, dk, dv))
 
 
 def local_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
@@ -45,11 +50,14 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
     """Exact attention on one device. q: (B, S, Hq, D); k, v: (B, S, Hkv, D) -> (B, S, Hq, D).
 
     ``document_ids`` (B, S), optional: packed documents; no token attends across them.
-    ``kernel`` names a backend (easy_context.attention.KERNELS); default: chosen for q.
+    ``kernel`` names a backend (easy_context.attention.available_kernels()); default: chosen
+    for q.
     """
+    check_inputs(q, k, v, document_ids)
     scale = default_scale(q.size(-1)) if softmax_scale is None else softmax_scale
-    algo = LocalAlgorithm(bool(causal), scale, select_kernel(q, kernel), k.size(2))
-    return run_attention(algo, q, k, v, document_ids)
+    docs = None if document_ids is None else ShardDocuments.from_ids(document_ids.unsqueeze(0))
+    algo = LocalAlgorithm(bool(causal), scale, select_kernel(q, kernel), k.size(2), docs)
+    return run_attention(algo, q, k, v)
 
 
 def local_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = True,

@@ -4,7 +4,7 @@ Each method module ends with one ``METHOD = Method(...)``: the function that com
 the layout its shards are cut with, what it needs (``check``), what the sequence length must
 divide by (``required_multiple``), whether it keeps packed documents apart, and what the
 memory planner needs to know (the bytes its attention saves per token, its communication
-buffers in backward, the bytes it sends per layer). The registry (``parallel/__init__.py``)
+buffers in backward for a group of KV heads, the bytes it sends per layer). The registry (``parallel/__init__.py``)
 lists the modules; the trainer, the evals, the Hugging Face integration, the original API's
 shim, the planner and the CLIs all ask the description, so adding a method means writing its
 module and one line of the registry.
@@ -48,8 +48,19 @@ def standard_saved_per_token(dims: AttentionDims, a: int, world: int,
     return (hq + 2 * hkv) * hd * a + hq * hd * a + hq * 4
 
 
-def no_buffers(dims: AttentionDims, s: int, a: int, world: int, ring_degree: int | None) -> int:
+def no_buffers(dims: AttentionDims, s: int, a: int, world: int, ring_degree: int | None,
+               kv_heads: int = 1) -> int:
     return 0
+
+
+def no_comm(dims: AttentionDims, s: int, a: int, world: int, ring_degree: int | None) -> int:
+    return 0
+
+
+def grouped_kv_heads(dims: AttentionDims, world: int, ring_degree: int | None) -> int:
+    """The KV heads a method's per-group passes split into groups (usp's ring sees only its
+    Ulysses share of them, see usp.py); all of them for the others."""
+    return dims.kv_heads
 
 
 @dataclass(frozen=True)
@@ -83,10 +94,13 @@ class Method:
     """The ring degrees worth planning with, best first (usp); [None] for the others."""
     saved_per_token: Callable[[AttentionDims, int, int, int | None], int] = standard_saved_per_token
     """Bytes per local token the attention of one layer saves for backward."""
-    buffers: Callable[[AttentionDims, int, int, int, int | None], int] = no_buffers
-    """(dims, s local tokens, a bytes per element, world, ring_degree) -> bytes of
-    communication buffers alive in one layer's backward."""
-    comm_bytes: Callable[[AttentionDims, int, int, int, int | None], int] = no_buffers
+    group_buffers: Callable[..., int] = no_buffers
+    """(dims, s local tokens, a bytes per element, world, ring_degree, kv_heads) -> bytes of
+    the buffers alive in one layer's backward when it runs ``kv_heads`` KV heads at a time
+    (head_groups.py); linear in kv_heads for the block methods, constant for the others."""
+    grouped_heads: Callable[[AttentionDims, int, int | None], int] = grouped_kv_heads
+    """(dims, world, ring_degree) -> how many KV heads its per-group passes divide."""
+    comm_bytes: Callable[[AttentionDims, int, int, int, int | None], int] = no_comm
     """(dims, s, a, world, ring_degree) -> bytes one rank sends per layer, forward and
     backward (recomputation under checkpointing not counted)."""
 
@@ -102,6 +116,26 @@ class Method:
             raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads "
                              f"({kv_heads}) for grouped-query attention")
         self.check_fn(heads, kv_heads, world, ring_degree)
+
+    def kv_heads_per_group(self, dims: AttentionDims, s: int, a: int, world: int,
+                           ring_degree: int | None = None, budget: int | None = None) -> int:
+        """KV heads per pass under ``budget`` bytes (default: the GPU budget), as the method
+        picks them at run time (head_groups.kv_heads_per_group): the budget bounds the part
+        of the buffers that grows with the group (usp's Ulysses buffers do not)."""
+        from .head_groups import BUDGETS, kv_heads_per_group
+
+        budget = BUDGETS["cuda"] if budget is None else budget
+        fixed = self.group_buffers(dims, s, a, world, ring_degree, 0)
+        return kv_heads_per_group(
+            lambda g: self.group_buffers(dims, s, a, world, ring_degree, g) - fixed,
+            self.grouped_heads(dims, world, ring_degree), budget)
+
+    def buffers(self, dims: AttentionDims, s: int, a: int, world: int,
+                ring_degree: int | None = None, budget: int | None = None) -> int:
+        """Bytes of the buffers alive in one layer's backward, with the group size the
+        method picks under ``budget`` (default: the GPU budget, head_groups.BUDGETS)."""
+        g = self.kv_heads_per_group(dims, s, a, world, ring_degree, budget)
+        return self.group_buffers(dims, s, a, world, ring_degree, g)
 
     def required_multiple(self, world: int, ring_degree: int | None = None) -> int:
         """What the sequence length must be divisible by over ``world`` ranks."""

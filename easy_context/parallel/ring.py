@@ -22,13 +22,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..attention.documents import document_mask
+from ..attention.documents import ShardDocuments
 from ..attention.kernels import Kernel, default_scale, select_kernel
-from ..attention.merge import merge_into
 from ..mesh import process_group
 from .accumulate import GradSum, max_cover, span
+from .blocks import (backward_block, block_calls, forward_block, group_buffer_choice,
+                     shard_documents)
 from .comm import Exchange, group_rank_size, ring_pass
-from .function import run_attention
+from .function import check_inputs, run_attention
 from .method import AttentionDims, Method
 
 Tensor = torch.Tensor
@@ -56,32 +57,28 @@ def contiguous_schedule(src: int, rank: int, local_len: int, causal: bool) -> li
     return []  # a later shard: masked out entirely
 
 
-def _rows(doc: Tensor | None, rows: slice) -> Tensor | None:
-    return None if doc is None else doc[:, rows]
-
-
 def ring_forward(q: Tensor, k: Tensor, v: Tensor, group, causal: bool, scale: float,
-                 schedule: Schedule, kernel: Kernel, doc: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                 schedule: Schedule, kernel: Kernel,
+                 docs: ShardDocuments | None = None) -> tuple[Tensor, Tensor]:
     """Returns out (q's dtype) and lse (B, H, S) float32 for the local queries.
 
-    ``doc`` (B, S_local): document ids for packed sequences; they travel with K/V.
+    ``docs``: the document runs of every rank's shard (packed sequences): each block runs
+    as one kernel call per document it holds (blocks.py), no ids travel with K/V.
     """
     rank, world = group_rank_size(group)
     b, s, h, d = q.shape
     out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
-    held = [k, v] if doc is None else [k, v, doc]  # what travels: K, V (and their doc ids)
+    held = [k, v]  # what travels
     for step in range(world):
         if step + 1 < world:  # post the next transfer before computing on this block
             exchange, arriving = ring_pass(held, group)
-        k_cur, v_cur, kv_doc = held[0], held[1], held[2] if doc is not None else None
-        for blk in schedule((rank - step) % world, rank, s, causal):
-            skip, blk_causal, mask = document_mask(_rows(doc, blk.q), _rows(kv_doc, blk.kv), blk.causal)
-            if skip:
-                continue
-            block_out, block_lse = kernel.forward(q[:, blk.q], k_cur[:, blk.kv], v_cur[:, blk.kv],
-                                                  causal=blk_causal, scale=scale, attn_mask=mask)
-            merge_into(out[:, blk.q], lse[:, :, blk.q], block_out, block_lse)
+        k_cur, v_cur = held
+        src = (rank - step) % world
+        for blk in schedule(src, rank, s, causal):
+            calls = block_calls(docs, rank, blk.q, src, blk.kv, blk.causal)
+            forward_block(kernel, calls, q[:, blk.q], k_cur[:, blk.kv], v_cur[:, blk.kv], scale,
+                          out[:, blk.q], lse[:, :, blk.q])
         if step + 1 < world:
             exchange.wait()
             held = arriving
@@ -100,7 +97,7 @@ def ring_terms(schedule: Schedule, rank: int, world: int, local_len: int,
 
 def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                   group, causal: bool, scale: float, schedule: Schedule,
-                  kernel: Kernel, doc: Tensor | None = None,
+                  kernel: Kernel, docs: ShardDocuments | None = None,
                   grads: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv in the inputs' dtypes, written into ``grads`` (views to fill) when given.
 
@@ -132,7 +129,7 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     dq_terms, dkv_terms = ring_terms(schedule, rank, world, s, causal)
     dq, dk, dv = GradSum(grads[0], dq_terms), GradSum(grads[1], dkv_terms), GradSum(grads[2], dkv_terms)
     nxt, prv = (rank + 1) % world, (rank - 1) % world
-    held = [k, v] if doc is None else [k, v, doc]  # what travels: K, V (and their doc ids)
+    held = [k, v]  # what travels
     spare = None  # receive buffers whose shard has been passed on: the next one lands there
     for step in range(world):
         src = (rank - step) % world
@@ -142,7 +139,7 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
             kv_ex = Exchange(group)
             arriving = _pass_on(kv_ex, held, spare, nxt, prv)
             kv_ex.start()
-        owed = _ring_step_backward(dout, q, k, v, out, lse, held, doc, src, rank, causal, scale,
+        owed = _ring_step_backward(dout, q, out, lse, held, docs, src, rank, causal, scale,
                                    schedule, kernel, dq, dk, dv)
         if world == 1:
             break
@@ -185,23 +182,23 @@ def _pass_on(ex: Exchange, held: list[Tensor], spare: list[Tensor] | None, nxt: 
     return [ex.recv_into(buf, prv) for buf in spare]
 
 
-def _ring_step_backward(dout, q, k, v, out, lse, held, doc, src, rank, causal, scale, schedule,
+def _ring_step_backward(dout, q, out, lse, held, docs, src, rank, causal, scale, schedule,
                         kernel, dq: GradSum, dk: GradSum, dv: GradSum) -> list[Tensor]:
     """One step's blocks against src's shard (``held``); adds what stays home, returns the
-    dK/dV partials owed to src (one pair per block, zeros for a block masked out)."""
+    dK/dV partials owed to src (one pair per block, zeros for a block no query sees)."""
     s = q.size(1)
-    k_cur, v_cur, kv_doc = held[0], held[1], held[2] if doc is not None else None
+    k_cur, v_cur = held
     owed = []
     for blk in schedule(src, rank, s, causal):
-        skip, blk_causal, mask = document_mask(_rows(doc, blk.q), _rows(kv_doc, blk.kv), blk.causal)
-        if skip:
+        calls = block_calls(docs, rank, blk.q, src, blk.kv, blk.causal)
+        if not calls:
             if src != rank:
                 owed += [torch.zeros_like(t[:, blk.kv], memory_format=torch.contiguous_format)
                          for t in (k_cur, v_cur)]
             continue
-        dq_b, dk_b, dv_b = kernel.backward(
-            dout[:, blk.q], q[:, blk.q], k_cur[:, blk.kv], v_cur[:, blk.kv], out[:, blk.q],
-            lse[:, :, blk.q], causal=blk_causal, scale=scale, attn_mask=mask)
+        dq_b, dk_b, dv_b = backward_block(
+            kernel, calls, dout[:, blk.q], q[:, blk.q], k_cur[:, blk.kv], v_cur[:, blk.kv],
+            out[:, blk.q], lse[:, :, blk.q], scale, sum_float32=docs is not None and docs.repeated)
         dq.add(dq_b, blk.q)
         del dq_b
         if src == rank:
@@ -222,23 +219,31 @@ class RingAlgorithm:
     scale: float
     schedule: Schedule
     kernel: Kernel
+    docs: ShardDocuments | None = None
     kv_heads_per_group: int = 1
 
-    def forward(self, q, k, v, doc):
+    def forward(self, q, k, v):
         return ring_forward(q, k, v, self.group, self.causal, self.scale, self.schedule,
-                            self.kernel, doc)
+                            self.kernel, self.docs)
 
-    def backward(self, dout, q, k, v, out, lse, doc, dq, dk, dv):
+    def backward(self, dout, q, k, v, out, lse, dq, dk, dv):
         ring_backward(dout, q, k, v, out, lse, self.group, self.causal, self.scale,
-                      self.schedule, self.kernel, doc, grads=(dq, dk, dv))
+                      self.schedule, self.kernel, self.docs, grads=(dq, dk, dv))
 
 
 def run_ring(q, k, v, group, causal, softmax_scale, schedule: Schedule,
              document_ids: Tensor | None = None) -> Tensor:
     """A ring method on local shards: ``schedule`` says which blocks each step computes."""
+    check_inputs(q, k, v, document_ids)
     scale = default_scale(q.size(-1)) if softmax_scale is None else softmax_scale
-    algo = RingAlgorithm(process_group(group), bool(causal), scale, schedule, select_kernel(q))
-    return run_attention(algo, q, k, v, document_ids)
+    pg = process_group(group)
+    world = dist.get_world_size(pg)
+    dims = AttentionDims(q.size(2), k.size(2), q.size(3))
+    per_group = group_buffer_choice(
+        lambda g: ring_buffers(dims, q.size(1), q.element_size(), world, None, g), q, k)
+    algo = RingAlgorithm(pg, bool(causal), scale, schedule, select_kernel(q),
+                         shard_documents(document_ids, pg), per_group)
+    return run_attention(algo, q, k, v)
 
 
 def ring_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = True,
@@ -252,14 +257,15 @@ def ring_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = True,
 
 
 # --------------------------------------------------------------------------- planner costs
-def ring_buffers(dims: AttentionDims, s: int, a: int, world: int, ring_degree: int | None) -> int:
-    """One layer's backward, one KV head at a time: the K/V shard being sent (a contiguous
-    copy) and received (2 x 2D x a per token), the dK/dV partials sent back to their owner
-    and arriving, in the input dtype (2 x 2D x a; summed in the output buffers,
-    accumulate.py), and the group's float32 dq sum, which exists from N = 3 up (g D x 4;
-    counted always)."""
+def ring_buffers(dims: AttentionDims, s: int, a: int, world: int, ring_degree: int | None,
+                 kv_heads: int = 1) -> int:
+    """One layer's backward for a group of ``kv_heads`` KV heads: the K/V shard being sent
+    (a contiguous copy) and received (2 x 2D x a per token and KV head), the dK/dV partials
+    sent back to their owner and arriving, in the input dtype (2 x 2D x a; summed in the
+    output buffers, accumulate.py), and the group's float32 dq sum, which exists from N = 3
+    up (g D x 4 for the g query heads of a KV head; counted always)."""
     hq, hkv, hd = dims
-    return s * (2 * 2 * hd * a + 2 * 2 * hd * a + hq // hkv * hd * 4)
+    return kv_heads * s * (2 * 2 * hd * a + 2 * 2 * hd * a + hq // hkv * hd * 4)
 
 
 def ring_comm(dims: AttentionDims, s: int, a: int, world: int, ring_degree: int | None) -> int:
@@ -273,4 +279,4 @@ METHOD = Method(
     name="ring_attn", attention=ring_attn, layout="contiguous", short="R", speed_rank=6,
     summary="K/V blocks passed around a ring, overlapped with compute",
     use_when="reference; unbalanced under a causal mask (the last rank does N times the first's work)",
-    aliases=("ring",), buffers=ring_buffers, comm_bytes=ring_comm)
+    aliases=("ring",), group_buffers=ring_buffers, comm_bytes=ring_comm)

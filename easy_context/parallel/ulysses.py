@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..mesh import process_group
-from .comm import Exchange, all_gather_into
+from .comm import Exchange, gather_shards
 from .function import check_inputs
 from .local import local_attention
 from .method import AttentionDims, Method, standard_saved_per_token
@@ -159,10 +159,7 @@ def gather_documents(doc: Tensor | None, group, world: int) -> Tensor | None:
     sequence (what each rank holds after the all-to-all towards heads)."""
     if doc is None or world == 1:
         return doc
-    # gloo wants the output as the inputs concatenated along dim 0: (N*B, s)
-    gathered = doc.new_empty(world * doc.size(0), doc.size(1))
-    all_gather_into(gathered, doc.contiguous(), group=group)
-    return gathered.unflatten(0, (world, doc.size(0))).movedim(0, 1).flatten(1, 2)
+    return gather_shards(doc, group).movedim(0, 1).flatten(1, 2)
 
 
 def ulysses_apply(q: Tensor, k: Tensor, v: Tensor, group, inner: Callable[..., Tensor],
@@ -236,5 +233,5 @@ METHOD = Method(
     aliases=("ulysses",),
     check_fn=lambda heads, kv, world, rd: check_heads("ulysses_attn", heads, kv, world),
     saved_per_token=lambda dims, a, world, rd: ulysses_saved_per_token(dims, a, world),
-    buffers=lambda dims, s, a, world, rd: ulysses_buffers(dims, s, a, world),
+    group_buffers=lambda dims, s, a, world, rd, kv_heads=1: ulysses_buffers(dims, s, a, world),
     comm_bytes=lambda dims, s, a, world, rd: ulysses_comm(dims, s, a, world))

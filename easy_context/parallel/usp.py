@@ -95,20 +95,31 @@ def usp_saved_per_token(dims: AttentionDims, a: int, world: int, ring_degree: in
     return ulysses_saved_per_token(dims, a, _degrees(world, ring_degree)[1])
 
 
-def usp_buffers(dims: AttentionDims, s: int, a: int, world: int, ring_degree: int | None) -> int:
-    """The Ulysses buffers over U = N / ring_degree ranks, plus the ring's per KV-head group
-    over the U x s tokens each ring rank holds after the all-to-all."""
+def _ring_dims(dims: AttentionDims, u: int) -> AttentionDims:
+    """The heads the ring sees after the Ulysses all-to-all over u ranks."""
+    hq, hkv, hd = dims
+    return AttentionDims(hq // u, max(1, hkv * replicas(hkv, u) // u), hd)
+
+
+def usp_grouped_heads(dims: AttentionDims, world: int, ring_degree: int | None) -> int:
+    return _ring_dims(dims, _degrees(world, ring_degree)[1]).kv_heads
+
+
+def usp_buffers(dims: AttentionDims, s: int, a: int, world: int, ring_degree: int | None,
+                kv_heads: int = 1) -> int:
+    """The Ulysses buffers over U = N / ring_degree ranks, plus the ring's for a group of
+    ``kv_heads`` of the KV heads it holds, over the U x s tokens each ring rank holds after
+    the all-to-all."""
     r, u = _degrees(world, ring_degree)
-    ring = ring_buffers(dims, u * s, a, r, None) if r > 1 else 0
+    ring = ring_buffers(_ring_dims(dims, u), u * s, a, r, None, kv_heads) if r > 1 else 0
     return ulysses_buffers(dims, s, a, u) + ring
 
 
 def usp_comm(dims: AttentionDims, s: int, a: int, world: int, ring_degree: int | None) -> int:
     """Ulysses over U ranks, then the ring over R on U x s tokens of Hkv x rep / U KV heads."""
     r, u = _degrees(world, ring_degree)
-    hq, hkv, hd = dims
-    ring_dims = AttentionDims(hq // u, max(1, hkv * replicas(hkv, u) // u), hd)
-    return ulysses_comm(dims, s, a, u) + (ring_comm(ring_dims, u * s, a, r, None) if r > 1 else 0)
+    return ulysses_comm(dims, s, a, u) + (ring_comm(_ring_dims(dims, u), u * s, a, r, None)
+                                          if r > 1 else 0)
 
 
 METHOD = Method(
@@ -116,5 +127,6 @@ METHOD = Method(
     summary="Ulysses inside groups of neighbouring ranks, zigzag ring across them (ring_degree)",
     use_when="more ranks than heads: Ulysses speed beyond the head count",
     aliases=("usp",), needs_ring_degree=True, check_fn=check_usp, unsuitable=usp_unsuitable,
-    ring_degrees=usp_ring_degrees, saved_per_token=usp_saved_per_token, buffers=usp_buffers,
+    ring_degrees=usp_ring_degrees, saved_per_token=usp_saved_per_token,
+    group_buffers=usp_buffers, grouped_heads=usp_grouped_heads,
     comm_bytes=usp_comm)

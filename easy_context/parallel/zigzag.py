@@ -50,4 +50,4 @@ METHOD = Method(
     name="zigzag_ring_attn", attention=zigzag_ring_attn, layout="zigzag", short="Z",
     speed_rank=4, summary="ring over zigzag shards (chunks r and 2N-1-r): every rank does "
     "half a block per step", use_when="the default: balanced under the causal mask, any head count",
-    aliases=("zigzag",), buffers=ring_buffers, comm_bytes=ring_comm)
+    aliases=("zigzag",), group_buffers=ring_buffers, comm_bytes=ring_comm)

@@ -231,13 +231,18 @@ def backward_transients(shape: ModelShape, a: int) -> tuple[int, int]:
 
 
 def attention_buffers(shape: ModelShape, s: int, a: int, method: str, world_size: int,
-                      ring_degree: int | None = None) -> int:
+                      ring_degree: int | None = None, device: str = "gpu") -> int:
     """The method's communication buffers alive in one layer's backward, bytes, for s local
-    tokens (its description's ``buffers``; each method's module says what they are). One
-    device (N = 1): none."""
+    tokens (its description's ``buffers``; each method's module says what they are), with
+    the KV-head groups it forms under the device's buffer budget
+    (easy_context.parallel.head_groups). One device (N = 1): none."""
     if world_size == 1:
         return 0
-    return get_method(method).buffers(shape.attention_dims(), s, a, world_size, ring_degree)
+    from ..parallel.head_groups import BUDGETS
+
+    budget = BUDGETS["cpu" if device == "cpu" else "cuda"]
+    return get_method(method).buffers(shape.attention_dims(), s, a, world_size, ring_degree,
+                                      budget=budget)
 
 
 def communication_per_layer(shape: ModelShape, s: int, a: int, method: str, world_size: int,
@@ -350,7 +355,8 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
         parameters=st.params, gradients=st.grads, gradients_in_backward=st.grads_in_backward,
         optimizer=st.optim, optimizer_step=st.step, gathered_parameters=st.gathered,
         stored_activations=stored, mlp_backward=mlp_w, attention_backward=attn_w,
-        attention_buffers=attention_buffers(model_shape, s, a, method, world_size, ring_degree),
+        attention_buffers=attention_buffers(model_shape, s, a, method, world_size, ring_degree,
+                                            device),
         loss=loss_bytes(model_shape, s, a, _chunk_rows(loss_chunk, model_shape)), runtime=runtime_bytes,
         host_bytes=st.host + act_host,
         communication_per_layer=communication_per_layer(model_shape, s, a, method, world_size,

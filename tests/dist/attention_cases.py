@@ -26,8 +26,16 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.double() - ref).abs().max() / ref.abs().max()).item()
 
 
-def check_method(method: str, ring_degree: int | None = None, cases=CASES, seed: int = 0):
-    """Run on every rank. Returns {case: {"out"|"dq"|"dk"|"dv": (err_method, err_single)}}."""
+def check_method(method: str, ring_degree: int | None = None, cases=CASES, seed: int = 0,
+                 kv_heads_per_group: int | None = None):
+    """Run on every rank. Returns {case: {"out"|"dq"|"dk"|"dv": (err_method, err_single)}}.
+
+    ``kv_heads_per_group``: run the method's per-group passes with this many KV heads (the
+    buffer budget is set to what that group size needs); None: the device's budget."""
+    import contextlib
+
+    from easy_context.parallel.head_groups import attention_buffer_budget
+
     rank, world = dist.get_rank(), dist.get_world_size()
     report = {}
     for (b, chunk, hq, hkv, d), causal, dtype in cases:
@@ -48,9 +56,19 @@ def check_method(method: str, ring_degree: int | None = None, cases=CASES, seed:
         # the method on this rank's shard
         shard = lambda t: ec.shard_sequence(t, method, rank, world, ring_degree=ring_degree)
         sp_in = [shard(t).to(dtype).detach().clone().requires_grad_() for t in (q, k, v)]
-        sp_out = ec.sequence_parallel_attention(*sp_in, method=method, causal=causal,
-                                                ring_degree=ring_degree)
-        sp_out.backward(shard(dout).to(dtype))
+        budget = contextlib.nullcontext()
+        if kv_heads_per_group is not None:
+            m = ec.get_method(method)
+            dims = ec.parallel.AttentionDims(hq, hkv, d)
+            s_local = length // world
+            a = torch.tensor([], dtype=dtype).element_size()
+            budget = attention_buffer_budget(
+                m.group_buffers(dims, s_local, a, world, ring_degree, kv_heads_per_group)
+                - m.group_buffers(dims, s_local, a, world, ring_degree, 0))
+        with budget:
+            sp_out = ec.sequence_parallel_attention(*sp_in, method=method, causal=causal,
+                                                    ring_degree=ring_degree)
+            sp_out.backward(shard(dout).to(dtype))
         mine = {"out": sp_out.detach(), "dq": sp_in[0].grad, "dk": sp_in[1].grad, "dv": sp_in[2].grad}
         key = f"B{b} L{length} H{hq}/{hkv} D{d} {'causal' if causal else 'full'} {str(dtype)[6:]}"
         report[key] = {name: (_rel(mine[name], shard(refs[name])), _rel(single[name], refs[name]))
@@ -59,7 +77,9 @@ def check_method(method: str, ring_degree: int | None = None, cases=CASES, seed:
 
 
 def _per_document_reference(q, k, v, doc, causal):
-    """float64 attention run on each document separately, then put back in place."""
+    """float64 attention run on each document separately, then put back in place. A document
+    is every token with one id, wherever it lies (ids that return to an earlier value join
+    that document again, which is what document_ids means)."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     for b in range(q.size(0)):
         for d in doc[b].unique():
@@ -69,35 +89,68 @@ def _per_document_reference(q, k, v, doc, causal):
     return out
 
 
-def check_documents(method: str, ring_degree: int | None = None, seed: int = 0):
+def document_ids(length: int, pattern: str) -> torch.Tensor:
+    """(2, length) ids. "packed": non-decreasing, sample 0 with documents that straddle
+    shards, sample 1 with many short ones and a long one (different boundaries per row).
+    "repeated": ids that return to earlier values (the same document in separate
+    stretches, and stretches that fall in one shard twice)."""
+    doc = torch.zeros(2, length, dtype=torch.long)
+    if pattern == "packed":
+        for i, starts in enumerate([[5, length // 2 + 3], [1, 2, 9, 10, length - 4]]):
+            for s in starts:
+                doc[i, s:] += 1
+        return doc
+    pos = torch.arange(length)
+    doc[0] = torch.where((pos // 5) % 3 == 1, 7, 2)        # 2 2 2 2 2 7 7 7 7 7 2 2 ...
+    doc[1] = (pos * 7 % 3) + 10 * (pos >= length // 2)      # short interleaved stretches
+    return doc
+
+
+def check_documents(method: str, ring_degree: int | None = None, seed: int = 0,
+                    patterns=("packed", "repeated"), budgets=(None, 0)):
     """Packed documents: the method with document_ids equals attention per document.
 
+    GQA (4 query heads on 2 KV heads), batch 2 with different boundaries per row, causal
+    and not, each id ``pattern``, and each KV-head group ``budget`` (None: the device's,
+    which runs these tiny shapes in one group; 0: one KV head per group). At one rank the
+    method's own function runs (not the one-rank shortcut of sequence_parallel_attention).
     Returns {case: {"out"|"dq"|"dk"|"dv": error}} (fp32, relative to max |ref|).
     """
+    from easy_context.parallel.head_groups import attention_buffer_budget
+
     rank, world = dist.get_rank(), dist.get_world_size()
     report = {}
     b, hq, hkv, d = 2, 4, 2, 32
     length = 2 * world * 6
-    # document boundaries: sample 0 has documents that straddle shards, sample 1 has many
-    # short ones and one long one; the same ids on every rank.
-    bounds = [[0, 5, length // 2 + 3], [0, 1, 2, 9, 10, length - 4]]
-    doc = torch.zeros(b, length, dtype=torch.long)
-    for i, starts in enumerate(bounds):
-        for s in starts[1:]:
-            doc[i, s:] += 1
-    for causal in (True, False):
-        gen = torch.Generator().manual_seed(seed)
-        q, k, v = (torch.randn(b, length, h, d, generator=gen) for h in (hq, hkv, hkv))
-        dout = torch.randn(b, length, hq, d, generator=gen)
-        ref_in = [t.double().requires_grad_() for t in (q, k, v)]
-        ref_out = _per_document_reference(*ref_in, doc, causal)
-        ref_out.backward(dout.double())
-        refs = {"out": ref_out.detach(), "dq": ref_in[0].grad, "dk": ref_in[1].grad, "dv": ref_in[2].grad}
-        shard = lambda t: ec.shard_sequence(t, method, rank, world, ring_degree=ring_degree)
-        sp_in = [shard(t).detach().clone().requires_grad_() for t in (q, k, v)]
-        sp_out = ec.sequence_parallel_attention(*sp_in, method=method, causal=causal,
-                                                document_ids=shard(doc), ring_degree=ring_degree)
-        sp_out.backward(shard(dout))
-        mine = {"out": sp_out.detach(), "dq": sp_in[0].grad, "dk": sp_in[1].grad, "dv": sp_in[2].grad}
-        report["causal" if causal else "full"] = {n: _rel(mine[n], shard(refs[n])) for n in refs}
+    for pattern in patterns:
+        doc = document_ids(length, pattern)
+        for causal in (True, False):
+            gen = torch.Generator().manual_seed(seed)
+            q, k, v = (torch.randn(b, length, h, d, generator=gen) for h in (hq, hkv, hkv))
+            dout = torch.randn(b, length, hq, d, generator=gen)
+            ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+            ref_out = _per_document_reference(*ref_in, doc, causal)
+            ref_out.backward(dout.double())
+            refs = {"out": ref_out.detach(), "dq": ref_in[0].grad, "dk": ref_in[1].grad,
+                    "dv": ref_in[2].grad}
+            shard = lambda t: ec.shard_sequence(t, method, rank, world, ring_degree=ring_degree)
+            for budget in budgets:
+                sp_in = [shard(t).detach().clone().requires_grad_() for t in (q, k, v)]
+                kw = dict(causal=causal, document_ids=shard(doc), ring_degree=ring_degree)
+                with attention_buffer_budget(budget) if budget is not None else _nothing():
+                    if world == 1:
+                        sp_out = ec.get_method(method).attention(*sp_in, **kw)
+                    else:
+                        sp_out = ec.sequence_parallel_attention(*sp_in, method=method, **kw)
+                    sp_out.backward(shard(dout))
+                mine = {"out": sp_out.detach(), "dq": sp_in[0].grad, "dk": sp_in[1].grad,
+                        "dv": sp_in[2].grad}
+                key = f"{pattern} {'causal' if causal else 'full'} budget={budget}"
+                report[key] = {n: _rel(mine[n], shard(refs[n])) for n in refs}
     return report
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()

@@ -1,20 +1,22 @@
 """``--deterministic`` (easy_context.train.determinism): what it switches on, that it switches
 it back, and that the flash-attn backward is asked for its deterministic variant.
 
-No GPU here: the flash-attn package is replaced by a stand-in module with flash-attn 2.7's
-``_flash_attn_backward`` signature that records what it is called with.
+No GPU here: each flash-attn adapter runs on the stand-in module of its release
+(tests/unit/kernel_standins.py), which records the deterministic flag its backward gets.
 """
 
 from __future__ import annotations
 
 import os
-import sys
-import types
 
+import pytest
 import torch
 
+from easy_context.attention import flash_attn_adapters as fa
 from easy_context.train.config import TrainConfig
 from easy_context.train.determinism import CUBLAS_WORKSPACE, deterministic_kernels
+
+from . import kernel_standins as standins
 
 
 def test_switches_on_and_back(monkeypatch):
@@ -43,37 +45,17 @@ def test_flag_exists_and_defaults_off():
     assert TrainConfig().deterministic is False
 
 
-def _stand_in_flash_attn(calls: list):
-    def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
-                             softmax_scale, causal, window_size_left, window_size_right, softcap,
-                             alibi_slopes, deterministic, rng_state=None):
-        calls.append(deterministic)
-        return softmax_lse
-
-    def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
-                            window_size_right, softcap, alibi_slopes, return_softmax):
-        raise AssertionError("not called")
-
-    interface = types.ModuleType("flash_attn.flash_attn_interface")
-    interface._flash_attn_backward = _flash_attn_backward
-    interface._flash_attn_forward = _flash_attn_forward
-    package = types.ModuleType("flash_attn")
-    package.flash_attn_interface = interface
-    return package, interface
-
-
-def test_flash_attn_backward_gets_the_deterministic_flag(monkeypatch):
-    from easy_context.attention import kernels
-
-    calls: list = []
-    package, interface = _stand_in_flash_attn(calls)
-    monkeypatch.setitem(sys.modules, "flash_attn", package)
-    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", interface)
-    kernel = kernels._flash_attn_kernel()
-    q = torch.zeros(1, 4, 2, 8)  # (B, S, H, D)
+@pytest.mark.parametrize("make", [lambda: fa.adapter_2_6(standins.flash_attn_2_6()),
+                                  lambda: fa.adapter_2_7(standins.flash_attn_2_7()),
+                                  lambda: fa.adapter_4(standins.flash_attn_4())],
+                         ids=["2.6", "2.7", "4"])
+def test_flash_attn_backward_gets_the_deterministic_flag(make):
+    kernel = make()
+    q = torch.zeros(1, 4, 2, 8, dtype=torch.bfloat16)  # (B, S, H, D)
     lse = torch.zeros(1, 2, 4)
+    standins.DETERMINISTIC.clear()
     kernel.backward(q, q, q, q, q, lse, causal=True)
     with deterministic_kernels(True):
         kernel.backward(q, q, q, q, q, lse, causal=True)
     kernel.backward(q, q, q, q, q, lse, causal=True)
-    assert calls == [False, True, False]
+    assert standins.DETERMINISTIC == [False, True, False]

@@ -1,0 +1,181 @@
+"""gpu_check, part 3: one training step of a Llama-3-8B-shaped model, and attention TFLOP/s.
+
+Training step: full width (hidden 4096, 32 heads on 8 KV heads, MLP 14336, vocabulary
+128256), 2 of its 32 layers, random weights in bf16, one sequence of L tokens on one device
+through the public API: a transformers model from its config, apply_sequence_parallel (local
+on one device), full activation checkpointing (easy_context.memory.checkpointing), the
+chunked loss (causal_lm_loss), backward, AdamW. Measured: peak allocated and reserved memory
+above the weights during forward + backward, and during the optimizer step; tokens/s; model
+FLOP utilisation (6 x matmul parameters + 6 x layers x L x hidden per token, recompute not
+counted, over the GPU's dense bf16 peak). Predicted: easy_context.plan.estimate_memory's
+per-layer components for the same model, L and checkpointing (stored activations, the last
+layer's backward, the loss) plus the gradients alive when backward starts (the output
+head's and one layer's, bf16 here): what the measured peak above the weights should be.
+
+Attention TFLOP/s: causal forward + backward at 32K tokens, 32 heads on 8 KV heads, D=128,
+bf16, through local_attention (the kernel easy_context picks) against torch's
+scaled_dot_product_attention; FLOPs = 3.5 x the forward's 2 x H x S^2 x D (causal).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "A100": 312e12,
+                   "B200": 2250e12, "GH200": 989e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    hits = [v for k, v in PEAK_BF16_FLOPS.items() if k in name]
+    return max(hits) if hits else None
+
+
+def llama3_8b_config(layers: int, tiny: bool):
+    from transformers import LlamaConfig
+
+    if tiny:
+        return LlamaConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=160, vocab_size=512,
+                           max_position_embeddings=1 << 20, attention_dropout=0.0)
+    return LlamaConfig(hidden_size=4096, num_hidden_layers=layers, num_attention_heads=32,
+                       num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                       max_position_embeddings=1 << 20, rope_theta=500000.0,
+                       attention_dropout=0.0)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reserved(device) -> int | None:
+    return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
+
+
+def _reset(device):
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def predicted(config, length: int, device) -> dict:
+    from easy_context.plan.estimate import estimate_memory
+    from easy_context.plan.shapes import shape_from_config
+
+    shape = shape_from_config(config, "Llama-3-8B (2 layers)")
+    est = estimate_memory(shape, length, 1, "local", engine="replicated", checkpointing="full",
+                          dtype="bf16", device="gpu" if device.type == "cuda" else "cpu")
+    grads_at_start = (shape.vocab * shape.hidden + shape.layer_params()) * 2
+    above_weights = est.stored_activations + max(est.layer_phase, est.loss) + grads_at_start
+    return {"stored_activations": est.stored_activations, "mlp_backward": est.mlp_backward,
+            "attention_backward": est.attention_backward, "loss": est.loss,
+            "gradients_in_backward_bf16": grads_at_start, "above_weights": above_weights}
+
+
+def train_step(length: int, device: torch.device, tiny: bool, free_bytes: int | None) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    import easy_context as ec
+    from easy_context.memory.checkpointing import apply_activation_checkpointing
+    from easy_context.utils.memory import PeakMemory
+
+    config = llama3_8b_config(2, tiny)
+    pred = predicted(config, length, device)
+    row = {"L": length, "predicted_bytes": pred}
+    # Past the free memory by a margin the planner could be wrong by, an OOM is certain and
+    # costs time for nothing; nearer, the attempt (or its OOM) checks the prediction.
+    if free_bytes is not None and pred["above_weights"] > 1.25 * free_bytes:
+        row["skipped"] = (f"predicted {pred['above_weights'] / 2**30:.1f} GiB above the weights, "
+                          f"{free_bytes / 2**30:.1f} GiB free")
+        return row
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised in place (1.5B parameters)
+        model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    ec.apply_sequence_parallel(model, "local")
+    apply_activation_checkpointing(model, "full")
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=False)
+    ids = torch.randint(0, config.vocab_size, (1, length + 1), device=device)
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+    pos = torch.arange(length, device=device)[None]
+    _reset(device)
+    with PeakMemory(device) as fb:
+        t0 = time.perf_counter()
+        loss = ec.causal_lm_loss(model, inputs, pos, targets)
+        loss.backward()
+        _sync(device)
+        t1 = time.perf_counter()
+    fb_reserved = _reserved(device)
+    _reset(device)
+    with PeakMemory(device) as st:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        t2 = time.perf_counter()
+    step_reserved = _reserved(device)
+    n_matmul = sum(p.numel() for n, p in model.named_parameters()
+                   if p.dim() == 2 and "embed_tokens" not in n)
+    flops = length * (6 * n_matmul + 6 * config.num_hidden_layers * length * config.hidden_size)
+    pf = peak_flops(device)
+    row.update({
+        "loss": loss.item(), "forward_backward_s": round(t1 - t0, 3), "optimizer_s": round(t2 - t1, 3),
+        "tokens_per_s": round(length / (t2 - t0), 1),
+        "peak_allocated_above_weights_bytes": fb.peak_bytes,
+        "peak_reserved_bytes": fb_reserved, "optimizer_peak_above_start_bytes": st.peak_bytes,
+        "optimizer_peak_reserved_bytes": step_reserved,
+        "measured_over_predicted": round(fb.peak_bytes / pred["above_weights"], 3),
+        "model_tflops_per_s": round(flops / (t2 - t0) / 1e12, 4),
+        "mfu": None if pf is None else round(flops / (t2 - t0) / pf, 3)})
+    del model, opt, loss
+    _reset(device)
+    return row
+
+
+def attention_tflops(device: torch.device, tiny: bool, repeats: int = 5) -> dict:
+    import torch.nn.functional as F
+
+    from easy_context.attention import select_kernel
+    from easy_context.parallel.local import local_attention
+
+    s, hq, hkv, d = (256, 4, 2, 64) if tiny else (32768, 32, 8, 128)
+    dtype = torch.bfloat16
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v, do = (torch.randn(1, s, h, d, generator=g).to(device=device, dtype=dtype)
+                   for h in (hq, hkv, hkv, hq))
+    flops = 3.5 * 2 * hq * s * s * d
+
+    def ours():
+        ins = [t.detach().requires_grad_() for t in (q, k, v)]
+        local_attention(*ins, causal=True).backward(do)
+
+    def sdpa():
+        ins = [t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v)]
+        F.scaled_dot_product_attention(*ins, is_causal=True, enable_gqa=True).backward(
+            do.transpose(1, 2))
+
+    def timed(fn):
+        fn()
+        _sync(device)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        return times[len(times) // 2]
+
+    out = {"L": s, "heads": hq, "kv_heads": hkv, "head_dim": d, "dtype": "bf16",
+           "kernel": select_kernel(q).name}
+    for name, fn in (("easy_context", ours), ("torch_sdpa", sdpa)):
+        try:
+            t = timed(fn)
+            out[name] = {"fwd_bwd_s": round(t, 5), "tflops_per_s": round(flops / t / 1e12, 4)}
+        except Exception as e:  # noqa: BLE001 - recorded
+            out[name] = {"failed": f"{type(e).__name__}: {e}"[:400]}
+    return out
