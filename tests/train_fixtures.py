@@ -25,6 +25,21 @@ def tiny_model_dir(folder: Path, family: str = "llama", seed: int = 0,
     return Path(folder)
 
 
+def tiny_model_with_tokenizer(folder: Path, seed: int = 0) -> Path:
+    """A small Llama (2 layers, hidden 64, GQA 4/2, RoPE up to 8K positions) saved with a
+    512-token byte-level BPE trained on synthetic text and the special tokens' ids in its
+    config: a model folder as a user would have one, minutes of CPU for the README's examples."""
+    from easy_context.data.synthetic import generate_texts
+    from easy_context.data.tokenizer import train_bpe_tokenizer
+
+    tok = train_bpe_tokenizer(generate_texts(100, 3000, seed=seed + 11), vocab_size=512)
+    tiny_model_dir(folder, seed=seed, vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                   head_dim=16, max_position_embeddings=8192, bos_token_id=tok.bos_token_id,
+                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    tok.save_pretrained(str(folder))
+    return Path(folder)
+
+
 def tiny_dataset_dir(folder: Path, seq_length: int, rows: int = 16, vocab: int = 64,
                      packed: bool = False, seed: int = 0) -> Path:
     """``rows`` sequences of seq_length+1 tokens of a learnable pattern (a repeating ramp with
