@@ -83,6 +83,7 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> None:
         micro_batch_size=1, seq_length=args["seq_len"], seq_length_is_variable=True)
     modeling_llama.LlamaMLP.forward = _tiled_mlp_forward
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()  # from_pretrained returns eval mode, where transformers skips checkpointing
     ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                  "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True,
                  "steps_per_print": 10**9}
