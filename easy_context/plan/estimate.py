@@ -125,7 +125,7 @@ class MemoryEstimate:
         if self.mlp_tile is not None:
             lines.append(f"  max-length mode: MLP tiles of {self.mlp_tile} tokens, "
                          f"{self.kv_heads_per_chunk} KV head(s) per attention chunk"
-                         + (f", every {self.keep_every}th layer input kept"
+                         + (f", one layer input in {self.keep_every} kept (nested recompute)"
                             if self.keep_every > 1 else ""))
         for name, value in self.components().items():
             tag = phase.get(name, "held")
