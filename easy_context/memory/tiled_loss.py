@@ -34,6 +34,13 @@ def _logits(hn: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return logits.to(_acc(logits.dtype))
 
 
+def _forward_of(norm: nn.Module):
+    """The norm's own forward, without module hooks: ZeRO-3 would release the weight after
+    each call (the engine keeps it gathered for the whole loss instead); max-length mode
+    patched ``forward`` to skip the norm inside the decoder, the original is kept aside."""
+    return getattr(norm, "_ec_original_forward", norm.forward)
+
+
 class NormedChunkedCrossEntropy(torch.autograd.Function):
     """(hidden (T, H) before the final norm, norm, weight (V, H), targets (T,), bias | None,
     chunk_size, ignore_index, *norm parameters) -> (sum of token losses, valid count)."""
@@ -42,13 +49,14 @@ class NormedChunkedCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, norm: nn.Module, weight, targets, bias, chunk_size: int,
                 ignore_index: int, *norm_params):
         T, acc = hidden.shape[0], _acc(hidden.dtype)
+        norm_forward = _forward_of(norm)
         lse = torch.empty(T, dtype=acc, device=hidden.device)
         total = torch.zeros((), dtype=acc, device=hidden.device)
         for s in range(0, T, chunk_size):
             e = min(s + chunk_size, T)
             y = targets[s:e]
             valid = y != ignore_index
-            logits = _logits(norm(hidden[s:e]), weight, bias)  # (C, V)
+            logits = _logits(norm_forward(hidden[s:e]), weight, bias)  # (C, V)
             tgt = logits.gather(1, torch.where(valid, y, 0).unsqueeze(1)).squeeze(1)
             m = logits.amax(dim=1)  # logsumexp in place, as easy_context.memory.loss
             lse[s:e] = logits.sub_(m.unsqueeze(1)).exp_().sum(dim=1).log_().add_(m)
@@ -79,7 +87,7 @@ class NormedChunkedCrossEntropy(torch.autograd.Function):
             valid = y != ctx.ignore_index
             h = hidden[s:e].detach().requires_grad_(need_h)
             with torch.enable_grad():
-                hn = norm(h)
+                hn = _forward_of(norm)(h)
             p = _logits(hn.detach(), weight, bias)  # softmax - onehot, in place
             p.sub_(lse[s:e].unsqueeze(1)).exp_()
             p[torch.arange(e - s, device=p.device), torch.where(valid, y, 0)] -= 1.0

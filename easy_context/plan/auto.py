@@ -127,18 +127,21 @@ def _fits(shape, seq_len, devices, setup, device_bytes, host_bytes, dtype):
 
 def fastest_tiling(shape: ModelShape, seq_len: int, devices: int, setup: Setup,
                    device_bytes: int, host_bytes: int | None, dtype: str = "bf16",
-                   allow_untiled: bool = True) -> tuple[Setup | None, MemoryEstimate | None]:
-    """``setup`` untiled if it fits, else with the fastest (tile, chunk, keep_every) that fits;
+                   allow_untiled: bool = True, tile: int | None = None, chunk: int | None = None,
+                   keep_every: int | None = None) -> tuple[Setup | None, MemoryEstimate | None]:
+    """``setup`` untiled if it fits, else with the fastest (tile, chunk, keep_every) that fits
+    (``tile``, ``chunk``, ``keep_every``: fixed values instead of searched ones);
     (None, estimate of the most frugal one) when nothing fits."""
     if allow_untiled:
         ok, est = _fits(shape, seq_len, devices, setup, device_bytes, host_bytes, dtype)
         if ok:
             return setup, est
     s = seq_len // devices
-    tiles = sorted({min(t, s) for t in TILES}, reverse=True)
+    tiles = [tile] if tile else sorted({min(t, s) for t in TILES}, reverse=True)
+    chunks = [chunk] if chunk else chunk_choices(shape, setup, devices)
+    keeps = [keep_every] if keep_every else [k for k in KEEP_EVERY if k == 1 or k < shape.layers]
     tried = [replace(setup, mlp_tile=t, kv_heads_per_chunk=c, keep_every=k)
-             for c in chunk_choices(shape, setup, devices) for t in tiles for k in KEEP_EVERY
-             if k == 1 or k < shape.layers]
+             for c in chunks for t in tiles for k in keeps]
     tried.sort(key=lambda x: x.speed_key(shape))
     last = None
     for cand in tried:

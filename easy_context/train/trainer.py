@@ -33,6 +33,7 @@ from .checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_chec
 from .config import TrainConfig, save_config
 from .data import TrainBatches, load_training_dataset
 from .logs import MetricsLogger
+from .memory_mode import apply_memory_mode, resolve_auto_memory
 from .model import load_model_and_tokenizer
 from .schedule import lr_lambda
 
@@ -67,6 +68,7 @@ def _step_target_count(micro_batches: list[dict], dp_group, device) -> torch.Ten
 def train(config: TrainConfig, device: torch.device) -> dict:
     """Run (or resume) a training run on this rank. Returns the final metrics on rank 0."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    config = resolve_auto_memory(config, world, device)  # --auto-memory: the planner's setup
     method = get_method(config.parallel_mode)
     sp = config.sp_size_for(world)
     # Every rule of the grid and the method, before any collective: all ranks raise the same.
@@ -87,7 +89,8 @@ def train(config: TrainConfig, device: torch.device) -> dict:
     # local (data parallelism) keeps packed documents apart too: transformers' sdpa path
     # would ignore document_ids.
     apply_sequence_parallel(model, method.name, group=mesh.sp, ring_degree=config.ring_degree)
-    apply_activation_checkpointing(model, config.checkpointing)
+    if not apply_memory_mode(model, config, sp, device):  # max-length mode checkpoints itself
+        apply_activation_checkpointing(model, config.checkpointing)
     model.to(device)
     model.train()
     engine = _make_engine(config, model, device, mesh)

@@ -1,0 +1,62 @@
+"""``easy-context train`` in max-length mode trains exactly like the untiled trainer (fp32, 2
+gloo ranks): forced tiles and head chunks with each kind of checkpointing, the nested
+recompute, FSDP and DeepSpeed ZeRO-3, and --auto-memory. Same tolerance as tests/dist/test_train.py:
+the first step's loss within 1e-6 relative, later steps 1e-4 (AdamW amplifies rounding)."""
+
+import pytest
+
+from tests.train_fixtures import tiny_dataset_dir, tiny_model_dir
+
+from .train_cases import train_error, train_run
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    work = tmp_path_factory.mktemp("train_maxlen")
+    tiny_model_dir(work / "model")
+    tiny_dataset_dir(work / "data", seq_length=32, rows=16)
+    return str(work)
+
+
+@pytest.fixture(scope="module")
+def untiled(dist2, workdir):
+    return dist2.run(train_run, workdir, "untiled", parallel_mode="zigzag_ring_attn",
+                     mlp_tile="off", head_chunk="off")[0]
+
+
+def _same(got, want):
+    got, want = [m["loss"] for m in got], [m["loss"] for m in want]
+    assert len(got) == len(want)
+    assert abs(got[0] - want[0]) <= 1e-6 * abs(want[0]), (got, want)
+    for g, w in zip(got, want):
+        assert abs(g - w) <= 1e-4 * abs(w), (got, want)
+
+
+@pytest.mark.parametrize("method,checkpointing,keep_every", [
+    ("zigzag_ring_attn", "full", 1), ("zigzag_ring_attn", "offload", 2),
+    ("ulysses_attn", "attention", 1)])
+def test_forced_tiles_equal_untiled(dist2, workdir, untiled, method, checkpointing, keep_every):
+    metrics = dist2.run(train_run, workdir, f"tiled_{method}_{checkpointing}",
+                        parallel_mode=method, checkpointing=checkpointing, mlp_tile="5",
+                        head_chunk="1", keep_every=keep_every)[0]
+    _same(metrics, untiled)
+
+
+def test_deepspeed_tiled_equals_untiled(dist2, workdir, untiled):
+    pytest.importorskip("deepspeed")
+    metrics = dist2.run(train_run, workdir, "tiled_ds", parallel_mode="zigzag_ring_attn",
+                        engine="deepspeed", mlp_tile="5", head_chunk="1")[0]
+    _same(metrics, untiled)
+
+
+def test_auto_memory_trains_the_same(dist2, workdir, untiled):
+    # every setup the planner may pick is exact, so the trajectory is the untiled one
+    metrics = dist2.run(train_run, workdir, "auto", auto_memory=True)[0]
+    _same(metrics, untiled)
+
+
+def test_bad_tiling_flags(dist2, workdir):
+    assert "--mlp-tile must be auto, off or a number" in dist2.run(
+        train_error, workdir, mlp_tile="big")[0]
+    assert "--keep-every needs max-length mode" in dist2.run(
+        train_error, workdir, mlp_tile="off", head_chunk="off", keep_every=2)[0]
