@@ -266,8 +266,9 @@ def watch_ranks(cmd: list[str], env: dict[str, str] | None = None, timeout_s: fl
     """Run ``cmd`` and read, from /proc, the resident high-water mark (VmHWM) of every process
     it starts, until it exits: what a user watching ``top`` would see, with no help from the
     program. Ranks are the processes started by multiprocessing's spawn (``spawn_main`` in
-    their command line; not its resource tracker). VmHWM only grows, so the last value read
-    before a rank exits is its peak (a step's peak comes long before the exit).
+    their command line; not its resource tracker), or the process itself when it starts none.
+    VmHWM only grows, so the last value read before a rank exits is its peak (a step's peak
+    comes long before the exit).
     Returns {"returncode", "stdout", "stderr", "wall_s", "rank_peaks_bytes" (sorted, largest
     first), "launcher_peak_bytes"}."""
     import psutil
@@ -311,7 +312,9 @@ def watch_ranks(cmd: list[str], env: dict[str, str] | None = None, timeout_s: fl
     proc.wait()
     for r in readers:
         r.join(timeout=10)
+    # one process (no spawned ranks): the launcher is the rank
+    rank_peaks = [peaks[p] for p in ranks] or [peaks.get(proc.pid, 0)]
     return {"returncode": proc.returncode, "stdout": out.get("stdout", ""),
             "stderr": out.get("stderr", ""), "wall_s": time.perf_counter() - t0,
-            "rank_peaks_bytes": sorted((peaks[p] for p in ranks), reverse=True),
+            "rank_peaks_bytes": sorted(rank_peaks, reverse=True),
             "launcher_peak_bytes": peaks.get(proc.pid)}

@@ -28,6 +28,7 @@ from ..memory.checkpointing import apply_activation_checkpointing
 from ..mesh import build_mesh, check_mesh
 from ..parallel import get_method
 from ..sequence_parallel import shard_batch
+from ..utils.allocator import configure_allocator
 from ..utils.memory import PeakMemory
 from .checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, save_config
@@ -178,7 +179,11 @@ def _ensure_process_group(config: TrainConfig) -> torch.device:
 def run_training(config: TrainConfig) -> dict:
     """Entry point on each rank (spawned, torchrun, accelerate or a single process)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    # before any tensor: the allocator the memory planner assumes (utils/allocator.py)
+    allocator = configure_allocator("cuda" if torch.cuda.is_available() else "cpu")
     device = _ensure_process_group(config)
+    if dist.get_rank() == 0:
+        log.info("%s", allocator)
     if dist.get_rank() != 0:
         logging.getLogger("easy_context").setLevel(logging.WARNING)
     try:
