@@ -99,8 +99,8 @@ class LayerStorage:
             entry.arriving = list(entry.host)
             return
         stream = self._side_stream(entry.device)
-        if stream is None:
-            entry.arriving = [h.to(entry.device) for h in entry.host]
+        if stream is None:  # a real copy on a CPU too, so it holds what a GPU would
+            entry.arriving = [h.to(entry.device, copy=True) for h in entry.host]
             return
         with torch.cuda.stream(stream):
             stream.wait_event(entry.ready)
