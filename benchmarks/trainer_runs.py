@@ -1,7 +1,7 @@
 """``easy-context train`` as a user runs it, measured from outside: for the planner's validation
 (plan_validation.py --trainer) and the max-length benchmark (maxlen.py).
 
-Each run is one optimizer step of ``python -m easy_context.train`` (the ``easy-context train``
+Each run is two optimizer steps (the second one steady-state: AdamW's states exist) of ``python -m easy_context.train`` (the ``easy-context train``
 entry point) on a tiny model with Llama-3-8B's proportions (hidden 256, intermediate 3.5x,
 4 layers, 8 query / 2 KV heads, vocabulary 32000) or its Qwen2 twin (q/k/v biases), fp32,
 FSDP, one random sequence of L tokens, no export. Its ranks' resident high-water marks
@@ -34,6 +34,8 @@ MODELS = {
 SHAPE = dict(vocab_size=32000, hidden_size=256, intermediate_size=896, num_hidden_layers=4,
              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=131072,
              attention_dropout=0.0, tie_word_embeddings=False)
+# Two steps: the second is steady-state (AdamW's states exist from the first step's update)
+STEPS = 2
 WORK = Path(os.environ.get("EC_BENCH_WORK", Path(tempfile.gettempdir()) / "easy_context_bench"))
 GLIBC_DEFAULT = {"MALLOC_TOP_PAD_": "131072"}  # glibc's own default: changes nothing but the trainer's choice
 
@@ -94,7 +96,7 @@ def command(run: TrainRun, output: Path) -> list[str]:
              "--seq-length", str(run.seq_len), "--nproc-per-node", str(run.world),
              "--parallel-mode", "data_parallel" if run.world == 1 else run.method,
              "--mixed-precision", "fp32", "--engine", "fsdp", "--checkpointing", run.checkpointing,
-             "--max-train-steps", "1", "--learning-rate", "1e-4", "--no-export",
+             "--max-train-steps", str(STEPS), "--learning-rate", "1e-4", "--no-export",
              "--output-dir", str(output), "--mlp-tile", str(run.mlp_tile or "off"),
              "--head-chunk", str(run.head_chunk or "off"), "--keep-every", str(run.keep_every)]
     return [sys.executable, "-m", "easy_context.train", *flags]

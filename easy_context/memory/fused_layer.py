@@ -34,6 +34,7 @@ untiled model, loss and every gradient, on 1, 2 and 4 ranks).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -81,6 +82,7 @@ class Run:
     index: int = 0  # the layer's place in the model (LayerStorage keys by it)
     attn_kwargs: dict = field(default_factory=dict)
     attention_mask: Tensor | None = None
+    gathered: Callable = contextlib.nullcontext  # () -> context with the layer's weights whole
 
     # ---------------------------------------------------------------- head groups
     def groups(self) -> list[tuple[slice, slice]]:
@@ -153,9 +155,15 @@ class Run:
         return x[:, t] + F.linear(o, proj.weight, proj.bias), o
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """The layer's output without autograd (the nested recompute regenerates inputs so)."""
+        """The layer's output without autograd."""
         with torch.no_grad():
             return self.output(x, self.attention_forward(x, cos, sin)[0])
+
+    def regenerate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """The forward again, from another layer's backward (the nested recompute): this
+        layer's weights are sharded then, so they are gathered around it."""
+        with self.gathered():
+            return self.forward(x, cos, sin)
 
     def output(self, x: Tensor, outs: list[Tensor]) -> Tensor:
         y = torch.empty_like(x)
@@ -283,7 +291,7 @@ class FusedLayer(torch.autograd.Function):
             kept = [x, *outs, *flat]
         else:
             kept = [x]
-        ctx.handle = run.storage.pack(kept, run.index, lambda x: run.forward(x, cos, sin))
+        ctx.handle = run.storage.pack(kept, run.index, lambda x: run.regenerate(x, cos, sin))
         return y
 
     @staticmethod

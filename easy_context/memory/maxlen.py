@@ -132,11 +132,31 @@ def _fused_forward(self, hidden_states, *args, attention_mask=None, position_ids
     attn_kwargs = {k: v for k, v in kwargs.items() if k not in _CACHE_KEYS}
     attn_kwargs["position_ids"] = position_ids
     run = Run(spec, state.mlp_tile, state.kv_heads_per_chunk, state.keep_attention, state.storage,
-              index, attn_kwargs, attention_mask)
+              index, attn_kwargs, attention_mask, lambda: _gathered(self))
     cos, sin = position_embeddings
     if not torch.is_grad_enabled():
         return run.forward(hidden_states, cos, sin)
     return FusedLayer.apply(run, hidden_states, cos, sin, *spec.parameters())
+
+
+@contextlib.contextmanager
+def _gathered(layer: nn.Module):
+    """The layer's whole weights outside its own forward/backward (a collective: every rank
+    regenerates the same layers in the same order): FSDP2's unshard/reshard, ZeRO-3's
+    GatheredParameters, nothing for unsharded models."""
+    if hasattr(layer, "unshard") and hasattr(layer, "reshard"):  # an FSDP2 FSDPModule
+        layer.unshard()
+        try:
+            yield
+        finally:
+            layer.reshard()
+    elif any(hasattr(p, "ds_id") for p in layer.parameters()):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(layer.parameters())):
+            yield
+    else:
+        yield
 
 
 def _check_chunks(model: nn.Module, spec: LayerSpec, kv_heads_per_chunk: int) -> None:

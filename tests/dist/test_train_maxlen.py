@@ -14,6 +14,7 @@ from .train_cases import train_error, train_run
 def workdir(tmp_path_factory):
     work = tmp_path_factory.mktemp("train_maxlen")
     tiny_model_dir(work / "model")
+    tiny_model_dir(work / "model4", num_hidden_layers=5)  # for the nested recompute
     tiny_dataset_dir(work / "data", seq_length=32, rows=16)
     return str(work)
 
@@ -33,13 +34,27 @@ def _same(got, want):
 
 
 @pytest.mark.parametrize("method,checkpointing,keep_every", [
-    ("zigzag_ring_attn", "full", 1), ("zigzag_ring_attn", "offload", 2),
+    ("zigzag_ring_attn", "full", 1), ("zigzag_ring_attn", "offload", 1),
     ("ulysses_attn", "attention", 1)])
 def test_forced_tiles_equal_untiled(dist2, workdir, untiled, method, checkpointing, keep_every):
     metrics = dist2.run(train_run, workdir, f"tiled_{method}_{checkpointing}",
                         parallel_mode=method, checkpointing=checkpointing, mlp_tile="5",
                         head_chunk="1", keep_every=keep_every)[0]
     _same(metrics, untiled)
+
+
+@pytest.mark.parametrize("engine", ["fsdp", "deepspeed"])
+def test_nested_recompute_equals_untiled(dist2, workdir, engine):
+    # 5 layers, one input in 2 kept: layers 1 and 3 are regenerated from 0 and 2 in backward,
+    # with their weights gathered outside their own forward (FSDP2 unshard, ZeRO-3 gather)
+    if engine == "deepspeed":
+        pytest.importorskip("deepspeed")
+    model = f"{workdir}/model4"
+    want = dist2.run(train_run, workdir, f"untiled4_{engine}", model=model, engine=engine,
+                     mlp_tile="off", head_chunk="off")[0]
+    got = dist2.run(train_run, workdir, f"nested_{engine}", model=model, engine=engine,
+                    mlp_tile="5", head_chunk="1", keep_every=2, checkpointing="offload")[0]
+    _same(got, want)
 
 
 def test_deepspeed_tiled_equals_untiled(dist2, workdir, untiled):
