@@ -169,7 +169,7 @@ def predict(run: TrainRun):
                           offload="none", checkpointing=run.checkpointing, dtype="fp32",
                           loss_chunk="auto", device="cpu",
                           mlp_tile=run.mlp_tile if run.fused else None,
-                          kv_heads_per_chunk=run.head_chunk if run.fused else None,
+                          heads_per_chunk=run.head_chunk if run.fused else None,
                           keep_every=run.keep_every)
     return est, est.total + est.host_bytes
 

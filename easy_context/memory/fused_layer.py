@@ -13,7 +13,8 @@ Here one autograd function computes the layer and keeps only its input x (and, w
 ``keep_attention``, each head group's attention output and log-sum-exp); its backward
 recomputes what it needs in pieces:
 
-- attention, one group of ``kv_heads_per_chunk`` KV heads (and their query heads) at a time:
+- attention, ``heads_per_chunk`` query heads at a time (whole KV heads with all their query
+  heads, or a part of one KV head's query heads, its K and V recomputed for each part):
   n1, the group's rows of q/k/v_proj (and per-head q/k norms) tile by tile, RoPE, then the
   model's attention function, any sequence-parallel method included (for Ulysses, the
   all-to-all of the group's heads). The attention result each group records in forward
@@ -51,6 +52,25 @@ def tiles(length: int, tile: int) -> list[slice]:
     return [slice(i, min(i + tile, length)) for i in range(0, length, max(1, tile))]
 
 
+def head_chunks(heads: int, kv_heads: int, per_chunk: int) -> list[tuple[slice, slice]]:
+    """(query-head slice, KV-head slice) per chunk of ``per_chunk`` query heads: whole KV heads
+    (per_chunk a multiple of the ratio heads / kv_heads; the last chunk may be smaller) or a
+    part of one KV head's query heads (per_chunk dividing the ratio)."""
+    r = heads // kv_heads
+    if per_chunk >= r:
+        if per_chunk % r:
+            raise ValueError(f"a head chunk of {per_chunk} query heads splits a group of {r} "
+                             f"query heads sharing a KV head; use a multiple or a divisor of {r}")
+        g = per_chunk // r
+        return [(slice(i * r, min(i + g, kv_heads) * r), slice(i, min(i + g, kv_heads)))
+                for i in range(0, kv_heads, g)]
+    if r % per_chunk:
+        raise ValueError(f"a head chunk of {per_chunk} query heads does not divide the {r} query "
+                         f"heads sharing a KV head; use a divisor or a multiple of {r}")
+    return [(slice(j * r + i, j * r + i + per_chunk), slice(j, j + 1))
+            for j in range(kv_heads) for i in range(0, r, per_chunk)]
+
+
 @dataclass
 class LayerSpec:
     """The parts of one pre-norm decoder layer, found by structure (easy_context.memory.maxlen)."""
@@ -76,7 +96,7 @@ class Run:
 
     spec: LayerSpec
     tile: int
-    kv_heads_per_chunk: int
+    heads_per_chunk: int  # query heads: a multiple of the GQA ratio, or a divisor of it
     keep_attention: bool
     storage: object  # easy_context.memory.offload: DeviceStorage or LayerStorage
     index: int = 0  # the layer's place in the model (LayerStorage keys by it)
@@ -87,10 +107,7 @@ class Run:
     # ---------------------------------------------------------------- head groups
     def groups(self) -> list[tuple[slice, slice]]:
         """(query-head slice, KV-head slice) per chunk; query head h uses KV head h // ratio."""
-        s, g = self.spec, self.spec.heads // self.spec.kv_heads
-        per = self.kv_heads_per_chunk
-        return [(slice(i * g, min(i + per, s.kv_heads) * g), slice(i, min(i + per, s.kv_heads)))
-                for i in range(0, s.kv_heads, per)]
+        return head_chunks(self.spec.heads, self.spec.kv_heads, self.heads_per_chunk)
 
     def _rows(self, heads: slice) -> slice:
         d = self.spec.head_dim

@@ -1,10 +1,10 @@
 """Max-length mode: every decoder layer fused and tiled, the final norm folded into the loss.
 
-    apply_max_length(model, mlp_tile=4096, kv_heads_per_chunk=1, checkpointing="offload")
+    apply_max_length(model, mlp_tile=4096, heads_per_chunk=4, checkpointing="offload")
 
 replaces each decoder layer's forward with :class:`~easy_context.memory.fused_layer.FusedLayer`
-(its MLP and norms over sequence tiles of ``mlp_tile`` tokens, its attention ``kv_heads_per_chunk``
-KV heads at a time, its own recompute) and lets ``causal_lm_loss`` apply the final norm chunk by
+(its MLP and norms over sequence tiles of ``mlp_tile`` tokens, its attention ``heads_per_chunk``
+query heads at a time, its own recompute) and lets ``causal_lm_loss`` apply the final norm chunk by
 chunk inside the chunked loss (easy_context.memory.tiled_loss), so no whole-sequence
 intermediate of a layer, and no float32 copy of the hidden states, ever exists. The layers
 keep, between forward and backward:
@@ -36,7 +36,7 @@ import types
 import torch
 from torch import nn
 
-from .fused_layer import FusedLayer, LayerSpec, Run
+from .fused_layer import FusedLayer, LayerSpec, Run, head_chunks
 from .offload import DeviceStorage, LayerStorage
 
 KINDS = ("none", "full", "offload", "attention")
@@ -110,9 +110,9 @@ def layer_spec(layer: nn.Module, config) -> LayerSpec:
 class _State:
     """What every patched layer of one model shares: its settings and the layer storage."""
 
-    def __init__(self, mlp_tile: int, kv_heads_per_chunk: int, checkpointing: str,
+    def __init__(self, mlp_tile: int, heads_per_chunk: int, checkpointing: str,
                  keep_every: int, layers: int):
-        self.mlp_tile, self.kv_heads_per_chunk = mlp_tile, kv_heads_per_chunk
+        self.mlp_tile, self.heads_per_chunk = mlp_tile, heads_per_chunk
         self.checkpointing, self.keep_every = checkpointing, keep_every
         self.keep_attention = checkpointing in ("attention", "none")
         offload = checkpointing == "offload"
@@ -131,7 +131,7 @@ def _fused_forward(self, hidden_states, *args, attention_mask=None, position_ids
                                          position_embeddings=position_embeddings, **kwargs)
     attn_kwargs = {k: v for k, v in kwargs.items() if k not in _CACHE_KEYS}
     attn_kwargs["position_ids"] = position_ids
-    run = Run(spec, state.mlp_tile, state.kv_heads_per_chunk, state.keep_attention, state.storage,
+    run = Run(spec, state.mlp_tile, state.heads_per_chunk, state.keep_attention, state.storage,
               index, attn_kwargs, attention_mask, lambda: _gathered(self))
     cos, sin = position_embeddings
     if not torch.is_grad_enabled():
@@ -159,47 +159,44 @@ def _gathered(layer: nn.Module):
         yield
 
 
-def _check_chunks(model: nn.Module, spec: LayerSpec, kv_heads_per_chunk: int) -> None:
-    """Every head group must suit the sequence-parallel method the model was switched to."""
+def _check_chunks(model: nn.Module, spec: LayerSpec, heads_per_chunk: int) -> None:
+    """Every head chunk must suit the sequence-parallel method the model was switched to."""
     from ..integrations.hf import SequenceParallelSettings, _SETTINGS_ATTR
     from ..mesh import group_size
     from ..parallel import get_method
 
+    chunks = head_chunks(spec.heads, spec.kv_heads, heads_per_chunk)  # raises if it splits badly
     settings = getattr(spec.attn, _SETTINGS_ATTR, None)
     if not isinstance(settings, SequenceParallelSettings):
         return
     world = group_size(settings.group)
     if world == 1:
         return
-    ratio = spec.heads // spec.kv_heads
-    shapes = {(min(kv_heads_per_chunk, spec.kv_heads - i) * ratio,
-               min(kv_heads_per_chunk, spec.kv_heads - i))
-              for i in range(0, spec.kv_heads, kv_heads_per_chunk)}
-    for hq, hkv in sorted(shapes):
+    for hq, hkv in sorted({(q.stop - q.start, k.stop - k.start) for q, k in chunks}):
         try:
             get_method(settings.method).check(hq, hkv, world, settings.ring_degree)
         except ValueError as e:
-            raise ValueError(f"head chunks of {hkv} KV heads ({hq} query heads) do not suit "
+            raise ValueError(f"head chunks of {hq} query heads ({hkv} KV heads) do not suit "
                              f"{settings.method} over {world} ranks: {e}. Choose another "
-                             "--head-chunk (KV heads per chunk)") from None
+                             "--head-chunk (query heads per chunk)") from None
 
 
-def apply_max_length(model: nn.Module, mlp_tile: int, kv_heads_per_chunk: int,
+def apply_max_length(model: nn.Module, mlp_tile: int, heads_per_chunk: int,
                      checkpointing: str = "full", keep_every: int = 1) -> nn.Module:
     """Fuse and tile every decoder layer of ``model`` (see the module docstring). Call after
     :func:`easy_context.apply_sequence_parallel` (the head groups are checked against its
     method) and before sharding the model (FSDP, ZeRO-3)."""
     if checkpointing not in KINDS:
         raise ValueError(f"checkpointing must be one of {KINDS}, got {checkpointing!r}")
-    if mlp_tile < 1 or kv_heads_per_chunk < 1 or keep_every < 1:
-        raise ValueError(f"mlp_tile ({mlp_tile}), kv_heads_per_chunk ({kv_heads_per_chunk}) "
+    if mlp_tile < 1 or heads_per_chunk < 1 or keep_every < 1:
+        raise ValueError(f"mlp_tile ({mlp_tile}), heads_per_chunk ({heads_per_chunk}) "
                          f"and keep_every ({keep_every}) must be >= 1")
     config = _text_config(model)
     layers = decoder_layers(model)
     specs = [layer_spec(layer, config) for layer in layers]
-    kv_heads_per_chunk = min(kv_heads_per_chunk, specs[0].kv_heads)
-    _check_chunks(model, specs[0], kv_heads_per_chunk)
-    state = _State(mlp_tile, kv_heads_per_chunk, checkpointing, keep_every, len(layers))
+    heads_per_chunk = min(heads_per_chunk, specs[0].heads)
+    _check_chunks(model, specs[0], heads_per_chunk)
+    state = _State(mlp_tile, heads_per_chunk, checkpointing, keep_every, len(layers))
     for index, (layer, spec) in enumerate(zip(layers, specs)):
         if not hasattr(layer, "_ec_original_forward"):
             layer._ec_original_forward = layer.forward

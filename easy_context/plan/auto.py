@@ -4,7 +4,7 @@ fastest setup that fits a given length; ``easy-context train --auto-memory`` app
 The search space: each sequence-parallel method that can run on the devices (and its ring
 degree), the engine (FSDP, ZeRO-3), offload of optimizer states / parameters, activation
 checkpointing (full, offloaded to host with prefetch, attention-saving), and max-length
-mode (easy_context.memory.maxlen): the MLP tile, KV heads per attention chunk and the nested
+mode (easy_context.memory.maxlen): the MLP tile, query heads per attention chunk and the nested
 recompute (every k-th layer input kept). Each setup is costed by easy_context.plan.estimate;
 one fits when its peak is within the device budget and what it keeps in host memory
 (offloaded states and checkpoints) within ``--host-memory`` per device.
@@ -45,7 +45,7 @@ class Setup:
     offload: str
     checkpointing: str
     mlp_tile: int | None = None  # None: the untiled layers
-    kv_heads_per_chunk: int | None = None
+    heads_per_chunk: int | None = None
     keep_every: int = 1
 
     @property
@@ -55,13 +55,13 @@ class Setup:
     def kw(self, dtype: str) -> dict:
         return dict(engine=self.engine, offload=self.offload, checkpointing=self.checkpointing,
                     dtype=dtype, loss_chunk="auto", ring_degree=self.ring_degree,
-                    mlp_tile=self.mlp_tile, kv_heads_per_chunk=self.kv_heads_per_chunk,
+                    mlp_tile=self.mlp_tile, heads_per_chunk=self.heads_per_chunk,
                     keep_every=self.keep_every)
 
     def speed_key(self, shape: ModelShape) -> tuple:
         from ..parallel import get_method
 
-        groups = -(-shape.kv_heads // (self.kv_heads_per_chunk or shape.kv_heads))
+        groups = -(-shape.heads // (self.heads_per_chunk or shape.heads))
         return (_OFFLOAD_RANK[self.offload], _CKPT_RANK[self.checkpointing] + (self.keep_every > 1),
                 int(self.fused), groups, -(self.mlp_tile or 1 << 30),
                 get_method(self.method).speed_rank, self.engine != "fsdp")
@@ -73,7 +73,7 @@ class Setup:
                  f"--engine {self.engine}", f"--offload {self.offload}",
                  f"--checkpointing {self.checkpointing}", f"--mixed-precision {dtype}",
                  f"--mlp-tile {self.mlp_tile if self.fused else 'off'}",
-                 f"--head-chunk {self.kv_heads_per_chunk if self.fused else 'off'}",
+                 f"--head-chunk {self.heads_per_chunk if self.fused else 'off'}",
                  f"--keep-every {self.keep_every}" if self.keep_every > 1 else ""]
         return " ".join(f for f in flags if f)
 
@@ -104,16 +104,21 @@ def _bases(shape: ModelShape, devices: int, engines=("fsdp", "deepspeed")) -> li
 
 
 def chunk_choices(shape: ModelShape, setup: Setup, devices: int) -> list[int]:
-    """KV heads per chunk the method accepts for every chunk (largest first)."""
+    """Query heads per chunk the method accepts for every chunk (largest first): multiples of
+    the GQA ratio (whole KV heads) and its divisors (parts of one KV head's query heads)."""
+    from ..memory.fused_layer import head_chunks
     from ..parallel import get_method
 
     m = get_method("local" if devices == 1 else setup.method)
-    ratio, ok = shape.heads // shape.kv_heads, []
-    for c in range(shape.kv_heads, 0, -1):
-        sizes = {min(c, shape.kv_heads - i) for i in range(0, shape.kv_heads, c)}
+    r = shape.heads // shape.kv_heads
+    sizes = [c * r for c in range(shape.kv_heads, 0, -1)] + [d for d in range(r - 1, 0, -1)
+                                                             if r % d == 0]
+    ok = []
+    for c in sizes:
         try:
-            for g in sizes:
-                m.check(g * ratio, g, devices, setup.ring_degree)
+            for hq, hkv in {(q.stop - q.start, k.stop - k.start)
+                            for q, k in head_chunks(shape.heads, shape.kv_heads, c)}:
+                m.check(hq, hkv, devices, setup.ring_degree)
         except ValueError:
             continue
         ok.append(c)
@@ -140,7 +145,7 @@ def fastest_tiling(shape: ModelShape, seq_len: int, devices: int, setup: Setup,
     tiles = [tile] if tile else sorted({min(t, s) for t in TILES}, reverse=True)
     chunks = [chunk] if chunk else chunk_choices(shape, setup, devices)
     keeps = [keep_every] if keep_every else [k for k in KEEP_EVERY if k == 1 or k < shape.layers]
-    tried = [replace(setup, mlp_tile=t, kv_heads_per_chunk=c, keep_every=k)
+    tried = [replace(setup, mlp_tile=t, heads_per_chunk=c, keep_every=k)
              for c in chunks for t in tiles for k in keeps]
     tried.sort(key=lambda x: x.speed_key(shape))
     last = None
@@ -178,12 +183,12 @@ def plan_longest(shape: ModelShape, devices: int, device_bytes: int,
     """The setup that reaches the longest sequence (see the module docstring)."""
     results = []
     for base in bases or _bases(shape, devices):
-        frugal = [base] + [replace(base, mlp_tile=1024, kv_heads_per_chunk=c, keep_every=k)
+        frugal = [base] + [replace(base, mlp_tile=1024, heads_per_chunk=c, keep_every=k)
                            for c in chunk_choices(shape, base, devices)[-1:] for k in KEEP_EVERY
                            if k == 1 or (base.checkpointing != "attention" and k < shape.layers)]
         for setup in frugal:
             length, _ = max_sequence_length(shape, devices, device_bytes, setup.method,
-                                            setup.ring_degree, granularity,
+                                            setup.ring_degree, granularity, limit=1 << 31,
                                             host_bytes=host_bytes, **{
                                                 k: v for k, v in setup.kw(dtype).items()
                                                 if k != "ring_degree"})
@@ -197,7 +202,7 @@ def plan_longest(shape: ModelShape, devices: int, device_bytes: int,
     length, setup = near[0]
     if setup.fused:  # the fastest tiling that still fits this length
         tuned, _ = fastest_tiling(shape, length, devices, replace(
-            setup, mlp_tile=None, kv_heads_per_chunk=None, keep_every=1), device_bytes,
+            setup, mlp_tile=None, heads_per_chunk=None, keep_every=1), device_bytes,
             host_bytes, dtype, allow_untiled=False)
         setup = tuned or setup
     est = estimate_memory(shape, length, devices, setup.method, **setup.kw(dtype))

@@ -10,7 +10,7 @@ from .estimate import GIB
 
 def _describe(setup) -> str:
     tiling = (f"max-length mode: MLP tiles of {setup.mlp_tile} tokens, "
-              f"{setup.kv_heads_per_chunk} KV head(s) per attention chunk"
+              f"{setup.heads_per_chunk} query head(s) per attention chunk"
               + (f", one layer input in {setup.keep_every} kept (nested recompute)"
                  if setup.keep_every > 1 else "") if setup.fused else "untiled layers")
     return (f"{setup.method}" + (f" (ring_degree {setup.ring_degree})" if setup.ring_degree else "")

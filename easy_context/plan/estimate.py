@@ -69,7 +69,7 @@ class MemoryEstimate:
     communication_per_layer: int = 0  # bytes a device sends per layer, fwd + bwd (not memory)
     # max-length mode (easy_context.memory.maxlen; plan/fused.py): None = the untiled layer
     mlp_tile: int | None = None
-    kv_heads_per_chunk: int | None = None
+    heads_per_chunk: int | None = None
     keep_every: int = 1
 
     COMPONENTS = ("parameters", "gradients", "gradients_in_backward", "optimizer",
@@ -124,7 +124,7 @@ class MemoryEstimate:
                  f"checkpointing={self.checkpointing}, {self.dtype}  (per device)"]
         if self.mlp_tile is not None:
             lines.append(f"  max-length mode: MLP tiles of {self.mlp_tile} tokens, "
-                         f"{self.kv_heads_per_chunk} KV head(s) per attention chunk"
+                         f"{self.heads_per_chunk} query head(s) per attention chunk"
                          + (f", one layer input in {self.keep_every} kept (nested recompute)"
                             if self.keep_every > 1 else ""))
         for name, value in self.components().items():
@@ -332,15 +332,15 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
                     dtype: str = "bf16", *, loss_chunk: int | str | None = "auto",
                     ring_degree: int | None = None, runtime_bytes: int | None = None,
                     device: str = "gpu", mlp_tile: int | None = None,
-                    kv_heads_per_chunk: int | None = None, keep_every: int = 1) -> MemoryEstimate:
+                    heads_per_chunk: int | None = None, keep_every: int = 1) -> MemoryEstimate:
     """Predicted peak memory per device of one training step (see the module docstring).
 
     method: a key of easy_context.METHODS, or "local" on one device. loss_chunk: "auto" (what
     causal_lm_loss uses: easy_context.memory.loss.default_chunk_size), or rows of the
     chunked loss (None: the full-logits loss). runtime_bytes: the per-process constant
     (default: GPU_RUNTIME_BYTES, or CPU_RUNTIME_BYTES with device="cpu").
-    mlp_tile / kv_heads_per_chunk / keep_every: max-length mode's fused layers (either given
-    turns it on; the other defaults to the whole sequence / all KV heads), plan/fused.py.
+    mlp_tile / heads_per_chunk / keep_every: max-length mode's fused layers (either given turns
+    it on; the other defaults to the whole sequence / all heads), plan/fused.py.
     """
     for value, allowed, what in ((engine, ENGINES, "engine"), (offload, OFFLOADS, "offload"),
                                  (checkpointing, CHECKPOINTING, "checkpointing"),
@@ -353,14 +353,14 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
     s = seq_len // world_size
     st = model_states(model_shape, world_size, engine, offload, dtype)
     loss = loss_bytes(model_shape, s, a, _chunk_rows(loss_chunk, model_shape))
-    fused = mlp_tile is not None or kv_heads_per_chunk is not None
+    fused = mlp_tile is not None or heads_per_chunk is not None
     if fused:
         from .fused import fused_terms
 
         mlp_tile = s if mlp_tile is None else mlp_tile
-        kv_heads_per_chunk = model_shape.kv_heads if kv_heads_per_chunk is None else kv_heads_per_chunk
+        heads_per_chunk = model_shape.heads if heads_per_chunk is None else heads_per_chunk
         ft = fused_terms(model_shape, s, a, method, world_size, checkpointing, mlp_tile,
-                         kv_heads_per_chunk, ring_degree, keep_every)
+                         heads_per_chunk, ring_degree, keep_every)
         stored, mlp_w, attn_w, act_host = ft.stored + ft.head, ft.mlp_half, ft.attention_half, ft.host
         buffers = ft.buffers
         loss += s * model_shape.hidden * a  # the un-normed last hidden states (tiled_loss.py)
@@ -381,7 +381,7 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
         communication_per_layer=communication_per_layer(model_shape, s, a, method, world_size,
                                                         ring_degree),
         mlp_tile=mlp_tile if fused else None,
-        kv_heads_per_chunk=kv_heads_per_chunk if fused else None, keep_every=keep_every)
+        heads_per_chunk=heads_per_chunk if fused else None, keep_every=keep_every)
 
 
 __all__ = ["MemoryEstimate", "States", "estimate_memory", "model_states", "activations",

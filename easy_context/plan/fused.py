@@ -58,15 +58,16 @@ def results_per_token(shape: ModelShape, a: int, method: str, world: int,
     return m.saved_per_token(AttentionDims(hq, 0, d), a, world, ring_degree) - hq * d * a
 
 
-def group_dims(shape: ModelShape, kv_heads_per_chunk: int) -> AttentionDims:
-    g = min(kv_heads_per_chunk, shape.kv_heads)
-    return AttentionDims(g * (shape.heads // shape.kv_heads), g, shape.hd)
+def group_dims(shape: ModelShape, heads_per_chunk: int) -> AttentionDims:
+    """The largest chunk: heads_per_chunk query heads and the KV heads they use."""
+    hq = min(heads_per_chunk, shape.heads)
+    return AttentionDims(hq, max(1, hq // (shape.heads // shape.kv_heads)), shape.hd)
 
 
 def group_per_token(shape: ModelShape, a: int, method: str, world: int,
-                    ring_degree: int | None, kv_heads_per_chunk: int) -> int:
+                    ring_degree: int | None, heads_per_chunk: int) -> int:
     """Q: one head group's working set in the attention backward, per local token."""
-    dims = group_dims(shape, kv_heads_per_chunk)
+    dims = group_dims(shape, heads_per_chunk)
     hq, hkv, d = dims
     m = _method(method, world)
     held = m.saved_per_token(dims, a, world, ring_degree) - results_per_token(
@@ -76,7 +77,7 @@ def group_per_token(shape: ModelShape, a: int, method: str, world: int,
 
 
 def fused_terms(shape: ModelShape, s: int, a: int, method: str, world: int,
-                checkpointing: str, mlp_tile: int, kv_heads_per_chunk: int,
+                checkpointing: str, mlp_tile: int, heads_per_chunk: int,
                 ring_degree: int | None = None, keep_every: int = 1) -> FusedTerms:
     """The fused layer's memory for s local tokens (see the module docstring)."""
     h, i, n = shape.hidden, shape.intermediate, shape.layers
@@ -93,13 +94,13 @@ def fused_terms(shape: ModelShape, s: int, a: int, method: str, world: int,
         stored, host = 2 * per_layer * s, kept * per_layer * s  # in use + arriving
     else:
         stored, host = min(kept, n) * per_layer * s, 0
-    dims = group_dims(shape, kv_heads_per_chunk)
+    dims = group_dims(shape, heads_per_chunk)
     m = _method(method, world)
     buffers = 0 if world == 1 else m.buffers(dims, s, a, world, ring_degree)
     base = s * (x + results + x)  # dy, every group's results (recomputed or kept), dh
     if keep_attention:
         base -= s * results  # counted in stored for the layer being differentiated
-    q = group_per_token(shape, a, method, world, ring_degree, kv_heads_per_chunk)
+    q = group_per_token(shape, a, method, world, ring_degree, heads_per_chunk)
     head = s * 2 * shape.hd * a  # RoPE cos and sin
     return FusedTerms(stored=stored, mlp_half=base + tile + grads,
                       attention_half=base + s * (x + q) + grads, buffers=buffers, host=host,

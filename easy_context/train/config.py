@@ -70,8 +70,9 @@ class TrainConfig:
     mlp_tile: str = _f("auto", "tokens per sequence tile of the MLP and norms (max-length mode): "
                                "a number, off (untiled), or auto (the planner's: untiled when "
                                "that fits the device)")
-    head_chunk: str = _f("auto", "KV heads per attention chunk (max-length mode): a number, off "
-                                 "(all heads at once), or auto (the planner's)")
+    head_chunk: str = _f("auto", "query heads per attention chunk (max-length mode): a multiple "
+                                 "or a divisor of the query heads per KV head, off (all heads "
+                                 "at once), or auto (the planner's)")
     keep_every: int = _f(1, "max-length mode's nested recompute: keep one layer input in K, "
                             "regenerate the others in backward (1: keep all)")
     auto_memory: bool = _f(False, "let the planner (easy-context plan --auto) choose "

@@ -92,7 +92,7 @@ def resolve_auto_memory(config: TrainConfig, world: int, device: torch.device) -
         config, parallel_mode="data_parallel" if s.method == "local" else s.method,
         ring_degree=s.ring_degree, sp_size=None, engine=s.engine, offload=s.offload,
         checkpointing=s.checkpointing, mlp_tile=str(s.mlp_tile) if s.fused else "off",
-        head_chunk=str(s.kv_heads_per_chunk) if s.fused else "off", keep_every=s.keep_every)
+        head_chunk=str(s.heads_per_chunk) if s.fused else "off", keep_every=s.keep_every)
     if dist.get_rank() == 0:
         log.info("--auto-memory: %s (planned peak %.2f GiB of %.2f GiB per device)",
                  s.train_flags(config.seq_length, world, config.mixed_precision),
@@ -104,7 +104,7 @@ def apply_memory_mode(model, config: TrainConfig, sp: int, device: torch.device)
     """Max-length mode on ``model`` when the flags (or the planner, for ``auto``) ask for it;
     returns whether it is on (then the layers do their own checkpointing)."""
     from ..memory.maxlen import apply_max_length
-    from ..plan.auto import Setup, fastest_tiling
+    from ..plan.auto import Setup, chunk_choices, fastest_tiling
     from ..plan.shapes import shape_from_config
 
     tile, chunk = parse_tiling(config.mlp_tile), parse_tiling(config.head_chunk, "head_chunk")
@@ -131,14 +131,14 @@ def apply_memory_mode(model, config: TrainConfig, sp: int, device: torch.device)
                         "(%.1f GiB at the most frugal); trying the most frugal",
                         config.seq_length, dev_bytes / GIB, (est.total if est else 0) / GIB)
             setup = Setup(method, None, config.engine, config.offload, config.checkpointing,
-                          512, 1, config.keep_every)
+                          512, min(chunk_choices(shape, base, sp)), config.keep_every)
         tile = setup.mlp_tile if tile == "auto" else tile
-        chunk = setup.kv_heads_per_chunk if chunk == "auto" else chunk
+        chunk = setup.heads_per_chunk if chunk == "auto" else chunk
     tile = tile or config.seq_length  # off: one tile, the whole local sequence
-    chunk = chunk or shape.kv_heads  # off: every KV head at once
+    chunk = chunk or shape.heads  # off: every head at once
     apply_max_length(model, tile, chunk, config.checkpointing, keep_every=config.keep_every)
     if dist.get_rank() == 0:
-        log.info("max-length mode: MLP tiles of %d tokens, %d KV head(s) per attention chunk, "
-                 "checkpointing %s%s", tile, min(chunk, shape.kv_heads), config.checkpointing,
+        log.info("max-length mode: MLP tiles of %d tokens, %d query head(s) per attention chunk, "
+                 "checkpointing %s%s", tile, min(chunk, shape.heads), config.checkpointing,
                  f", one layer input in {config.keep_every} kept" if config.keep_every > 1 else "")
     return True

@@ -20,7 +20,8 @@ from easy_context.memory.maxlen import apply_max_length
 
 from .hf_cases import FAMILIES, make_batch, reference_loss
 
-# 8 query / 4 KV heads: head chunks of 1 or 2 KV heads split over 2 and 4 Ulysses ranks.
+# 8 query / 4 KV heads: head chunks of 2 or 4 query heads (1 or 2 KV heads) split over 2 and 4
+# Ulysses ranks; chunks of 1 query head take half of a KV head's.
 SHAPE = dict(vocab_size=97, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
              num_attention_heads=8, num_key_value_heads=4, head_dim=8,
              max_position_embeddings=512, attention_dropout=0.0)
@@ -45,7 +46,7 @@ def grad_errors(model, ref, world: int) -> float:
 
 def check_max_length(family: str, method: str, cases: list[tuple], ring_degree: int | None = None,
                      packed: bool = False) -> dict:
-    """{case: (loss error, grad error)} for each (mlp_tile, kv_heads_per_chunk, checkpointing,
+    """{case: (loss error, grad error)} for each (mlp_tile, heads_per_chunk, checkpointing,
     keep_every) in ``cases``."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     base = tiny(family)

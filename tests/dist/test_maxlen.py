@@ -8,12 +8,15 @@ import pytest
 from .maxlen_cases import check_max_length, max_length_error
 
 TOL = 1e-5
-# (mlp_tile, kv_heads_per_chunk, checkpointing, keep_every): tiles that do not divide the
-# shard, one and two KV heads per chunk, each kind of keeping, the nested recompute.
-ALL_KINDS = [(5, 1, "full", 1), (7, 2, "attention", 1), (3, 1, "offload", 1),
-             (4, 1, "none", 1), (6, 2, "full", 2)]
-UNEVEN = [(6, 3, "attention", 1)]  # chunks of 3 and 1 KV heads (not for Ulysses over 2 ranks)
-ONE = [(5, 1, "full", 1)]
+# (mlp_tile, heads_per_chunk, checkpointing, keep_every) on 8 query / 4 KV heads: tiles that do
+# not divide the shard, chunks of one and two KV heads (2 and 4 query heads), each kind of
+# keeping, the nested recompute; a chunk of one query head (half a KV head's, K/V recomputed
+# for each half) and uneven chunks (6 + 2 query heads) where the method allows them.
+ALL_KINDS = [(5, 2, "full", 1), (7, 4, "attention", 1), (3, 2, "offload", 1),
+             (4, 2, "none", 1), (6, 4, "full", 2)]
+SUB = [(5, 1, "full", 1), (4, 1, "attention", 1)]
+UNEVEN = [(6, 6, "attention", 1)]
+ONE = [(5, 2, "full", 1)]
 
 
 def _assert(reports):
@@ -26,27 +29,28 @@ def _assert(reports):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma"])
 def test_one_rank_families(dist1, family):
     _assert(dist1.run(check_max_length, family, "local",
-                      ALL_KINDS + UNEVEN if family == "llama" else ONE))
+                      ALL_KINDS + SUB + UNEVEN if family == "llama" else ONE + SUB[:1]))
 
 
 @pytest.mark.parametrize("method,ring_degree", [
     ("zigzag_ring_attn", None), ("ring_attn", None), ("dist_flash_attn", None),
     ("ulysses_attn", None), ("usp_attn", 1), ("allgather_attn", None)])
 def test_two_ranks_methods(dist2, method, ring_degree):
-    cases = (ALL_KINDS + UNEVEN if method == "zigzag_ring_attn" else
-             ALL_KINDS if method == "ulysses_attn" else ONE)
+    cases = (ALL_KINDS + SUB + UNEVEN if method == "zigzag_ring_attn" else
+             ALL_KINDS if method == "ulysses_attn" else
+             ONE if method == "usp_attn" else ONE + SUB[:1])  # usp here: Ulysses over 2
     _assert(dist2.run(check_max_length, "llama", method, cases, ring_degree))
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
 def test_two_ranks_families(dist2, family):
     _assert(dist2.run(check_max_length, family, "zigzag_ring_attn", ONE))
-    _assert(dist2.run(check_max_length, family, "ulysses_attn", [(4, 1, "attention", 1)]))
+    _assert(dist2.run(check_max_length, family, "ulysses_attn", [(4, 2, "attention", 1)]))
 
 
 @pytest.mark.parametrize("method,ring_degree,chunk", [
-    ("zigzag_ring_attn", None, 1), ("ulysses_attn", None, 2), ("usp_attn", 2, 1),
-    ("allgather_attn", None, 1)])
+    ("zigzag_ring_attn", None, 1), ("ulysses_attn", None, 4), ("usp_attn", 2, 2),
+    ("allgather_attn", None, 2)])
 def test_four_ranks(dist4, method, ring_degree, chunk):
     _assert(dist4.run(check_max_length, "llama", method, [(5, chunk, "full", 1),
                                                           (3, chunk, "offload", 2)], ring_degree))
@@ -54,13 +58,15 @@ def test_four_ranks(dist4, method, ring_degree, chunk):
 
 @pytest.mark.parametrize("method", ["zigzag_ring_attn", "ulysses_attn"])
 def test_packed_documents(dist2, method):
-    _assert(dist2.run(check_max_length, "llama", method, [(5, 1, "full", 1)], packed=True))
+    _assert(dist2.run(check_max_length, "llama", method, [(5, 2, "full", 1)], packed=True))
 
 
 def test_unsupported_structures_are_refused(dist2):
     olmo = dist2.run(max_length_error, "olmo2", "zigzag_ring_attn", 1)[0]
     assert "pre-norm decoder layers" in olmo and "post_feedforward_layernorm" in olmo
-    # without GQA, a chunk of one KV head is one query head: Ulysses cannot split it over 2
-    odd = dist2.run(max_length_error, "llama", "ulysses_attn", 1, hidden_size=48,
-                    num_attention_heads=6, num_key_value_heads=6)[0]
-    assert "head chunks of 1 KV heads" in odd and "--head-chunk" in odd
+    # Ulysses cannot split a chunk of one query head over 2 ranks
+    odd = dist2.run(max_length_error, "llama", "ulysses_attn", 1)[0]
+    assert "head chunks of 1 query heads" in odd and "--head-chunk" in odd
+    # 3 query heads would split the 2 that share a KV head
+    assert "splits a group of 2 query heads" in dist2.run(max_length_error, "llama",
+                                                          "zigzag_ring_attn", 3)[0]

@@ -14,18 +14,19 @@ OFFLOAD = dict(engine="deepspeed", offload="params", checkpointing="offload", dt
 
 def test_fused_layers_go_further_and_shrink_with_tiles_and_chunks():
     untiled = estimate_memory(L3, 1 << 20, 1, "local", **OFFLOAD)
-    fused = estimate_memory(L3, 1 << 20, 1, "local", mlp_tile=4096, kv_heads_per_chunk=1, **OFFLOAD)
+    fused = estimate_memory(L3, 1 << 20, 1, "local", mlp_tile=4096, heads_per_chunk=4, **OFFLOAD)
     assert fused.total < untiled.total / 3 and fused.mlp_tile == 4096
     assert "max-length mode: MLP tiles of 4096 tokens" in fused.table()
     # smaller tiles and chunks never cost memory; the host keeps every layer input
-    t = [estimate_memory(L3, 1 << 20, 1, "local", mlp_tile=tile, kv_heads_per_chunk=c,
-                         **OFFLOAD).total for tile, c in ((16384, 8), (16384, 1), (1024, 1))]
+    t = [estimate_memory(L3, 1 << 20, 1, "local", mlp_tile=tile, heads_per_chunk=c,
+                         **OFFLOAD).total for tile, c in ((16384, 32), (16384, 4), (16384, 1),
+                                                          (1024, 1))]
     assert t == sorted(t, reverse=True)
     assert fused.host_bytes >= L3.layers * (1 << 20) * L3.hidden * 2
 
 
 def test_keep_every_trades_host_memory():
-    kw = dict(OFFLOAD, mlp_tile=4096, kv_heads_per_chunk=1)
+    kw = dict(OFFLOAD, mlp_tile=4096, heads_per_chunk=4)
     host = [estimate_memory(L3, 1 << 20, 8, "zigzag_ring_attn", keep_every=k, **kw).host_bytes
             for k in (1, 2, 4)]
     assert host[0] > host[1] > host[2]
@@ -64,8 +65,10 @@ def test_untiled_when_it_fits_else_the_fastest_tiling():
 def test_chunks_suit_the_method():
     # Ulysses over 8 ranks: 32 query / 8 KV heads; a chunk's query heads must split 8 ways
     uly = Setup("ulysses_attn", None, "fsdp", "none", "full")
-    assert chunk_choices(L3, uly, 8) == [8, 4, 2]
-    assert chunk_choices(L3, Setup("zigzag_ring_attn", None, "fsdp", "none", "full"), 8)[-1] == 1
+    assert chunk_choices(L3, uly, 8) == [32, 16, 8]
+    # a ring takes any chunk: whole KV heads (multiples of 4 query heads) or parts of one
+    ring = chunk_choices(L3, Setup("zigzag_ring_attn", None, "fsdp", "none", "full"), 8)
+    assert ring == [32, 28, 24, 20, 16, 12, 8, 4, 2, 1]
 
 
 def test_plan_for_length_is_fastest_that_fits():
