@@ -75,7 +75,7 @@ def run_plan(args) -> int:
     shape = load_shape(args.model)
     budget = int(args.gpu_memory * GIB * args.usable)
     if getattr(args, "auto", False):
-        from .auto_cli import run_auto
+        from .auto import run_auto
 
         return run_auto(args, shape, budget)
     n, kw = args.devices, _kw(args)
