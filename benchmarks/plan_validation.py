@@ -210,13 +210,13 @@ def trainer_points():
     from benchmarks.trainer_runs import TrainRun
 
     lengths = (4096, 8192, 16384)
-    modes = [dict(), dict(mlp_tile=1024, head_chunk=1), dict(mlp_tile=1024, head_chunk=1,
-             checkpointing="attention"), dict(mlp_tile=1024, head_chunk=1, checkpointing="offload"),
-             dict(mlp_tile=1024, head_chunk=1, keep_every=2), dict(mlp_tile=1024),
-             dict(head_chunk=1)]
+    tiled = dict(mlp_tile=1024, head_chunk=4)  # one KV head (4 query heads) per chunk
+    modes = [dict(), tiled, dict(tiled, checkpointing="attention"),
+             dict(tiled, checkpointing="offload"),
+             dict(mlp_tile=1024, head_chunk=1, keep_every=2),  # the most frugal: nested
+             dict(mlp_tile=1024), dict(head_chunk=1)]  # each mechanism alone
     pts = [TrainRun("llama3-tiny", n, L, **mode) for n in (1, 2) for mode in modes for L in lengths]
-    pts += [TrainRun("llama3-tiny", 2, L, method="ulysses_attn", mlp_tile=1024, head_chunk=1)
-            for L in lengths]
+    pts += [TrainRun("llama3-tiny", 2, L, method="ulysses_attn", **tiled) for L in lengths]
     # the case: a Qwen2-shaped model, glibc's default allocator against ours
     pts += [TrainRun("qwen2-tiny", 2, L, allocator=a) for a in ("glibc", "ours") for L in (8192, 16384)]
     return pts
