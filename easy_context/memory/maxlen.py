@@ -204,6 +204,7 @@ def apply_max_length(model: nn.Module, mlp_tile: int, heads_per_chunk: int,
         layer.forward = types.MethodType(_fused_forward, layer)
         _mark_zero3_leaf(layer)
     _fold_final_norm(model)
+    _tile_rotary(model)
     setattr(model, _STATE, state)
     return model
 
@@ -227,6 +228,30 @@ def _fold_final_norm(model: nn.Module) -> None:
         return hidden_states if _SKIP_FINAL_NORM.get() else self._ec_original_forward(hidden_states)
 
     norm.forward = types.MethodType(forward, norm)
+
+
+ROPE_TILE = 16384  # positions per piece of the RoPE tables (their float32 intermediates)
+
+
+def _tile_rotary(model: nn.Module) -> None:
+    """Build the RoPE cos/sin tables piece by piece: transformers computes them in float32 for
+    the whole sequence (four float32 (S, head_dim) intermediates) before casting them to the
+    model's dtype. Rope types that rescale with the sequence length (dynamic, longrope) look at
+    all positions at once and keep the one-piece computation."""
+    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    if rotary is None or hasattr(rotary, "_ec_original_forward") or \
+            getattr(rotary, "rope_type", None) not in ("default", "linear", "llama3", "yarn"):
+        return
+    rotary._ec_original_forward = rotary.forward
+
+    def forward(self, x, position_ids, **kw):
+        if position_ids.size(-1) <= ROPE_TILE:
+            return self._ec_original_forward(x, position_ids, **kw)
+        pieces = [self._ec_original_forward(x, position_ids[..., i:i + ROPE_TILE], **kw)
+                  for i in range(0, position_ids.size(-1), ROPE_TILE)]
+        return tuple(torch.cat(parts, dim=-2) for parts in zip(*pieces))
+
+    rotary.forward = types.MethodType(forward, rotary)
 
 
 def max_length_settings(model: nn.Module):

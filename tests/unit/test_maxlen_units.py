@@ -84,3 +84,21 @@ def test_tiling_flags():
         parse_tiling("0", "head_chunk")
     with pytest.raises(ValueError, match="--keep-every"):
         TrainConfig(model="m", dataset="d", keep_every=0).validate()
+
+
+def test_rope_tables_in_pieces_equal_whole(monkeypatch):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from easy_context.memory import maxlen
+
+    config = AutoConfig.for_model("llama", vocab_size=50, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=1, num_attention_heads=4,
+                                  num_key_value_heads=2)
+    model = AutoModelForCausalLM.from_config(config)
+    rotary = model.get_decoder().rotary_emb
+    x, pos = torch.zeros(1, 23, 32), torch.arange(100, 123)[None]
+    whole = rotary(x, pos)
+    monkeypatch.setattr(maxlen, "ROPE_TILE", 5)
+    maxlen._tile_rotary(model)
+    pieces = rotary(x, pos)
+    assert all(torch.equal(a, b) for a, b in zip(whole, pieces))
