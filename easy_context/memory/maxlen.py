@@ -107,6 +107,17 @@ def layer_spec(layer: nn.Module, config) -> LayerSpec:
                      rope, attention, heads, kv_heads, head_dim)
 
 
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why max-length mode cannot fuse this model's layers, or None when it can."""
+    try:
+        config = _text_config(model)
+        for layer in decoder_layers(model):
+            layer_spec(layer, config)
+    except (ValueError, AttributeError) as e:
+        return str(e)
+    return None
+
+
 class _State:
     """What every patched layer of one model shares: its settings and the layer storage."""
 

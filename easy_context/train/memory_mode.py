@@ -103,7 +103,7 @@ def resolve_auto_memory(config: TrainConfig, world: int, device: torch.device) -
 def apply_memory_mode(model, config: TrainConfig, sp: int, device: torch.device) -> bool:
     """Max-length mode on ``model`` when the flags (or the planner, for ``auto``) ask for it;
     returns whether it is on (then the layers do their own checkpointing)."""
-    from ..memory.maxlen import apply_max_length
+    from ..memory.maxlen import apply_max_length, unsupported_reason
     from ..plan.auto import Setup, chunk_choices, fastest_tiling
     from ..plan.shapes import shape_from_config
 
@@ -112,7 +112,21 @@ def apply_memory_mode(model, config: TrainConfig, sp: int, device: torch.device)
         if config.keep_every > 1:
             raise ValueError("--keep-every needs max-length mode (--mlp-tile or --head-chunk)")
         return False
-    shape = shape_from_config(model.config, name=str(config.model))
+    if "auto" in (tile, chunk):
+        # auto never stops a run the untiled layers can do: a model the planner cannot read,
+        # or whose layers max-length mode cannot fuse, trains untiled
+        why = unsupported_reason(model)
+        try:
+            shape = shape_from_config(model.config, name=str(config.model))
+        except (AttributeError, TypeError) as e:
+            why = why or f"the planner cannot read its config ({e})"
+        if why:
+            if tile == chunk == "auto" and config.keep_every == 1:
+                log.info("max-length mode off: %s", why)
+                return False
+            raise ValueError(f"max-length mode: {why}")
+    else:
+        shape = shape_from_config(model.config, name=str(config.model))
     if "auto" in (tile, chunk):
         from ..parallel import get_method
 

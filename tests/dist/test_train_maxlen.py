@@ -15,6 +15,7 @@ def workdir(tmp_path_factory):
     work = tmp_path_factory.mktemp("train_maxlen")
     tiny_model_dir(work / "model")
     tiny_model_dir(work / "model4", num_hidden_layers=5)  # for the nested recompute
+    tiny_model_dir(work / "olmo2", family="olmo2")  # post-norm layers: not fused
     tiny_dataset_dir(work / "data", seq_length=32, rows=16)
     return str(work)
 
@@ -76,3 +77,11 @@ def test_bad_tiling_flags(dist2, workdir):
         train_error, workdir, mlp_tile="big")[0]
     assert "--keep-every needs max-length mode" in dist2.run(
         train_error, workdir, mlp_tile="off", head_chunk="off", keep_every=2)[0]
+
+
+def test_unsupported_layers_train_untiled_unless_forced(dist2, workdir):
+    olmo = f"{workdir}/olmo2"
+    metrics = dist2.run(train_run, workdir, "olmo_auto", model=olmo, max_train_steps=1)[0]
+    assert len(metrics) == 1  # auto: the planner's choice falls back to the untiled layers
+    assert "pre-norm decoder layers" in dist2.run(train_error, workdir, model=olmo,
+                                                   mlp_tile="5")[0]
