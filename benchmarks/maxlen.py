@@ -176,21 +176,27 @@ def main(argv=None) -> int:
                "model": "llama3-tiny (benchmarks/trainer_runs.py)", "world": 2}
     baseline = import_baseline(2)
     payload["rank_baseline_mb"] = baseline / MB
+
+    def save():  # after each part: a stopped run keeps what it measured
+        payload.update(machine=common.machine_info(), load_average_before=load_before,
+                       load_average_after=common.load_average(), date=common.now_iso(),
+                       total_s=time.perf_counter() - started, cpus=os.cpu_count())
+        return common.write_results(args.output, payload)
+
     if "alst" in parts:
         payload["alst"] = part_alst([int(x) for x in args.lengths.split(",")],
                                     args.systems.split(","))
+        save()
     if "ratio" in parts:
         payload["ratio"] = part_ratio(args.ratio_length, args.repeats, baseline)
+        save()
     if "fit" in parts:
         ratio = payload.get("ratio") or {}
         if "peak_above_baseline_mb" not in ratio:
             ratio = part_ratio(args.ratio_length, 1, baseline)
         budget = int(ratio["peak_above_baseline_mb"]["ours-untiled"] * MB)
         payload["fit"] = part_fit(args.ratio_length, budget)
-    payload.update(machine=common.machine_info(), load_average_before=load_before,
-                   load_average_after=common.load_average(), date=common.now_iso(),
-                   total_s=time.perf_counter() - started, cpus=os.cpu_count())
-    print(f"wrote {common.write_results(args.output, payload)}")
+    print(f"wrote {save()}")
     return 0
 
 
