@@ -15,6 +15,10 @@ backward: its MLP half (the layer's recomputed activations plus MLP gradients) o
 attention half (the MLP's saved tensors are freed by then; attention gradients and the
 method's communication buffers). runtime: the CUDA context / CPU runtime, a constant.
 
+In max-length mode (easy_context.memory.maxlen: ``mlp_tile``, ``heads_per_chunk``,
+``keep_every``) the stored activations and the layer's two halves are those of the fused
+layer instead (plan/fused.py), and the loss phase keeps the un-normed last hidden states.
+
 Batch size 1 (one packed sequence per step), as long-context training does; token counts are
 per device: s = seq_len / world_size. Bytes per element: ``a`` for activations (2 in bf16
 mixed precision, 4 in fp32); softmax statistics (lse), norm statistics and attention
