@@ -247,3 +247,74 @@ def cap_address_space(share: float = 1.0) -> None:
         vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
     cap = vm + int(0.9 * share * meminfo_bytes("MemAvailable"))
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+
+# --------------------------------------------------------------------------- ranks seen from outside
+def _hwm_bytes(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def watch_ranks(cmd: list[str], env: dict[str, str] | None = None, timeout_s: float = 3600.0,
+                interval_s: float = 0.05) -> dict[str, Any]:
+    """Run ``cmd`` and read, from /proc, the resident high-water mark (VmHWM) of every process
+    it starts, until it exits: what a user watching ``top`` would see, with no help from the
+    program. Ranks are the processes started by multiprocessing's spawn (``spawn_main`` in
+    their command line; not its resource tracker), or the process itself when it starts none.
+    VmHWM only grows, so the last value read before a rank exits is its peak (a step's peak
+    comes long before the exit).
+    Returns {"returncode", "stdout", "stderr", "wall_s", "rank_peaks_bytes" (sorted, largest
+    first), "launcher_peak_bytes"}."""
+    import psutil
+
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    root = psutil.Process(proc.pid)
+    peaks: dict[int, int] = {}
+    ranks: set[int] = set()
+    import threading
+
+    out: dict[str, str] = {}
+    readers = [threading.Thread(target=lambda k=k, s=s: out.__setitem__(k, s.read()), daemon=True)
+               for k, s in (("stdout", proc.stdout), ("stderr", proc.stderr))]
+    for r in readers:
+        r.start()
+    while proc.poll() is None:
+        if time.perf_counter() - t0 > timeout_s:
+            for child in root.children(recursive=True):
+                child.kill()
+            proc.kill()
+            break
+        try:
+            children = root.children(recursive=True)
+        except psutil.Error:
+            children = []
+        for p in [root, *children]:
+            hwm = _hwm_bytes(p.pid)
+            if hwm is None:
+                continue
+            peaks[p.pid] = max(peaks.get(p.pid, 0), hwm)
+            if p.pid not in ranks and p.pid != proc.pid:
+                try:
+                    line = " ".join(p.cmdline())
+                except psutil.Error:
+                    continue
+                if "spawn_main" in line and "resource_tracker" not in line:
+                    ranks.add(p.pid)
+        time.sleep(interval_s)
+    proc.wait()
+    for r in readers:
+        r.join(timeout=10)
+    # one process (no spawned ranks): the launcher is the rank
+    rank_peaks = [peaks[p] for p in ranks] or [peaks.get(proc.pid, 0)]
+    return {"returncode": proc.returncode, "stdout": out.get("stdout", ""),
+            "stderr": out.get("stderr", ""), "wall_s": time.perf_counter() - t0,
+            "rank_peaks_bytes": sorted(rank_peaks, reverse=True),
+            "launcher_peak_bytes": peaks.get(proc.pid)}

@@ -200,6 +200,100 @@ def compare(m: TinyLlama, p: Point, ranks: list[dict], runtime_bytes: int) -> di
             "components_mb": {k: v / 2**20 for k, v in est.components().items()}}
 
 
+# ---------------------------------------------------------------------------- the trainer
+# ``easy-context train`` itself, measured from outside (benchmarks/trainer_runs.py): each mode
+# of max-length mode and the untiled layers, at three lengths, on 1 and 2 ranks.
+TRAINER_TOLERANCE = 0.10
+
+
+def trainer_points():
+    from benchmarks.trainer_runs import TrainRun
+
+    lengths = (4096, 8192, 16384)
+    tiled = dict(mlp_tile=1024, head_chunk=4)  # one KV head (4 query heads) per chunk
+    # every mode on 2 ranks; on one rank (two threads, slow on this shared machine) the two
+    # main ones
+    modes = [dict(), tiled, dict(tiled, checkpointing="attention"),
+             dict(tiled, checkpointing="offload"),
+             dict(mlp_tile=1024, head_chunk=1, keep_every=2),  # the most frugal: nested
+             dict(mlp_tile=1024), dict(head_chunk=1)]  # each mechanism alone
+    pts = [TrainRun("llama3-tiny", 1, L, **mode) for mode in modes[:2] for L in lengths]
+    pts += [TrainRun("llama3-tiny", 2, L, **mode) for mode in modes for L in lengths]
+    pts += [TrainRun("llama3-tiny", 2, L, method="ulysses_attn", **tiled) for L in lengths]
+    # the issue's case: a Qwen2-shaped model, glibc's default allocator against ours
+    pts += [TrainRun("qwen2-tiny", 2, L, allocator=a) for a in ("glibc", "ours") for L in (8192, 16384)]
+    return pts
+
+
+def trainer_compare(run, row: dict, baseline: int) -> dict:
+    from benchmarks.trainer_runs import predict
+
+    est, predicted = predict(run)
+    measured = max(row["rank_peaks_bytes"]) - baseline
+    return {**row, "baseline_mb": baseline / 2**20, "measured_mb": measured / 2**20,
+            "predicted_mb": predicted / 2**20, "error": predicted / measured - 1.0,
+            "within_tolerance": abs(predicted / measured - 1.0) <= TRAINER_TOLERANCE,
+            "components_mb": {k: v / 2**20 for k, v in est.components().items()},
+            "host_mb": est.host_bytes / 2**20}
+
+
+def trainer_growth(rows: list[dict]) -> list[dict]:
+    """Measured against predicted growth of the peak between consecutive lengths."""
+    out, by = [], {}
+    for r in rows:
+        if r.get("ok"):
+            by.setdefault(r["key"].rsplit(" L=", 1)[0] + " " + r["key"].split(" L=")[1].split(" ", 1)[1], []).append(r)
+    for group, rs in by.items():
+        rs.sort(key=lambda r: r["seq_len"])
+        for a, b in zip(rs, rs[1:]):
+            m, p = b["measured_mb"] - a["measured_mb"], b["predicted_mb"] - a["predicted_mb"]
+            out.append({"what": group, "from": a["seq_len"], "to": b["seq_len"],
+                        "measured_growth_mb": m, "predicted_growth_mb": p,
+                        "error": p / m - 1.0 if m else None})
+    return out
+
+
+def run_trainer_validation(args) -> None:
+    from benchmarks.trainer_runs import import_baseline, run_train
+
+    old = common.load_results(args.output) or {}
+    points = trainer_points()
+    if args.only:
+        points = [p for p in points if any(s in p.key for s in args.only)]
+    baselines = {n: import_baseline(n) for n in sorted({p.world for p in points})}
+    print("rank baseline before the model (imports, process group): "
+          + ", ".join(f"N={n}: {b / 2**20:.0f} MB" for n, b in baselines.items()), flush=True)
+    rows = []
+
+    def write():  # after every point: a long run that is stopped keeps what it measured
+        merged = common.merge_rows(old.get("trainer_rows", []), rows, key=lambda r: r["key"])
+        ok = [r for r in merged if r.get("ok")]
+        payload = {**old, "trainer_rows": merged, "trainer_growth": trainer_growth(ok),
+                   "trainer_tolerance": TRAINER_TOLERANCE,
+                   "trainer_baselines_mb": {str(n): b / 2**20 for n, b in baselines.items()},
+                   "trainer_what": "per-rank VmHWM of `easy-context train` (two fp32 FSDP steps, "
+                                   "the second steady-state) read from /proc, minus a probe "
+                                   "rank's (imports + process group), vs the planner's total "
+                                   "(+ host bytes: the same memory on a CPU)",
+                   "trainer_machine": common.machine_info(), "trainer_date": common.now_iso(),
+                   "trainer_max_abs_error": max(abs(r["error"]) for r in ok) if ok else None,
+                   "trainer_all_within_tolerance": all(r["within_tolerance"] for r in ok)}
+        return common.write_results(args.output, payload)
+
+    for p in points:
+        row = run_train(p)
+        if row["ok"]:
+            row = trainer_compare(p, row, baselines[p.world])
+            print(f"{p.key:80s} measured {row['measured_mb']:7.1f} MB  predicted "
+                  f"{row['predicted_mb']:7.1f} MB  error {100 * row['error']:+5.1f}%  "
+                  f"step {row['step_s']:.0f} s", flush=True)
+        else:
+            print(f"{p.key}: FAILED {row['error'][-300:]}", flush=True)
+        rows.append(row)
+        path = write()
+    print(f"wrote {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calibrate", action="store_true", help="re-measure the CPU runtime constant")
@@ -208,7 +302,11 @@ def main() -> None:
     ap.add_argument("--recompute", action="store_true",
                     help="measure nothing: re-predict the stored rows with the current planner")
     ap.add_argument("--output", default=str(common.RESULTS_DIR / "plan_validation.json"))
+    ap.add_argument("--trainer", action="store_true",
+                    help="validate against `easy-context train` itself, measured from outside")
     args = ap.parse_args()
+    if args.trainer:
+        return run_trainer_validation(args)
 
     from easy_context.plan.estimate import CPU_RUNTIME_BYTES
 

@@ -59,3 +59,23 @@ def run_saved(compute: Callable[[], tuple]) -> tuple:
     result = compute()
     store.results.append(tuple(t.detach() if hasattr(t, "detach") else t for t in result))
     return result
+
+
+@contextlib.contextmanager
+def recording(results: list):
+    """Append every attention result computed inside to ``results`` (detached), computing
+    it as usual: for callers that keep the results themselves (the head-chunked decoder
+    layer, easy_context.memory.fused_layer) and hand them back with :func:`replaying`."""
+    store = _Store()
+    store.results = results
+    with _mode(store, reuse=False):
+        yield
+
+
+@contextlib.contextmanager
+def replaying(results: list):
+    """Hand back ``results`` in order instead of computing attention (see :func:`recording`)."""
+    store = _Store()
+    store.results = list(results)
+    with _mode(store, reuse=True):
+        yield

@@ -242,6 +242,11 @@ def causal_lm_loss(model: nn.Module, input_ids: Tensor, position_ids: Tensor, ta
     if chunked:
         if chunk_size is None:
             chunk_size = default_chunk_size(head.out_features)
+        from ..memory.maxlen import max_length_loss, max_length_settings
+
+        if max_length_settings(model) is not None:  # the final norm goes into the chunks
+            return max_length_loss(model, head, input_ids, position_ids, target_ids, extra,
+                                   chunk_size, group, num_items_in_batch)
         hidden = model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                      use_cache=False, **extra).last_hidden_state
         return chunked_cross_entropy(hidden, head.weight, target_ids, head.bias,

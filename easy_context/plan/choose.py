@@ -103,11 +103,14 @@ def choose_method(shape: ModelShape, seq_len: int, world_size: int, device_bytes
 
 def max_sequence_length(shape: ModelShape, world_size: int, device_bytes: int,
                         method: str | None = None, ring_degree: int | None = None,
-                        granularity: int = 1, limit: int = 1 << 26, **kw) -> tuple[int, str | None]:
+                        granularity: int = 1, limit: int = 1 << 26, host_bytes: int | None = None,
+                        **kw) -> tuple[int, str | None]:
     """(longest seq_len that fits, the method) by binary search over multiples of what the
     method needs (times ``granularity``); memory grows with L for every component, so the
     search is exact for the model. method None: the longest over all methods that can run
-    here (ties go to the faster). Returns (0, None) when not even one step fits."""
+    here (ties go to the faster). ``host_bytes``: also keep the offloaded states and
+    checkpoints within this much host memory per device. Returns (0, None) when not even one
+    step fits."""
     if method is None:
         best, best_m = 0, None
         candidates = ("local",) if world_size == 1 else ORDER
@@ -116,7 +119,7 @@ def max_sequence_length(shape: ModelShape, world_size: int, device_bytes: int,
             if why_not:
                 continue
             length, _ = max_sequence_length(shape, world_size, device_bytes, m, rd, granularity,
-                                            limit, **kw)
+                                            limit, host_bytes, **kw)
             if length > best:
                 best, best_m = length, m
         return best, best_m
@@ -124,7 +127,7 @@ def max_sequence_length(shape: ModelShape, world_size: int, device_bytes: int,
 
     def fits(k: int) -> bool:
         est = estimate_memory(shape, k * step, world_size, method, ring_degree=ring_degree, **kw)
-        return est.total <= device_bytes
+        return est.total <= device_bytes and (host_bytes is None or est.host_bytes <= host_bytes)
 
     if not fits(1):
         return 0, None

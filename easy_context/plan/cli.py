@@ -44,6 +44,13 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="find the longest sequence that fits (binary search)")
     p.add_argument("--granularity", type=int, default=1024,
                    help="report the longest length as a multiple of this")
+    p.add_argument("--auto", action="store_true",
+                   help="search method, engine, offload, checkpointing, MLP tile, head chunk "
+                        "and nested recompute (max-length mode) for the longest context, or the "
+                        "fastest setup for --seq-len; prints it as easy-context train flags")
+    p.add_argument("--host-memory", type=float, default=None,
+                   help="GiB of host RAM per device for offloaded states and checkpoints "
+                        "(--auto; default: not limited)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--report", choices=("claims", "table"), default=None,
                    help="write the seed-claims check or the README 'How far can I go?' table")
@@ -101,6 +108,10 @@ def run_plan(args) -> int:
     if args.method != "auto":
         _check_method(shape, args.method, args.devices, args.ring_degree)
     budget = int(args.gpu_memory * GIB * args.usable)
+    if getattr(args, "auto", False):
+        from .auto import run_auto
+
+        return run_auto(args, shape, budget)
     n, kw = args.devices, _kw(args)
     method = None if args.method == "auto" else args.method
     result: dict = {"model": shape.name, "params_b": shape.num_params() / 1e9, "devices": n,

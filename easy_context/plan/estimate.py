@@ -15,6 +15,10 @@ backward: its MLP half (the layer's recomputed activations plus MLP gradients) o
 attention half (the MLP's saved tensors are freed by then; attention gradients and the
 method's communication buffers). runtime: the CUDA context / CPU runtime, a constant.
 
+In max-length mode (easy_context.memory.maxlen: ``mlp_tile``, ``heads_per_chunk``,
+``keep_every``) the stored activations and the layer's two halves are those of the fused
+layer instead (plan/fused.py), and the loss phase keeps the un-normed last hidden states.
+
 Batch size 1 (one packed sequence per step), as long-context training does; token counts are
 per device: s = seq_len / world_size. Bytes per element: ``a`` for activations (2 in bf16
 mixed precision, 4 in fp32); softmax statistics (lse), norm statistics and attention
@@ -67,6 +71,10 @@ class MemoryEstimate:
     runtime: int
     host_bytes: int  # CPU memory per device for offloaded states / checkpoints (not in total)
     communication_per_layer: int = 0  # bytes a device sends per layer, fwd + bwd (not memory)
+    # max-length mode (easy_context.memory.maxlen; plan/fused.py): None = the untiled layer
+    mlp_tile: int | None = None
+    heads_per_chunk: int | None = None
+    keep_every: int = 1
 
     COMPONENTS = ("parameters", "gradients", "gradients_in_backward", "optimizer",
                   "optimizer_step", "gathered_parameters", "stored_activations", "mlp_backward",
@@ -118,6 +126,11 @@ class MemoryEstimate:
         lines = [f"{self.model}: L={self.seq_len:,} on {self.world_size} device(s), "
                  f"{self.method}, {self.engine}, offload={self.offload}, "
                  f"checkpointing={self.checkpointing}, {self.dtype}  (per device)"]
+        if self.mlp_tile is not None:
+            lines.append(f"  max-length mode: MLP tiles of {self.mlp_tile} tokens, "
+                         f"{self.heads_per_chunk} query head(s) per attention chunk"
+                         + (f", one layer input in {self.keep_every} kept (nested recompute)"
+                            if self.keep_every > 1 else ""))
         for name, value in self.components().items():
             tag = phase.get(name, "held")
             lines.append(f"  {name.replace('_', ' '):24s} {value / GIB:10.2f} GiB   [{tag}]"
@@ -327,13 +340,16 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
                     engine: str = "deepspeed", offload: str = "none", checkpointing: str = "full",
                     dtype: str = "bf16", *, loss_chunk: int | str | None = "auto",
                     ring_degree: int | None = None, runtime_bytes: int | None = None,
-                    device: str = "gpu") -> MemoryEstimate:
+                    device: str = "gpu", mlp_tile: int | None = None,
+                    heads_per_chunk: int | None = None, keep_every: int = 1) -> MemoryEstimate:
     """Predicted peak memory per device of one training step (see the module docstring).
 
     method: a key of easy_context.METHODS, or "local" on one device. loss_chunk: "auto" (what
     causal_lm_loss uses: easy_context.memory.loss.default_chunk_size), or rows of the
     chunked loss (None: the full-logits loss). runtime_bytes: the per-process constant
     (default: GPU_RUNTIME_BYTES, or CPU_RUNTIME_BYTES with device="cpu").
+    mlp_tile / heads_per_chunk / keep_every: max-length mode's fused layers (either given turns
+    it on; the other defaults to the whole sequence / all heads), plan/fused.py.
     """
     for value, allowed, what in ((engine, ENGINES, "engine"), (offload, OFFLOADS, "offload"),
                                  (checkpointing, CHECKPOINTING, "checkpointing"),
@@ -345,8 +361,22 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
     a = 2 if dtype == "bf16" else 4
     s = seq_len // world_size
     st = model_states(model_shape, world_size, engine, offload, dtype)
-    stored, mlp_w, attn_w, act_host = activations(model_shape, s, a, method, world_size,
-                                                  checkpointing, ring_degree)
+    loss = loss_bytes(model_shape, s, a, _chunk_rows(loss_chunk, model_shape))
+    fused = mlp_tile is not None or heads_per_chunk is not None
+    if fused:
+        from .fused import fused_terms
+
+        mlp_tile = s if mlp_tile is None else mlp_tile
+        heads_per_chunk = model_shape.heads if heads_per_chunk is None else heads_per_chunk
+        ft = fused_terms(model_shape, s, a, method, world_size, checkpointing, mlp_tile,
+                         heads_per_chunk, ring_degree, keep_every)
+        stored, mlp_w, attn_w, act_host = ft.stored + ft.head, ft.mlp_half, ft.attention_half, ft.host
+        buffers = ft.buffers
+        loss += s * model_shape.hidden * a  # the un-normed last hidden states (tiled_loss.py)
+    else:
+        stored, mlp_w, attn_w, act_host = activations(model_shape, s, a, method, world_size,
+                                                      checkpointing, ring_degree)
+        buffers = attention_buffers(model_shape, s, a, method, world_size, ring_degree, device)
     if runtime_bytes is None:
         runtime_bytes = CPU_RUNTIME_BYTES if device == "cpu" else GPU_RUNTIME_BYTES
     return MemoryEstimate(
@@ -355,12 +385,12 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
         parameters=st.params, gradients=st.grads, gradients_in_backward=st.grads_in_backward,
         optimizer=st.optim, optimizer_step=st.step, gathered_parameters=st.gathered,
         stored_activations=stored, mlp_backward=mlp_w, attention_backward=attn_w,
-        attention_buffers=attention_buffers(model_shape, s, a, method, world_size, ring_degree,
-                                            device),
-        loss=loss_bytes(model_shape, s, a, _chunk_rows(loss_chunk, model_shape)), runtime=runtime_bytes,
+        attention_buffers=buffers, loss=loss, runtime=runtime_bytes,
         host_bytes=st.host + act_host,
         communication_per_layer=communication_per_layer(model_shape, s, a, method, world_size,
-                                                        ring_degree))
+                                                        ring_degree),
+        mlp_tile=mlp_tile if fused else None,
+        heads_per_chunk=heads_per_chunk if fused else None, keep_every=keep_every)
 
 
 __all__ = ["MemoryEstimate", "States", "estimate_memory", "model_states", "activations",

@@ -118,6 +118,61 @@ TABLE_SETUPS = (
 )
 
 
+# Longest context reported by the peers, for the comparison column (Llama-3-8B, bf16).
+PUBLISHED = {
+    (1, 80): ("500K", "Arctic Long Sequence Training, 1 x H100"),
+    (1, 141): ("1.2M", "ArcticTraining config, 1 x H200"),
+    (8, 80): ("3.7M / 5M", "ALST, 8 x H100 / UPipe, 8 x H100"),
+}
+GOALS = {(1, 80): ">= 1M", (1, 141): ">= 2M", (8, 80): ">= 6M"}
+HOST_ONE_GPU, HOST_PER_GPU = 1024 * GIB, 256 * GIB  # host RAM per device the table assumes
+
+
+def _host_for(devices: int) -> int:
+    return HOST_ONE_GPU if devices == 1 else HOST_PER_GPU
+
+
+def auto_markdown() -> str:
+    """The --auto table: the planner's best setup per model and GPU count, host memory limited;
+    Llama-3-8B against the published figures."""
+    from .auto import plan_longest
+
+    budget = int(A100 * USABLE)
+    out = ["**`easy-context plan --auto`: max-length mode (fused tiled layers, head chunks, "
+           "offloaded checkpoints with prefetch, nested recompute) with whatever engine, offload "
+           "and method go furthest; host RAM 1 TiB for one GPU, 256 GiB per GPU for more**", "",
+           "| model | " + " | ".join(f"{n} GPU{'s' if n > 1 else ''}" for n in TABLE_DEVICES) + " |",
+           "|---|" + "---|" * len(TABLE_DEVICES)]
+    for name in TABLE_MODELS:
+        shape = load_shape(name)
+        cells = []
+        for n in TABLE_DEVICES:
+            plan = plan_longest(shape, n, budget, host_bytes=_host_for(n))
+            m = plan.setup.method if plan.setup else None
+            cells.append(f"{_fmt_len(plan.seq_len)} ({get_method(m).short})" if m and n > 1
+                         else _fmt_len(plan.seq_len))
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    out += ["", "Llama-3-8B, bf16, against the longest contexts published for it:", "",
+            "| GPUs | before max-length mode (ZeRO-3 + parameter offload, offloaded checkpoints) "
+            "| `plan --auto` | its setup | best published | goal (issue 16) |",
+            "|---|---|---|---|---|---|"]
+    shape = load_shape("Llama-3-8B")
+    for (n, gib), (published, who) in PUBLISHED.items():
+        dev = int(gib * GIB * USABLE)
+        before, _ = max_sequence_length(shape, n, dev, granularity=1024, dtype="bf16",
+                                        loss_chunk="auto", engine="deepspeed", offload="params",
+                                        checkpointing="offload")
+        plan = plan_longest(shape, n, dev, host_bytes=_host_for(n))
+        s = plan.setup
+        setup = (f"{s.method}, {s.engine}, offload {s.offload}, {s.checkpointing} checkpoints, "
+                 f"tiles {s.mlp_tile}, {s.heads_per_chunk} query heads/chunk"
+                 + (f", 1 input in {s.keep_every} kept" if s.keep_every > 1 else "")
+                 + f"; host {plan.estimate.host_bytes / GIB:.0f} GiB/GPU")
+        out.append(f"| {n} x {gib} GB | {_fmt_len(before)} | **{_fmt_len(plan.seq_len)}** | "
+                   f"{setup} | {published} ({who}) | {GOALS[(n, gib)]} |")
+    return "\n".join(out + [""])
+
+
 def how_far_markdown() -> str:
     budget = int(A100 * USABLE)
     out = ["## How far can I go?", "",
@@ -142,4 +197,4 @@ def how_far_markdown() -> str:
                              else _fmt_len(longest))
             out.append(f"| {name} | " + " | ".join(cells) + " |")
         out.append("")
-    return "\n".join(out)
+    return "\n".join(out) + "\n" + auto_markdown()

@@ -71,6 +71,18 @@ class TrainConfig:
                                     "step gives the same bits, so a resumed run equals an "
                                     "uninterrupted one")
     export: bool = _f(True, "write a Hugging Face model folder (safetensors) at the end")
+    # --- max-length mode (easy_context.memory.maxlen) and the planner's choice (train/memory_mode.py)
+    mlp_tile: str = _f("auto", "tokens per sequence tile of the MLP and norms (max-length mode): "
+                               "a number, off (untiled), or auto (the planner's: untiled when "
+                               "that fits the device)")
+    head_chunk: str = _f("auto", "query heads per attention chunk (max-length mode): a multiple "
+                                 "or a divisor of the query heads per KV head, off (all heads "
+                                 "at once), or auto (the planner's)")
+    keep_every: int = _f(1, "max-length mode's nested recompute: keep one layer input in K, "
+                            "regenerate the others in backward (1: keep all)")
+    auto_memory: bool = _f(False, "let the planner (easy-context plan --auto) choose "
+                                  "--parallel-mode, --engine, --offload, --checkpointing, "
+                                  "--mlp-tile, --head-chunk and --keep-every for this length")
 
     def sp_size_for(self, world: int) -> int:
         """Ranks per sequence-parallel group in a world of ``world`` ranks."""
@@ -119,6 +131,10 @@ class TrainConfig:
                              "ring_degree ranks do Ulysses)")
         if self.ring_degree is not None and not method.needs_ring_degree:
             raise ValueError(f"--ring-degree applies to usp_attn only, not {method.name}; drop it")
+        for name in ("mlp_tile", "head_chunk"):
+            parse_tiling(getattr(self, name), name)
+        if self.keep_every < 1:
+            raise ValueError(f"--keep-every must be >= 1, got {self.keep_every}")
         parse_rope_scaling(self.rope_scaling)
 
 
@@ -153,6 +169,20 @@ def _coerce(name: str, hint, value):
     except (TypeError, ValueError, OverflowError):
         what = "an integer" if kind is int else "a number"
         raise ValueError(f"{_flag(name)} must be {what}, got {value!r}") from None
+
+
+def parse_tiling(value, name: str = "mlp_tile") -> int | str | None:
+    """--mlp-tile / --head-chunk: "auto", None for "off", or a positive number."""
+    if isinstance(value, str) and value.lower() in ("auto", "off"):
+        return value.lower() if value.lower() == "auto" else None
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        number = 0
+    if number < 1:
+        raise ValueError(f"--{name.replace('_', '-')} must be auto, off or a number >= 1, "
+                         f"got {value!r}")
+    return number
 
 
 def _fields() -> dict[str, dataclasses.Field]:

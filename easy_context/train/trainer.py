@@ -28,6 +28,7 @@ from ..memory.checkpointing import apply_activation_checkpointing
 from ..mesh import ParallelMesh, build_mesh, check_mesh
 from ..parallel import get_method
 from ..sequence_parallel import shard_batch
+from ..utils.allocator import configure_allocator
 from ..utils.memory import PeakMemory
 from .checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, save_config
@@ -35,6 +36,7 @@ from .data import TrainBatches, load_training_dataset
 from .determinism import deterministic_kernels
 from .logs import MetricsLogger
 from .model import build_empty_model, load_tokenizer
+from .memory_mode import apply_memory_mode, resolve_auto_memory
 from .schedule import lr_lambda
 from .weights import params_on_meta
 
@@ -61,7 +63,9 @@ def build_model_and_engine(config: TrainConfig, device: torch.device, mesh: Para
     # would ignore document_ids.
     apply_sequence_parallel(model, config.parallel_mode, group=mesh.sp,
                             ring_degree=config.ring_degree)
-    apply_activation_checkpointing(model, config.checkpointing)
+    sp = config.sp_size_for(dist.get_world_size())
+    if not apply_memory_mode(model, config, sp, device):  # max-length mode checkpoints itself
+        apply_activation_checkpointing(model, config.checkpointing)
     model.train()
     if config.engine == "deepspeed":
         return model, DeepSpeedEngine(model, device, config, pretrained)
@@ -82,6 +86,7 @@ def _step_target_count(micro_batches: list[dict], dp_group, device) -> torch.Ten
 def train(config: TrainConfig, device: torch.device) -> dict:
     """Run (or resume) a training run on this rank. Returns the final metrics on rank 0."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    config = resolve_auto_memory(config, world, device)  # --auto-memory: the planner's setup
     method = get_method(config.parallel_mode)
     sp = config.sp_size_for(world)
     # Every rule of the grid and the method, before any collective: all ranks raise the same.
@@ -184,7 +189,11 @@ def _ensure_process_group(config: TrainConfig) -> torch.device:
 def run_training(config: TrainConfig) -> dict:
     """Entry point on each rank (spawned, torchrun, accelerate or a single process)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    # before any tensor: the allocator the memory planner assumes (utils/allocator.py)
+    allocator = configure_allocator("cuda" if torch.cuda.is_available() else "cpu")
     device = _ensure_process_group(config)
+    if dist.get_rank() == 0:
+        log.info("%s", allocator)
     if dist.get_rank() != 0:
         logging.getLogger("easy_context").setLevel(logging.WARNING)
     # No log.exception here: the error reaches the user once, through launch (RankError) or

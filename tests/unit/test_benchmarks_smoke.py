@@ -74,3 +74,17 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
         assert s["tokens_per_s"] > 0 and s["predicted_bytes"]["above_weights"] > 0, s
     tf = train["attention_tflops"]
     assert tf["easy_context"]["fwd_bwd_s"] > 0 and tf["torch_sdpa"]["fwd_bwd_s"] > 0
+
+
+def test_maxlen_benchmark_ratio_quick(tmp_path):
+    """benchmarks/maxlen.py's tiled/untiled part on a short sequence: two `easy-context train`
+    runs watched from outside, their peaks, step times and the ratios."""
+    out = tmp_path / "maxlen.json"
+    proc = common.run_script(["benchmarks/maxlen.py", "--parts", "ratio", "--ratio-length", "512",
+                              "--repeats", "1", "--output", str(out)], timeout_s=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ratio = json.loads(out.read_text())["ratio"]
+    assert {r["system"] for r in ratio["rows"]} == {"ours-untiled", "ours-maxlen"}
+    assert all(r["ok"] and len(r["rank_peaks_bytes"]) == 2 for r in ratio["rows"])
+    assert ratio["time_ratio"] > 0 and ratio["peak_per_token_ratio"] > 0
+    assert ratio["targets"][0]["target"] == "step time tiled / untiled <= 1.15"

@@ -72,6 +72,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...integrations.hf import CausalLMLoss, plain_lm_head
+from ...memory.maxlen import max_length_settings
 from ..config import TrainConfig
 from ..weights import Pretrained, checkpoint_names
 
@@ -219,9 +220,11 @@ class DeepSpeedEngine:
         # The chunked loss uses the head's weight (and bias) outside the head's forward: ZeRO-3
         # must gather them whenever the root (the loss module) runs, forward and backward.
         head = plain_lm_head(model)
-        if head is not None:
-            for p in head.parameters(recurse=False):
-                register_external_parameter(self.engine.module, p)
+        external = list(head.parameters(recurse=False)) if head is not None else []
+        if max_length_settings(model) is not None:  # max-length mode: the final norm too
+            external += list(model.get_decoder().norm.parameters())
+        for p in external:
+            register_external_parameter(self.engine.module, p)
         # The torch optimizer DeepSpeed steps (on the fp32 partitions): the LR scheduler's.
         self.optimizer = self.engine.optimizer.optimizer
         self._micro = 0

@@ -1,0 +1,334 @@
+"""A decoder layer that never holds a whole-sequence intermediate: its MLP in sequence tiles,
+its attention one group of heads at a time, its own recompute.
+
+For a pre-norm layer (transformers' Llama, Mistral, Qwen2/3, Gemma...)
+
+    h = x + o_proj(attention(rope(q_proj(n1(x))), rope(k_proj(n1(x))), v_proj(n1(x))))
+    y = h + mlp(n2(h))
+
+the untiled layer, recomputed under per-layer checkpointing, holds for every token of the
+sequence the normed input, q, k, v (before and after RoPE), the attention output, h, the
+normed h and the MLP's four I-wide intermediates at once, plus their gradients in backward.
+Here one autograd function computes the layer and keeps only its input x (and, with
+``keep_attention``, each head group's attention output and log-sum-exp); its backward
+recomputes what it needs in pieces:
+
+- attention, ``heads_per_chunk`` query heads at a time (whole KV heads with all their query
+  heads, or a part of one KV head's query heads, its K and V recomputed for each part):
+  n1, the group's rows of q/k/v_proj (and per-head q/k norms) tile by tile, RoPE, then the
+  model's attention function, any sequence-parallel method included (for Ulysses, the
+  all-to-all of the group's heads). The attention result each group records in forward
+  (easy_context.attention.saving) is handed back in backward, so the kernel's forward is not
+  run again there;
+- o_proj, the residual and the MLP with n2 in tiles of ``tile`` tokens; in backward each tile
+  is recomputed and differentiated on its own (as DeepSpeed's TiledMLP does).
+What lives for the whole sequence is x, each group's attention output (and, for Ulysses, its
+head-sharded copy and the lse), the incoming gradient, the gradient of h and that of x;
+every I-wide or norm intermediate is tile x width, every q/k/v a group's heads only.
+
+Parameter gradients are summed over tiles and groups in float32 (in the parameter's dtype
+when that is float32 or wider) and returned by the function, so each parameter receives one
+gradient per step: FSDP's and ZeRO-3's reduction hooks fire once, as for an untiled layer.
+Exact: the same operations on the same numbers, summed in another order (tested against the
+untiled model, loss and every gradient, on 1, 2 and 4 ranks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention.saving import recording, replaying
+
+Tensor = torch.Tensor
+
+
+def tiles(length: int, tile: int) -> list[slice]:
+    return [slice(i, min(i + tile, length)) for i in range(0, length, max(1, tile))]
+
+
+def head_chunks(heads: int, kv_heads: int, per_chunk: int) -> list[tuple[slice, slice]]:
+    """(query-head slice, KV-head slice) per chunk of ``per_chunk`` query heads: whole KV heads
+    (per_chunk a multiple of the ratio heads / kv_heads; the last chunk may be smaller) or a
+    part of one KV head's query heads (per_chunk dividing the ratio)."""
+    r = heads // kv_heads
+    if per_chunk >= r:
+        if per_chunk % r:
+            raise ValueError(f"a head chunk of {per_chunk} query heads splits a group of {r} "
+                             f"query heads sharing a KV head; use a multiple or a divisor of {r}")
+        g = per_chunk // r
+        return [(slice(i * r, min(i + g, kv_heads) * r), slice(i, min(i + g, kv_heads)))
+                for i in range(0, kv_heads, g)]
+    if r % per_chunk:
+        raise ValueError(f"a head chunk of {per_chunk} query heads does not divide the {r} query "
+                         f"heads sharing a KV head; use a divisor or a multiple of {r}")
+    return [(slice(j * r + i, j * r + i + per_chunk), slice(j, j + 1))
+            for j in range(kv_heads) for i in range(0, r, per_chunk)]
+
+
+@dataclass
+class LayerSpec:
+    """The parts of one pre-norm decoder layer, found by structure (easy_context.memory.maxlen)."""
+
+    norm1: nn.Module
+    attn: nn.Module  # q_proj, k_proj, v_proj, o_proj (nn.Linear), optional per-head q_norm/k_norm
+    norm2: nn.Module
+    mlp: nn.Module
+    rope: Callable  # the family's apply_rotary_pos_emb(q, k, cos, sin) on (B, H, S, D)
+    attention: Callable  # () -> the attention function transformers would call now
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    def parameters(self) -> list[nn.Parameter]:
+        # Read at each call: FSDP2 swaps sharded for unsharded parameters around a forward.
+        return [p for m in (self.norm1, self.attn, self.norm2, self.mlp) for p in m.parameters()]
+
+
+@dataclass
+class Run:
+    """One call of the layer: its spec, settings and the attention's keyword arguments."""
+
+    spec: LayerSpec
+    tile: int
+    heads_per_chunk: int  # query heads: a multiple of the GQA ratio, or a divisor of it
+    keep_attention: bool
+    storage: object  # easy_context.memory.offload: DeviceStorage or LayerStorage
+    index: int = 0  # the layer's place in the model (LayerStorage keys by it)
+    attn_kwargs: dict = field(default_factory=dict)
+    attention_mask: Tensor | None = None
+    gathered: Callable = contextlib.nullcontext  # () -> context with the layer's weights whole
+
+    # ---------------------------------------------------------------- head groups
+    def groups(self) -> list[tuple[slice, slice]]:
+        """(query-head slice, KV-head slice) per chunk; query head h uses KV head h // ratio."""
+        return head_chunks(self.spec.heads, self.spec.kv_heads, self.heads_per_chunk)
+
+    def _rows(self, heads: slice) -> slice:
+        d = self.spec.head_dim
+        return slice(heads.start * d, heads.stop * d)
+
+    def group_weights(self, qs: slice, ks: slice) -> list[Tensor | None]:
+        """The group's rows of the q, k, v projections: [wq, bq, wk, bk, wv, bv] (views)."""
+        a, out = self.spec.attn, []
+        for proj, heads in ((a.q_proj, qs), (a.k_proj, ks), (a.v_proj, ks)):
+            rows = self._rows(heads)
+            out += [proj.weight[rows], None if proj.bias is None else proj.bias[rows]]
+        return out
+
+    def project(self, x: Tensor, w: list[Tensor | None], hq: int, hkv: int):
+        """n1(x) through the group's q, k, v rows (+ per-head norms): (B, S, h, D) each."""
+        a, d = self.spec.attn, self.spec.head_dim
+        xn = self.spec.norm1(x)
+        q = F.linear(xn, w[0], w[1]).unflatten(-1, (hq, d))
+        k = F.linear(xn, w[2], w[3]).unflatten(-1, (hkv, d))
+        v = F.linear(xn, w[4], w[5]).unflatten(-1, (hkv, d))
+        if getattr(a, "q_norm", None) is not None:
+            q, k = a.q_norm(q), a.k_norm(k)
+        return q, k, v
+
+    def project_tiled(self, x: Tensor, qs: slice, ks: slice):
+        """The group's q, k, v for the whole sequence, computed tile by tile without grad."""
+        b, s, _ = x.shape
+        hq, hkv, d = qs.stop - qs.start, ks.stop - ks.start, self.spec.head_dim
+        w = self.group_weights(qs, ks)
+        q = x.new_empty(b, s, hq, d)
+        k, v = x.new_empty(b, s, hkv, d), x.new_empty(b, s, hkv, d)
+        for t in tiles(s, self.tile):
+            q[:, t], k[:, t], v[:, t] = self.project(x[:, t], w, hq, hkv)
+        return q, k, v
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """RoPE and the model's attention function on one group: (B, S, h, D) -> (B, S, hq, D)."""
+        a = self.spec.attn
+        qr, kr = self.spec.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        out, _ = self.spec.attention()(
+            a, qr, kr, v.transpose(1, 2), self.attention_mask, dropout=0.0, scaling=a.scaling,
+            sliding_window=getattr(a, "sliding_window", None), **self.attn_kwargs)
+        return out
+
+    # ---------------------------------------------------------------- forward pieces
+    def attention_forward(self, x: Tensor, cos: Tensor, sin: Tensor):
+        """Every group's attention output (B, S, hq, D) and what its function recorded."""
+        outs, recorded = [], []
+        for qs, ks in self.groups():
+            q, k, v = self.project_tiled(x, qs, ks)
+            rec: list = []
+            with recording(rec):
+                outs.append(self.attend(q, k, v, cos, sin))
+            recorded.append(rec)
+            del q, k, v
+        return outs, recorded
+
+    def residual_tile(self, x: Tensor, outs: list[Tensor], t: slice) -> tuple[Tensor, Tensor]:
+        """(h = x + o_proj(attention output), the attention output) for tile t."""
+        o = torch.cat([out[:, t].flatten(2) for out in outs], dim=-1)  # (B, T, Hq * D)
+        proj = self.spec.attn.o_proj
+        return x[:, t] + F.linear(o, proj.weight, proj.bias), o
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """The layer's output without autograd."""
+        with torch.no_grad():
+            return self.output(x, self.attention_forward(x, cos, sin)[0])
+
+    def regenerate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """The forward again, from another layer's backward (the nested recompute): this
+        layer's weights are sharded then, so they are gathered around it."""
+        with self.gathered():
+            return self.forward(x, cos, sin)
+
+    def output(self, x: Tensor, outs: list[Tensor]) -> Tensor:
+        y = torch.empty_like(x)
+        for t in tiles(x.size(1), self.tile):
+            h, _ = self.residual_tile(x, outs, t)
+            y[:, t] = h + self.spec.mlp(self.spec.norm2(h))
+        return y
+
+
+class Grads:
+    """Parameter gradients summed over tiles and groups (float32 for 16-bit parameters)."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        self.acc: dict[int, Tensor] = {}
+
+    def _buf(self, p: Tensor) -> Tensor:
+        if id(p) not in self.acc:
+            dtype = torch.promote_types(p.dtype, torch.float32)
+            self.acc[id(p)] = torch.zeros(p.shape, dtype=dtype, device=p.device)
+        return self.acc[id(p)]
+
+    def add(self, p: Tensor, g: Tensor | None, rows: slice | None = None) -> None:
+        if g is None:
+            return
+        buf = self._buf(p)
+        (buf if rows is None else buf[rows]).add_(g)
+
+    def result(self) -> list[Tensor | None]:
+        return [self.acc[id(p)].to(p.dtype) if id(p) in self.acc else None for p in self.params]
+
+
+def _grad(outputs, inputs: list[Tensor | None], grad_outputs) -> list[Tensor | None]:
+    """torch.autograd.grad over the inputs that require grad (None for the others)."""
+    live = [t for t in inputs if t is not None and t.requires_grad]
+    got = iter(torch.autograd.grad(outputs, live, grad_outputs, allow_unused=True))
+    return [next(got) if t is not None and t.requires_grad else None for t in inputs]
+
+
+def _leaf(t: Tensor | None, requires_grad: bool) -> Tensor | None:
+    return None if t is None else t.detach().requires_grad_(requires_grad)
+
+
+def mlp_backward(run: Run, x: Tensor, outs: list[Tensor], dy: Tensor, grads: Grads) -> Tensor:
+    """Gradient of h (the residual after attention), tile by tile; o_proj's and the MLP's
+    parameter gradients into ``grads``."""
+    spec = run.spec
+    wo = spec.attn.o_proj
+    mlp_params = [p for m in (spec.norm2, spec.mlp) for p in m.parameters()]
+    dh = torch.empty_like(dy)
+    for t in tiles(x.size(1), run.tile):
+        with torch.no_grad():
+            h, o = run.residual_tile(x, outs, t)
+        h.requires_grad_(True)
+        with torch.enable_grad():
+            m = spec.mlp(spec.norm2(h))
+        got = _grad(m, [h, *mlp_params], dy[:, t])
+        dh[:, t] = dy[:, t] + got[0]
+        for p, g in zip(mlp_params, got[1:]):
+            grads.add(p, g)
+        del m, got, h
+        if wo.weight.requires_grad:  # d o_proj.weight = dh^T o over the tile's tokens
+            grads.add(wo.weight, dh[:, t].flatten(0, 1).T.to(o.dtype) @ o.flatten(0, 1))
+        if wo.bias is not None and wo.bias.requires_grad:
+            grads.add(wo.bias, dh[:, t].sum((0, 1)))
+    return dh
+
+
+def attention_backward(run: Run, x: Tensor, cos: Tensor, sin: Tensor, recorded: list,
+                       dh: Tensor, grads: Grads, needs_dx: bool) -> Tensor | None:
+    """Gradient of x: the residual's dh plus, group by group, the attention's through n1 and the
+    group's projections (recomputed tile by tile); their parameter gradients into ``grads``."""
+    spec = run.spec
+    a = spec.attn
+    dx = dh.clone() if needs_dx else None
+    n1_params = list(spec.norm1.parameters())
+    head_norms = [p for n in ("q_norm", "k_norm") if getattr(a, n, None) is not None
+                  for p in getattr(a, n).parameters()]
+    projs = (a.q_proj, a.k_proj, a.v_proj)
+    for (qs, ks), rec in zip(run.groups(), recorded):
+        hq, hkv = qs.stop - qs.start, ks.stop - ks.start
+        with torch.no_grad():
+            q, k, v = run.project_tiled(x, qs, ks)
+        q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
+        with torch.enable_grad(), replaying(rec):
+            out = run.attend(q, k, v, cos, sin)  # the recorded result: no kernel forward
+        # d out = dh @ o_proj.weight[:, the group's columns]
+        dout = (dh @ a.o_proj.weight[:, run._rows(qs)].to(dh.dtype)).view_as(out)
+        dq, dk, dv = torch.autograd.grad(out, [q, k, v], dout)
+        del out, dout, q, k, v
+        owners = [t for proj in projs for t in (proj.weight, proj.bias)]
+        leaves = [None if t is None else _leaf(t, p.requires_grad)
+                  for t, p in zip(run.group_weights(qs, ks), owners)]
+        rows = [run._rows(qs), run._rows(ks), run._rows(ks)]
+        for t in tiles(x.size(1), run.tile):
+            xt = x[:, t].detach().requires_grad_(needs_dx)
+            with torch.enable_grad():
+                qt, kt, vt = run.project(xt, leaves, hq, hkv)
+            got = _grad((qt, kt, vt), [xt, *leaves, *n1_params, *head_norms],
+                        (dq[:, t], dk[:, t], dv[:, t]))
+            if needs_dx:
+                dx[:, t] += got[0]
+            for i, g in enumerate(got[1:7]):
+                grads.add(owners[i], g, rows[i // 2])
+            for p, g in zip(n1_params + head_norms, got[7:]):
+                grads.add(p, g)
+            del qt, kt, vt, got
+        del dq, dk, dv
+    return dx
+
+
+class FusedLayer(torch.autograd.Function):
+    """(run, x (B, S, H), cos, sin, *layer parameters) -> the layer's output (B, S, H)."""
+
+    @staticmethod
+    def forward(ctx, run: Run, x: Tensor, cos: Tensor, sin: Tensor, *params: Tensor) -> Tensor:
+        outs, recorded = run.attention_forward(x, cos, sin)
+        y = run.output(x, outs)
+        ctx.run = run
+        ctx.save_for_backward(cos, sin)
+        if run.keep_attention:
+            # per group, the length of each recorded result (e.g. (out, lse)): to unflatten
+            ctx.layout = [[len(result) for result in rec] for rec in recorded]
+            flat = [t for rec in recorded for result in rec for t in result]
+            kept = [x, *outs, *flat]
+        else:
+            kept = [x]
+        ctx.handle = run.storage.pack(kept, run.index, lambda x: run.regenerate(x, cos, sin))
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        run = ctx.run
+        cos, sin = ctx.saved_tensors
+        kept = run.storage.unpack(ctx.handle)
+        ctx.handle = None
+        x = kept[0]
+        if len(kept) > 1:  # the attention was kept (a nested recompute regenerates x only)
+            n = len(ctx.layout)
+            outs, flat = kept[1:1 + n], iter(kept[1 + n:])
+            recorded = [[tuple(next(flat) for _ in range(k)) for k in rec] for rec in ctx.layout]
+        else:
+            with torch.no_grad():
+                outs, recorded = run.attention_forward(x, cos, sin)
+        del kept
+        params = run.spec.parameters()
+        grads = Grads(params)
+        dh = mlp_backward(run, x, outs, dy, grads)
+        del outs
+        dx = attention_backward(run, x, cos, sin, recorded, dh, grads, ctx.needs_input_grad[1])
+        return (None, dx, None, None, *grads.result())

@@ -1,0 +1,293 @@
+"""Max-length mode: every decoder layer fused and tiled, the final norm folded into the loss.
+
+    apply_max_length(model, mlp_tile=4096, heads_per_chunk=4, checkpointing="offload")
+
+replaces each decoder layer's forward with :class:`~easy_context.memory.fused_layer.FusedLayer`
+(its MLP and norms over sequence tiles of ``mlp_tile`` tokens, its attention ``heads_per_chunk``
+query heads at a time, its own recompute) and lets ``causal_lm_loss`` apply the final norm chunk by
+chunk inside the chunked loss (easy_context.memory.tiled_loss), so no whole-sequence
+intermediate of a layer, and no float32 copy of the hidden states, ever exists. The layers
+keep, between forward and backward:
+
+    checkpointing  kept per layer                         where
+    full           its input                              device
+    offload        its input                              host, prefetched one layer ahead
+    attention      its input, each head group's attention output and lse   device
+    none           as attention (the fused layer always recomputes its MLP)
+
+``keep_every = k > 1`` adds a nested recompute: only every k-th layer input is kept, the
+others are regenerated in backward (easy_context.memory.offload).
+
+Which layers: pre-norm decoder layers, found by their structure, not by model name: the
+children ``input_layernorm``, ``self_attn`` (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``
+linear layers, optional per-head ``q_norm``/``k_norm``), ``post_attention_layernorm`` and
+``mlp``, and nothing else (Llama, Mistral, Qwen2 and Qwen3, Gemma...). Anything else
+(post-norm layers such as OLMo-2's, fused qkv projections, norms over all heads) raises a
+ValueError that says what is missing. Generation with a KV cache runs the layers unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import sys
+import types
+
+import torch
+from torch import nn
+
+from .fused_layer import FusedLayer, LayerSpec, Run, head_chunks
+from .offload import DeviceStorage, LayerStorage
+
+KINDS = ("none", "full", "offload", "attention")
+_LAYER_CHILDREN = {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
+_ATTN_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj"}
+_STATE = "_easy_context_max_length"
+_CACHE_KEYS = ("cache", "past_key_values", "past_key_value", "use_cache", "cache_position",
+               "output_attentions")
+_SKIP_FINAL_NORM: contextvars.ContextVar = contextvars.ContextVar("ec_skip_final_norm",
+                                                                  default=False)
+
+
+def _text_config(model: nn.Module):
+    c = model.config
+    return c.get_text_config() if hasattr(c, "get_text_config") else c
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers in the order the model runs them (its decoder's ``layers`` list)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise ValueError(f"max-length mode: {type(model).__name__} has no decoder.layers list")
+    return list(layers)
+
+
+def layer_spec(layer: nn.Module, config) -> LayerSpec:
+    """The parts of a pre-norm decoder layer, or a ValueError naming what does not fit."""
+    name = type(layer).__name__
+    children = {n for n, _ in layer.named_children()}
+    if children != _LAYER_CHILDREN:
+        raise ValueError(
+            f"max-length mode fuses pre-norm decoder layers (children {sorted(_LAYER_CHILDREN)}); "
+            f"{name} has {sorted(children)}. Train this model without --mlp-tile/--head-chunk")
+    attn = layer.self_attn
+    a_children = {n for n, _ in attn.named_children()}
+    extra = a_children - _ATTN_CHILDREN - {"q_norm", "k_norm"}
+    if not _ATTN_CHILDREN <= a_children or extra:
+        raise ValueError(f"max-length mode needs separate q_proj/k_proj/v_proj/o_proj linear "
+                         f"layers; {type(attn).__name__} has {sorted(a_children)}")
+    if not all(isinstance(getattr(attn, n), nn.Linear) for n in _ATTN_CHILDREN):
+        raise ValueError(f"{type(attn).__name__}: q/k/v/o projections must be nn.Linear")
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = attn.head_dim
+    if attn.q_proj.out_features != heads * head_dim or attn.k_proj.out_features != kv_heads * head_dim:
+        raise ValueError(f"{type(attn).__name__}: q_proj/k_proj widths do not match {heads} / "
+                         f"{kv_heads} heads of {head_dim}")
+    for n in ("q_norm", "k_norm"):
+        norm = getattr(attn, n, None)
+        width = getattr(norm, "weight", None)
+        if norm is not None and (width is None or width.numel() != head_dim):
+            raise ValueError(f"{type(attn).__name__}.{n} normalises across heads (width "
+                             f"{None if width is None else width.numel()}, head_dim {head_dim}): "
+                             "attention cannot be computed a group of heads at a time")
+    module = sys.modules[type(attn).__module__]
+    rope = getattr(attn, "rotary_fn", None) or getattr(module, "apply_rotary_pos_emb", None)
+    if rope is None:
+        raise ValueError(f"{type(attn).__name__}: no apply_rotary_pos_emb in {module.__name__}")
+    eager = getattr(module, "eager_attention_forward", None)
+
+    def attention():
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        return ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager)
+
+    return LayerSpec(layer.input_layernorm, attn, layer.post_attention_layernorm, layer.mlp,
+                     rope, attention, heads, kv_heads, head_dim)
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why max-length mode cannot fuse this model's layers, or None when it can."""
+    try:
+        config = _text_config(model)
+        for layer in decoder_layers(model):
+            layer_spec(layer, config)
+    except (ValueError, AttributeError) as e:
+        return str(e)
+    return None
+
+
+class _State:
+    """What every patched layer of one model shares: its settings and the layer storage."""
+
+    def __init__(self, mlp_tile: int, heads_per_chunk: int, checkpointing: str,
+                 keep_every: int, layers: int):
+        self.mlp_tile, self.heads_per_chunk = mlp_tile, heads_per_chunk
+        self.checkpointing, self.keep_every = checkpointing, keep_every
+        self.keep_attention = checkpointing in ("attention", "none")
+        offload = checkpointing == "offload"
+        self.storage = (LayerStorage(layers, offload=offload, keep_every=keep_every)
+                        if offload or keep_every > 1 else DeviceStorage())
+
+
+def _fused_forward(self, hidden_states, *args, attention_mask=None, position_ids=None,
+                   position_embeddings=None, **kwargs):
+    state, spec, index = self._ec_max_length
+    if args or position_embeddings is None or any(
+            kwargs.get(k) is not None and kwargs.get(k) is not False for k in _CACHE_KEYS):
+        # generation with a cache, or a call we do not recognise: the layer as it was
+        return self._ec_original_forward(hidden_states, *args, attention_mask=attention_mask,
+                                         position_ids=position_ids,
+                                         position_embeddings=position_embeddings, **kwargs)
+    attn_kwargs = {k: v for k, v in kwargs.items() if k not in _CACHE_KEYS}
+    attn_kwargs["position_ids"] = position_ids
+    run = Run(spec, state.mlp_tile, state.heads_per_chunk, state.keep_attention, state.storage,
+              index, attn_kwargs, attention_mask, lambda: _gathered(self))
+    cos, sin = position_embeddings
+    if not torch.is_grad_enabled():
+        return run.forward(hidden_states, cos, sin)
+    return FusedLayer.apply(run, hidden_states, cos, sin, *spec.parameters())
+
+
+@contextlib.contextmanager
+def _gathered(layer: nn.Module):
+    """The layer's whole weights outside its own forward/backward (a collective: every rank
+    regenerates the same layers in the same order): FSDP2's unshard/reshard, ZeRO-3's
+    GatheredParameters, nothing for unsharded models."""
+    if hasattr(layer, "unshard") and hasattr(layer, "reshard"):  # an FSDP2 FSDPModule
+        layer.unshard()
+        try:
+            yield
+        finally:
+            layer.reshard()
+    elif any(hasattr(p, "ds_id") for p in layer.parameters()):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(layer.parameters())):
+            yield
+    else:
+        yield
+
+
+def _check_chunks(model: nn.Module, spec: LayerSpec, heads_per_chunk: int) -> None:
+    """Every head chunk must suit the sequence-parallel method the model was switched to."""
+    from ..integrations.hf import SequenceParallelSettings, _SETTINGS_ATTR
+    from ..mesh import group_size
+    from ..parallel import get_method
+
+    chunks = head_chunks(spec.heads, spec.kv_heads, heads_per_chunk)  # raises if it splits badly
+    settings = getattr(spec.attn, _SETTINGS_ATTR, None)
+    if not isinstance(settings, SequenceParallelSettings):
+        return
+    world = group_size(settings.group)
+    if world == 1:
+        return
+    for hq, hkv in sorted({(q.stop - q.start, k.stop - k.start) for q, k in chunks}):
+        try:
+            get_method(settings.method).check(hq, hkv, world, settings.ring_degree)
+        except ValueError as e:
+            raise ValueError(f"head chunks of {hq} query heads ({hkv} KV heads) do not suit "
+                             f"{settings.method} over {world} ranks: {e}. Choose another "
+                             "--head-chunk (query heads per chunk)") from None
+
+
+def apply_max_length(model: nn.Module, mlp_tile: int, heads_per_chunk: int,
+                     checkpointing: str = "full", keep_every: int = 1) -> nn.Module:
+    """Fuse and tile every decoder layer of ``model`` (see the module docstring). Call after
+    :func:`easy_context.apply_sequence_parallel` (the head groups are checked against its
+    method) and before sharding the model (FSDP, ZeRO-3)."""
+    if checkpointing not in KINDS:
+        raise ValueError(f"checkpointing must be one of {KINDS}, got {checkpointing!r}")
+    if mlp_tile < 1 or heads_per_chunk < 1 or keep_every < 1:
+        raise ValueError(f"mlp_tile ({mlp_tile}), heads_per_chunk ({heads_per_chunk}) "
+                         f"and keep_every ({keep_every}) must be >= 1")
+    config = _text_config(model)
+    layers = decoder_layers(model)
+    specs = [layer_spec(layer, config) for layer in layers]
+    heads_per_chunk = min(heads_per_chunk, specs[0].heads)
+    _check_chunks(model, specs[0], heads_per_chunk)
+    state = _State(mlp_tile, heads_per_chunk, checkpointing, keep_every, len(layers))
+    for index, (layer, spec) in enumerate(zip(layers, specs)):
+        if not hasattr(layer, "_ec_original_forward"):
+            layer._ec_original_forward = layer.forward
+        layer._ec_max_length = (state, spec, index)
+        layer.forward = types.MethodType(_fused_forward, layer)
+        _mark_zero3_leaf(layer)
+    _fold_final_norm(model)
+    _tile_rotary(model)
+    setattr(model, _STATE, state)
+    return model
+
+
+def _mark_zero3_leaf(layer: nn.Module) -> None:
+    # ZeRO-3 gathers a module's parameters when *that module's* forward runs; the fused layer
+    # uses its submodules' weights directly, so the whole layer must be gathered at once: a
+    # "leaf module" (what deepspeed.utils.set_z3_leaf_module sets, without importing DeepSpeed).
+    layer._z3_leaf = True
+
+
+def _fold_final_norm(model: nn.Module) -> None:
+    decoder = model.get_decoder()
+    norm = getattr(decoder, "norm", None)
+    if norm is None or hasattr(norm, "_ec_original_forward"):
+        return
+    norm._ec_original_forward = norm.forward
+
+    def forward(self, hidden_states):
+        # Inside max_length_loss the loss applies this norm chunk by chunk.
+        return hidden_states if _SKIP_FINAL_NORM.get() else self._ec_original_forward(hidden_states)
+
+    norm.forward = types.MethodType(forward, norm)
+
+
+ROPE_TILE = 16384  # positions per piece of the RoPE tables (their float32 intermediates)
+
+
+def _tile_rotary(model: nn.Module) -> None:
+    """Build the RoPE cos/sin tables piece by piece: transformers computes them in float32 for
+    the whole sequence (four float32 (S, head_dim) intermediates) before casting them to the
+    model's dtype. Rope types that rescale with the sequence length (dynamic, longrope) look at
+    all positions at once and keep the one-piece computation."""
+    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    if rotary is None or hasattr(rotary, "_ec_original_forward") or \
+            getattr(rotary, "rope_type", None) not in ("default", "linear", "llama3", "yarn"):
+        return
+    rotary._ec_original_forward = rotary.forward
+
+    def forward(self, x, position_ids, **kw):
+        if position_ids.size(-1) <= ROPE_TILE:
+            return self._ec_original_forward(x, position_ids, **kw)
+        pieces = [self._ec_original_forward(x, position_ids[..., i:i + ROPE_TILE], **kw)
+                  for i in range(0, position_ids.size(-1), ROPE_TILE)]
+        return tuple(torch.cat(parts, dim=-2) for parts in zip(*pieces))
+
+    rotary.forward = types.MethodType(forward, rotary)
+
+
+def max_length_settings(model: nn.Module):
+    """The model's max-length state (tile, chunk, checkpointing), or None when it is off."""
+    return getattr(model, _STATE, None)
+
+
+@contextlib.contextmanager
+def final_norm_skipped():
+    token = _SKIP_FINAL_NORM.set(True)
+    try:
+        yield
+    finally:
+        _SKIP_FINAL_NORM.reset(token)
+
+
+def max_length_loss(model: nn.Module, head: nn.Linear, input_ids, position_ids, target_ids,
+                    extra: dict, chunk_size: int, group=None, num_items_in_batch=None):
+    """causal_lm_loss's chunked loss in max-length mode: the decoder without its final norm,
+    then norm, head and cross-entropy chunk by chunk (easy_context.memory.tiled_loss)."""
+    from .tiled_loss import normed_chunked_cross_entropy
+
+    with final_norm_skipped():
+        hidden = model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
+                                     use_cache=False, **extra).last_hidden_state
+    return normed_chunked_cross_entropy(hidden, model.get_decoder().norm, head.weight, target_ids,
+                                        head.bias, chunk_size=chunk_size, group=group,
+                                        num_items_in_batch=num_items_in_batch)

@@ -1,0 +1,176 @@
+"""Where a fused layer (easy_context.memory.fused_layer) keeps its input between forward and
+backward: on the device, or in host memory with the next one copied back ahead of time.
+
+``LayerStorage`` copies each layer's kept tensors to host memory in forward (pinned, on a side
+CUDA stream, so the copy overlaps the next layer's compute) and, in backward, when layer l's
+tensors are taken back, starts copying layer l-1's to the device on that stream: by the time
+layer l's backward (seconds at long contexts) is done, l-1's input is there. At most two
+layers' tensors are on the device at once (the one in use and the one arriving: a double
+buffer), against all of them with ``DeviceStorage``. The last layer's tensors are needed
+first, right after the loss, so they stay on the device.
+
+On a CPU the same code runs without streams (the "host" copy is a plain copy in the same
+memory, which saves nothing there; the planner never picks it on a CPU).
+
+Two-level (nested) recompute, for when host memory is the limit: with ``keep_every = k``
+only every k-th layer's input is copied out; the others are regenerated in backward by
+running the layers from the last kept input forward again (without autograd), once per
+group of k layers, so host memory holds L/k + k layer inputs instead of L, for one more
+forward of each layer (easy_context.memory.maxlen wires the layers' forwards in).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+Tensor = torch.Tensor
+
+
+class DeviceStorage:
+    """Keep the tensors where they are (plain checkpointing)."""
+
+    def pack(self, tensors: list[Tensor], index: int | None = None, forward=None):
+        return tensors
+
+    def unpack(self, handle) -> list[Tensor]:
+        return list(handle)
+
+
+class _Entry:
+    """One layer's kept tensors: on the host, possibly on their way back to the device."""
+
+    def __init__(self, host: list[Tensor], device: torch.device, ready=None):
+        self.host, self.device = host, device
+        self.ready = ready  # CUDA event: the host copy is complete
+        self.arriving: list[Tensor] | None = None  # prefetched device copies
+        self.arrived = None  # CUDA event: the prefetch is complete
+
+
+class LayerStorage:
+    """Layer inputs in host memory, the previous layer's prefetched while one runs backward.
+
+    ``layers``: how many layers pack per forward (the last one stays on the device);
+    ``offload``: False keeps the tensors on the device (for the nested recompute alone);
+    ``keep_every``: keep every k-th layer's input only (nested recompute, k > 1).
+    """
+
+    def __init__(self, layers: int, offload: bool = True, keep_every: int = 1):
+        if keep_every < 1:
+            raise ValueError(f"keep_every must be >= 1, got {keep_every}")
+        self.layers, self.offload, self.keep_every = layers, offload, keep_every
+        self.entries: dict[int, object] = {}
+        self.forwards: dict[int, Callable | None] = {}
+        self._stream = None
+
+    # ---------------------------------------------------------------- streams
+    def _side_stream(self, device: torch.device):
+        if device.type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
+
+    def _to_host(self, tensors: list[Tensor]) -> tuple[list[Tensor], object]:
+        if not self.offload:
+            return list(tensors), None
+        dev = tensors[0].device
+        stream = self._side_stream(dev)
+        if stream is None:
+            return [t.detach().clone() for t in tensors], None
+        stream.wait_stream(torch.cuda.current_stream(dev))  # the tensors are computed
+        seen: dict[tuple, Tensor] = {}
+        host = []
+        with torch.cuda.stream(stream):
+            for t in tensors:
+                key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+                if key not in seen:  # one copy of tensors that alias (a group's out and its record)
+                    seen[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                    seen[key].copy_(t, non_blocking=True)
+                    t.record_stream(stream)  # not reused by the allocator before the copy ends
+                host.append(seen[key])
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return host, ready
+
+    def _to_device(self, entry: _Entry) -> None:
+        if not self.offload:
+            entry.arriving = list(entry.host)
+            return
+        stream = self._side_stream(entry.device)
+        if stream is None:  # a real copy on a CPU too, so it holds what a GPU would
+            entry.arriving = [h.to(entry.device, copy=True) for h in entry.host]
+            return
+        with torch.cuda.stream(stream):
+            stream.wait_event(entry.ready)
+            copies: dict[int, Tensor] = {}
+            entry.arriving = []
+            for h in entry.host:
+                if id(h) not in copies:
+                    copies[id(h)] = h.to(entry.device, non_blocking=True)
+                entry.arriving.append(copies[id(h)])
+            entry.arrived = torch.cuda.Event()
+            entry.arrived.record(stream)
+
+    def _fetch_now(self, entry: _Entry) -> list[Tensor]:
+        """A device copy of an entry's tensors, ready on the current stream (not prefetched)."""
+        self._to_device(entry)
+        tensors, entry.arriving = entry.arriving, None
+        if entry.arrived is not None:
+            current = torch.cuda.current_stream(entry.device)
+            current.wait_event(entry.arrived)
+            for t in tensors:
+                t.record_stream(current)
+        entry.arrived = None
+        return tensors
+
+    # ---------------------------------------------------------------- pack / unpack
+    def pack(self, tensors: list[Tensor], index: int,
+             forward: Callable[[Tensor], Tensor] | None = None):
+        """Keep layer ``index``'s tensors; ``forward(x) -> layer output`` (no autograd) lets
+        the nested recompute regenerate the next layer's input. Returns the handle."""
+        if index == 0:
+            self.entries, self.forwards = {}, {}  # a new forward pass
+        self.forwards[index] = forward
+        if index == self.layers - 1:
+            self.entries[index] = list(tensors)  # needed first in backward: stays put
+        elif index % self.keep_every == 0:
+            host, ready = self._to_host(tensors)
+            self.entries[index] = _Entry(host, tensors[0].device, ready)
+        else:  # nested recompute: regenerated from the last kept input in backward
+            self.entries[index] = None
+        return index
+
+    def unpack(self, index: int) -> list[Tensor]:
+        entry = self.entries.pop(index)
+        if entry is None:
+            entry = self._regenerate(index)
+        if isinstance(entry, list):
+            tensors = entry
+        elif entry.arriving is None:  # not prefetched: the first one
+            tensors = self._fetch_now(entry)
+        else:
+            tensors = entry.arriving
+            if entry.arrived is not None:
+                current = torch.cuda.current_stream(entry.device)
+                current.wait_event(entry.arrived)
+                for t in tensors:
+                    t.record_stream(current)
+        self.forwards.pop(index, None)
+        previous = self.entries.get(index - 1)
+        if isinstance(previous, _Entry) and previous.arriving is None:
+            self._to_device(previous)  # overlaps this layer's backward
+        return tensors
+
+    def _regenerate(self, index: int) -> list[Tensor]:
+        """Run layers first..index-1 forward again from the last kept input (layer first's),
+        keep the inputs they produce on the host, return layer index's (on the device)."""
+        first = index - index % self.keep_every
+        x = self._fetch_now(self.entries[first])[0]
+        for i in range(first, index):
+            x = self.forwards[i](x)
+            if i + 1 < index:
+                host, ready = self._to_host([x])
+                self.entries[i + 1] = _Entry(host, x.device, ready)
+        return [x]

@@ -1,0 +1,106 @@
+"""Rank functions for max-length mode: the fused, tiled, head-chunked model against the plain one.
+
+Each rank builds the same tiny model and batch (same seeds); the reference is the plain model
+on the whole batch in this process (no collectives, untiled, sdpa); the max-length model runs
+sequence-parallel on this rank's shard. Returns (loss relative error, worst gradient error
+relative to each parameter's max |grad|, gradients summed over ranks).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import easy_context as ec
+from easy_context.attention.documents import document_ids_from_positions
+from easy_context.memory.maxlen import apply_max_length
+
+from .hf_cases import FAMILIES, make_batch, reference_loss
+
+# 8 query / 4 KV heads: head chunks of 2 or 4 query heads (1 or 2 KV heads) split over 2 and 4
+# Ulysses ranks; chunks of 1 query head take half of a KV head's.
+SHAPE = dict(vocab_size=97, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+             num_attention_heads=8, num_key_value_heads=4, head_dim=8,
+             max_position_embeddings=512, attention_dropout=0.0)
+
+
+def tiny(family: str, seed: int = 0, **overrides):
+    config = AutoConfig.for_model(family, **{**SHAPE, **FAMILIES[family], **overrides})
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
+
+
+def grad_errors(model, ref, world: int) -> float:
+    worst = 0.0
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        if world > 1:
+            dist.all_reduce(g)
+        scale = r.grad.abs().max().clamp(min=1e-6)
+        worst = max(worst, ((g - r.grad).abs().max() / scale).item())
+    return worst
+
+
+def check_max_length(family: str, method: str, cases: list[tuple], ring_degree: int | None = None,
+                     packed: bool = False) -> dict:
+    """{case: (loss error, grad error)} for each (mlp_tile, heads_per_chunk, checkpointing,
+    keep_every) in ``cases``."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    base = tiny(family)
+    length = 2 * world * 6
+    inputs, positions, targets = make_batch(length, base.config.vocab_size)
+    doc = None
+    if packed:  # three documents per row, straddling the shards
+        positions = positions.clone()
+        for cut in (5, length // 2 + 3):
+            positions[:, cut:] -= positions[:, cut:cut + 1].clone()
+        targets = targets.clone()
+        targets[:, 4] = targets[:, length // 2 + 2] = -100
+        doc = document_ids_from_positions(positions)
+    ref = copy.deepcopy(base)
+    if packed:
+        total, count = 0.0, 0
+        for row in range(inputs.size(0)):
+            starts = [0] + [i for i in range(1, length) if positions[row, i] == 0]
+            for a, b in zip(starts, starts[1:] + [length]):
+                logits = ref(input_ids=inputs[row:row + 1, a:b]).logits.float()
+                total = total + torch.nn.functional.cross_entropy(
+                    logits[0], targets[row, a:b], ignore_index=-100, reduction="sum")
+                count += int((targets[row, a:b] != -100).sum())
+        ref_loss = total / count
+    else:
+        ref_loss = reference_loss(ref, inputs, positions, targets)
+    ref_loss.backward()
+    report = {}
+    for tile, chunk, kind, keep_every in cases:
+        model = copy.deepcopy(base)
+        ec.apply_sequence_parallel(model, method, ring_degree=ring_degree)
+        apply_max_length(model, tile, chunk, kind, keep_every=keep_every)
+        local = ec.prepare_seq_parallel_inputs(method, inputs, positions, targets, rank, world,
+                                               "cpu", ring_degree=ring_degree)
+        kw = {}
+        if doc is not None:
+            kw["document_ids"] = ec.shard_sequence(doc, method, rank, world,
+                                                   ring_degree=ring_degree)
+        loss = ec.causal_lm_loss(model, local["local_input_ids"], local["local_position_ids"],
+                                 local["local_target_ids"], chunked=True, chunk_size=5, **kw)
+        loss.backward()
+        loss_err = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+        report[f"tile={tile} chunk={chunk} {kind} keep_every={keep_every}"] = (
+            loss_err, grad_errors(model, ref, world))
+    return report
+
+
+def max_length_error(family: str, method: str, chunk: int, ring_degree: int | None = None,
+                     **overrides) -> str:
+    """The ValueError apply_max_length raises for this model / method / chunk."""
+    model = tiny(family, **overrides)
+    ec.apply_sequence_parallel(model, method, ring_degree=ring_degree)
+    try:
+        apply_max_length(model, 4, chunk, "full")
+    except ValueError as e:
+        return str(e)
+    return "no error"
