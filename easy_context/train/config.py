@@ -71,6 +71,13 @@ class TrainConfig:
                                     "step gives the same bits, so a resumed run equals an "
                                     "uninterrupted one")
     export: bool = _f(True, "write a Hugging Face model folder (safetensors) at the end")
+    # --- LoRA (easy_context/train/lora.py; the lora extra: peft)
+    lora_rank: int = _f(None, "train rank-R LoRA adapters on the frozen model (peft); checkpoints "
+                              "and the export hold the adapters only")
+    lora_alpha: float = _f(None, "LoRA scale: the adapters add alpha/rank x B A x (default: 2 x rank)")
+    lora_targets: str = _f("all-linear", "LoRA: the decoder layers' linear modules to adapt, by "
+                                         "name (q_proj,v_proj), or all-linear")
+    merge: bool = _f(False, "LoRA: also export the model with the adapters merged in (final_model/)")
 
     def sp_size_for(self, world: int) -> int:
         """Ranks per sequence-parallel group in a world of ``world`` ranks."""
@@ -91,7 +98,7 @@ class TrainConfig:
             raise ValueError("--dataset is required (a save_to_disk folder, or a dataset name)")
         method = get_method(self.parallel_mode)  # the user's spelling (an alias) is kept
         positive = ("seq_length", "batch_size", "gradient_accumulate_every", "max_train_steps",
-                    "log_every", "nproc_per_node", "sp_size", "ring_degree")
+                    "log_every", "nproc_per_node", "sp_size", "ring_degree", "lora_rank")
         for name in positive:
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -120,6 +127,17 @@ class TrainConfig:
         if self.ring_degree is not None and not method.needs_ring_degree:
             raise ValueError(f"--ring-degree applies to usp_attn only, not {method.name}; drop it")
         parse_rope_scaling(self.rope_scaling)
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        if self.lora_rank is None:
+            given = [flag for flag, on in (("--lora-alpha", self.lora_alpha is not None),
+                                           ("--lora-targets", self.lora_targets != "all-linear"),
+                                           ("--merge", self.merge)) if on]
+            if given:
+                raise ValueError(f"{', '.join(given)} apply to LoRA: add --lora-rank R")
+        elif self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise ValueError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
 
 
 def _flag(name: str) -> str:
