@@ -93,6 +93,13 @@ def check_packages(config: TrainConfig) -> None:
     for package, (flag, wanted) in needed.items():
         if wanted and importlib.util.find_spec(package) is None:
             raise ValueError(f"{flag} needs the {package} package: pip install {package}")
+    if config.lora_rank:
+        from .lora import require_peft
+
+        try:
+            require_peft()
+        except ImportError as e:  # a usage error, as for the packages above
+            raise ValueError(str(e)) from None
 
 
 def preflight(config: TrainConfig, model: bool = True) -> None:
