@@ -327,13 +327,14 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
                     engine: str = "deepspeed", offload: str = "none", checkpointing: str = "full",
                     dtype: str = "bf16", *, loss_chunk: int | str | None = "auto",
                     ring_degree: int | None = None, runtime_bytes: int | None = None,
-                    device: str = "gpu") -> MemoryEstimate:
+                    device: str = "gpu", lora=None) -> MemoryEstimate:
     """Predicted peak memory per device of one training step (see the module docstring).
 
     method: a key of easy_context.METHODS, or "local" on one device. loss_chunk: "auto" (what
     causal_lm_loss uses: easy_context.memory.loss.default_chunk_size), or rows of the
     chunked loss (None: the full-logits loss). runtime_bytes: the per-process constant
-    (default: GPU_RUNTIME_BYTES, or CPU_RUNTIME_BYTES with device="cpu").
+    (default: GPU_RUNTIME_BYTES, or CPU_RUNTIME_BYTES with device="cpu"). lora: a
+    easy_context.plan.lora.LoRASpec for a LoRA run (frozen base, adapters trained).
     """
     for value, allowed, what in ((engine, ENGINES, "engine"), (offload, OFFLOADS, "offload"),
                                  (checkpointing, CHECKPOINTING, "checkpointing"),
@@ -349,7 +350,7 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
                                                   checkpointing, ring_degree)
     if runtime_bytes is None:
         runtime_bytes = CPU_RUNTIME_BYTES if device == "cpu" else GPU_RUNTIME_BYTES
-    return MemoryEstimate(
+    est = MemoryEstimate(
         model=model_shape.name, seq_len=seq_len, world_size=world_size, method=method,
         engine=engine, offload=offload, checkpointing=checkpointing, dtype=dtype,
         parameters=st.params, gradients=st.grads, gradients_in_backward=st.grads_in_backward,
@@ -361,6 +362,11 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
         host_bytes=st.host + act_host,
         communication_per_layer=communication_per_layer(model_shape, s, a, method, world_size,
                                                         ring_degree))
+    if lora is not None:
+        from .lora import with_lora
+
+        est = with_lora(est, model_shape, lora, _chunk_rows(loss_chunk, model_shape))
+    return est
 
 
 __all__ = ["MemoryEstimate", "States", "estimate_memory", "model_states", "activations",

@@ -78,6 +78,8 @@ class TrainConfig:
     lora_targets: str = _f("all-linear", "LoRA: the decoder layers' linear modules to adapt, by "
                                          "name (q_proj,v_proj), or all-linear")
     merge: bool = _f(False, "LoRA: also export the model with the adapters merged in (final_model/)")
+    lora_4bit: bool = _f(False, "QLoRA: hold the decoder layers' linear weights in 4-bit NF4 on "
+                                "every rank (bitsandbytes; --engine fsdp)")
 
     def sp_size_for(self, world: int) -> int:
         """Ranks per sequence-parallel group in a world of ``world`` ranks."""
@@ -133,11 +135,15 @@ class TrainConfig:
         if self.lora_rank is None:
             given = [flag for flag, on in (("--lora-alpha", self.lora_alpha is not None),
                                            ("--lora-targets", self.lora_targets != "all-linear"),
-                                           ("--merge", self.merge)) if on]
+                                           ("--merge", self.merge),
+                                           ("--lora-4bit", self.lora_4bit)) if on]
             if given:
                 raise ValueError(f"{', '.join(given)} apply to LoRA: add --lora-rank R")
         elif self.lora_alpha is not None and not self.lora_alpha > 0:
             raise ValueError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
+        if self.lora_4bit and self.engine != "fsdp":
+            raise ValueError("--lora-4bit needs --engine fsdp: ZeRO-3 would partition the 4-bit "
+                             "weights, whose layout does not survive it")
 
 
 def _flag(name: str) -> str:

@@ -133,13 +133,19 @@ def inject_lora(model: nn.Module, lora) -> dict[str, nn.Module]:
 
 
 def add_lora(model: nn.Module, pretrained: Pretrained, config: TrainConfig,
-             context: contextlib.AbstractContextManager | None = None):
+             context: contextlib.AbstractContextManager | None = None,
+             device: torch.device = torch.device("cpu")):
     """Inject the adapters into ``model`` (built empty) in ``context`` (the context the model
-    was built in: the adapters are made empty too), and return (model, where its weights
-    come from)."""
+    was built in: the adapters are made empty too), with --lora-4bit quantize the base onto
+    ``device`` (easy_context/train/qlora.py), and return (model, where its weights come from)."""
     lora = peft_config(config)
     with context or contextlib.nullcontext():
         modules = inject_lora(model, lora)
+    if config.lora_4bit:
+        from .qlora import quantize_base
+
+        quantized = quantize_base(model, pretrained.folder(), device, base_name)
+        log.info("QLoRA: %d weights of the decoder layers in 4-bit NF4 on every rank", quantized)
     trainable = sum(_numel(p) for n, p in model.named_parameters() if is_adapter(n))
     total = sum(_numel(p) for p in model.parameters())
     log.info("LoRA rank %d, alpha %g on %d modules (%s): %d trainable parameters of %d (%.3f%%)",
@@ -283,6 +289,10 @@ def export_lora(engine, model: nn.Module, tokenizer, config: TrainConfig, output
         write_adapter(adapters, lora, tokenizer, output / "final_adapter")
         log.info("exported the adapters to %s", output / "final_adapter")
         if config.merge:
+            if config.lora_4bit:  # not parameters: every rank holds them (qlora.py)
+                from .qlora import dequantized_weights
+
+                state.update(dequantized_weights(model))
             scaling = {name: float(m.scaling[ADAPTER]) for name, m in modules.items()}
             export_hf(model, merged_state_dict(state, scaling), tokenizer, output / "final_model")
             log.info("exported the merged model to %s", output / "final_model")

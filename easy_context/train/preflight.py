@@ -96,8 +96,12 @@ def check_packages(config: TrainConfig) -> None:
     if config.lora_rank:
         from .lora import require_peft
 
+        from .qlora import require_bitsandbytes
+
         try:
             require_peft()
+            if config.lora_4bit:
+                require_bitsandbytes()
         except ImportError as e:  # a usage error, as for the packages above
             raise ValueError(str(e)) from None
 

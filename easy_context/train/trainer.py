@@ -62,7 +62,7 @@ def build_model_and_engine(config: TrainConfig, device: torch.device, mesh: Para
         from .lora import add_lora  # peft is imported only for LoRA runs
 
         # The adapters are made empty like the model (meta, or ZeRO-3 partitions).
-        model, pretrained = add_lora(model, pretrained, config, init(model.config))
+        model, pretrained = add_lora(model, pretrained, config, init(model.config), device)
     # local (data parallelism) keeps packed documents apart too: transformers' sdpa path
     # would ignore document_ids.
     apply_sequence_parallel(model, config.parallel_mode, group=mesh.sp,

@@ -200,3 +200,39 @@ def test_deepspeed_lora_resumes_and_checkpoints_adapters_only(dist2, workdir):
         flat += sum(t.numel() for t in optim["fp32_flat_groups"])
     adapters = sum(shape.numel() for shape in states["param_shapes"][0].values())
     assert adapters <= flat < adapters + 2 * len(states["param_shapes"][0])
+
+
+@pytest.fixture(scope="module")
+def one_process_4bit(dist1, workdir) -> dict:
+    pytest.importorskip("bitsandbytes")
+    return dist1.run(engine_step_gradients, workdir, lora_4bit=True)[0]
+
+
+def test_4bit_base_on_2_ranks_equals_one_process(dist2, workdir, one_process, one_process_4bit):
+    got = dist2.run(engine_step_gradients, workdir, lora_4bit=True)[0]
+    _assert_same_step(got, one_process_4bit)
+    # the base really is quantized: the loss differs from the full-precision base's
+    assert abs(got["losses"][0] - one_process["losses"][0]) > 1e-6
+
+
+def test_4bit_merged_export_equals_transformers_4bit_base_with_the_adapter(dist2, workdir):
+    """The merged QLoRA model computes what training computed: transformers' NF4 base
+    (load_in_4bit) with our adapter folder on it, through peft."""
+    pytest.importorskip("bitsandbytes")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    dist2.run(train_run, workdir, "q4", lora_rank=RANK, lora_4bit=True, merge=True,
+              learning_rate=1e-2)
+    out = Path(workdir) / "q4"
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                             bnb_4bit_compute_dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(Path(workdir) / "model", quantization_config=nf4,
+                                                dtype=torch.float32)
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = base(input_ids=ids).logits
+        adapted = PeftModel.from_pretrained(base, out / "final_adapter")(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(out / "final_model")(input_ids=ids).logits
+    assert (adapted - before).abs().max() > 1e-3
+    torch.testing.assert_close(merged, adapted, rtol=1e-5, atol=1e-5)

@@ -27,6 +27,8 @@ def _config(**kw) -> TrainConfig:
     ({"lora_targets": "q_proj"}, "--lora-targets apply to LoRA"),
     ({"lora_rank": 0}, "--lora-rank must be >= 1"),
     ({"lora_rank": 4, "lora_alpha": 0}, "--lora-alpha must be > 0"),
+    ({"lora_4bit": True}, "--lora-4bit apply to LoRA"),
+    ({"lora_rank": 4, "lora_4bit": True, "engine": "deepspeed"}, "--lora-4bit needs --engine fsdp"),
 ])
 def test_flags_are_checked(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -142,3 +144,41 @@ def test_merge_equals_peft_s_merge_and_the_saved_keys_are_peft_s(tmp_path):
 def test_bad_targets_say_what_to_change(targets, message):
     with pytest.raises(ValueError, match=message):
         _lora_model(targets=targets)
+
+
+def test_without_bitsandbytes_lora_4bit_names_the_extra(tmp_path):
+    tiny_model_dir(tmp_path / "model")
+    tiny_dataset_dir(tmp_path / "data", seq_length=16, rows=4)
+    script = ("import sys; sys.modules['bitsandbytes'] = None\n"
+              "from easy_context.cli import main; sys.exit(main(sys.argv[1:]))")
+    run = subprocess.run([sys.executable, "-c", script, "train", "--model", str(tmp_path / "model"),
+                          "--dataset", str(tmp_path / "data"), "--seq-length", "16",
+                          "--lora-rank", "4", "--lora-4bit", "--output-dir", str(tmp_path / "o")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "pip install 'easy-context[qlora]'" in run.stderr, run.stderr
+
+
+def test_nf4_linear_computes_with_its_dequantized_weight_and_quantizes_the_decoder_linears():
+    pytest.importorskip("bitsandbytes")
+    from easy_context.train.qlora import NF4Linear, quantized_linears
+
+    torch.manual_seed(0)
+    weight, bias = torch.randn(24, 40), torch.nn.Parameter(torch.randn(24), requires_grad=False)
+    layer = NF4Linear(40, 24, bias)
+    layer.quantize_(weight)
+    deq = layer.dequantize()
+    assert layer.packed.numel() == 24 * 40 // 2  # two weights a byte
+    assert 0 < (deq - weight).abs().max() < 0.5 * weight.abs().max()  # 4 bits: close, not equal
+    x = torch.randn(2, 5, 40, requires_grad=True)
+    y = layer(x)
+    torch.testing.assert_close(y, x @ deq.T + bias, rtol=1e-5, atol=1e-5)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(2, 5, 24) @ deq, rtol=1e-5, atol=1e-5)
+    assert list(layer.parameters()) == [bias]  # the 4-bit weight is not a parameter
+    model, _ = _lora_model(targets="q_proj")
+    names = quantized_linears(model)
+    assert "model.layers.0.self_attn.q_proj.base_layer" in names  # an adapter's base
+    assert "model.layers.0.mlp.down_proj" in names  # a linear layer without an adapter
+    assert not any(".lora_" in n for n in names) and "lm_head" not in names
+    with pytest.raises(ValueError, match="weight of shape"):
+        layer.quantize_(weight.T)
