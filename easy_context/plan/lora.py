@@ -9,8 +9,10 @@ LoRA changes what a step holds (easy_context/train/lora.py trains this way):
 - sharded engines gather one layer's weights as before, but hold its adapters' gradients
   only (no weight gradients of the frozen base);
 - activations: what full fine-tuning stores, plus each adapted module's ``A x`` (rank values
-  a token, saved for B's gradient); the module's input is saved once, by ``A``, as the base
-  would have saved it;
+  a token, saved for B's gradient; the module's input is saved once, by ``A``, as the base
+  would have saved it), less what only the frozen weights' gradients needed: each RMSNorm's
+  normalized value, and the first layer's norm input (measured on CPU within a few percent:
+  benchmarks/results/lora_memory.json);
 - loss: the chunked loss forms no gradient of the frozen output head.
 
 How the engines store the frozen base: FSDP2 keeps it in fp32 (the model is built in fp32;
@@ -144,15 +146,19 @@ def with_lora(est, shape: ModelShape, spec: LoRASpec, chunk_rows: int | None):
     st = lora_states(shape, spec, est.world_size, est.engine, est.offload, est.dtype)
     a = 2 if est.dtype == "bf16" else 4
     s = est.seq_len // est.world_size
-    # A x of each adapted module, per token: saved for the step's backward (no
-    # checkpointing: every layer) or in the one layer being recomputed (the others).
+    # Added: A x of each adapted module, per token, saved for B's gradient. Removed: the
+    # RMSNorms' normalized value (H x a), which only their (frozen) weight's gradient needs;
+    # and in the first layer, its input norm's fp32 input (H x 4): nothing before the first
+    # adapter needs a gradient. Saved for the step's backward (no checkpointing: every
+    # layer) or in the one layer being recomputed (the others); the final norm's in both.
     attn_extra = spec.rank * a * sum(t in ATTENTION for t in spec.targets)
     extra = spec.rank * a * len(spec.targets)
-    stored, mlp_w, attn_w = est.stored_activations, est.mlp_backward, est.attention_backward
+    norm = shape.hidden * a
+    stored, mlp_w, attn_w = est.stored_activations - s * norm, est.mlp_backward, est.attention_backward
     if est.checkpointing == "none":
-        stored += shape.layers * s * extra
+        stored += shape.layers * s * (extra - 2 * norm) - s * shape.hidden * 4
     else:
-        mlp_w, attn_w = mlp_w + s * extra, attn_w + s * attn_extra
+        mlp_w, attn_w = mlp_w + s * (extra - 2 * norm), attn_w + s * (attn_extra - norm)
     head_grad = 0
     if chunk_rows is not None:  # the chunked loss's head gradient (estimate.loss_bytes)
         v, h = shape.vocab, shape.hidden
