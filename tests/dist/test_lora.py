@@ -94,8 +94,7 @@ def _losses(metrics):
 
 @pytest.fixture(scope="module")
 def reference_run(dist1, workdir):
-    return _losses(dist1.run(train_run, workdir, "ref", lora_rank=RANK, learning_rate=1e-2,
-                             merge=True)[0])
+    return _losses(dist1.run(train_run, workdir, "ref", lora_rank=RANK, learning_rate=1e-2)[0])
 
 
 def test_run_equals_one_process_and_exports(dist2, workdir, reference_run):
@@ -121,6 +120,15 @@ def test_run_equals_one_process_and_exports(dist2, workdir, reference_run):
     torch.testing.assert_close(merged, adapted, rtol=1e-5, atol=1e-5)
     weights = sorted(p.name for p in (out / "final_model").iterdir() if p.suffix != ".json")
     assert weights == ["model.safetensors"]
+    # Without --merge the one-process run exported the adapters only: the same ones.
+    from safetensors.torch import load_file
+
+    ref = Path(workdir) / "ref"
+    assert (ref / "final_adapter").is_dir() and not (ref / "final_model").exists()
+    ours, want = (load_file(d / "final_adapter" / "adapter_model.safetensors") for d in (out, ref))
+    assert ours.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(ours[key], want[key], rtol=1e-4, atol=1e-6, msg=key)
 
 
 def _checkpoint_tensors(folder: Path) -> dict[str, int]:
@@ -184,8 +192,20 @@ def test_deepspeed_lora_resumes_and_checkpoints_adapters_only(dist2, workdir):
     want = _losses(dist2.run(train_run, workdir, "ds_full", max_train_steps=4, **lora)[0])
     dist2.run(train_run, workdir, "ds_resume", max_train_steps=2, **lora)
     got = _losses(dist2.run(train_run, workdir, "ds_resume", max_train_steps=4, resume=True,
-                            **lora)[0])
+                            **dict(lora, export=True))[0])
     assert got == want
+    # The export without --merge: the adapters only, in peft's format.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = Path(workdir) / "ds_resume"
+    assert not (out / "final_model").exists()
+    ids = torch.arange(1, 25).unsqueeze(0)
+    base = AutoModelForCausalLM.from_pretrained(Path(workdir) / "model")
+    with torch.no_grad():
+        before = base(input_ids=ids).logits
+        after = PeftModel.from_pretrained(base, out / "final_adapter")(input_ids=ids).logits
+    assert (after - before).abs().max() > 1e-3
     # The frozen base is not in the checkpoint: the module's entries and the fp32 partitions
     # (the files this test's run just wrote: unpickling them is safe) are the adapters'.
     ckpt = Path(workdir) / "ds_resume" / "checkpoints" / "step_0000002" / "engine" / "state"
