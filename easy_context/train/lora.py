@@ -17,8 +17,11 @@ name (peft's initialisation: A Kaiming-uniform, B zero, so training starts from 
 model), the same on every rank and in every run whatever the world size.
 
 Adapters are in the decoder layers only: the chunked loss reads the output head's weight
-directly, and FSDP2 puts each decoder layer's frozen weights and adapters in one unit (it
-reduce-scatters the gradients of the parameters that have them and all-gathers all of them).
+directly. FSDP2 puts each decoder layer's frozen weights and adapters in one unit, which it
+allows (unlike FSDP1 without use_orig_params, it asks for one dtype among the trainable
+parameters of a unit only, and a unit may have none: torch 2.13's
+``FSDPParamGroup._init_mp_dtypes``): it all-gathers every parameter of the unit and
+reduce-scatters the gradients of those that have one. The optimizer holds the adapters only.
 
 What gets written (easy_context.train.checkpoint, export_lora below): checkpoints hold the
 adapters and their optimizer state only (the frozen base is read again from ``--model`` on
