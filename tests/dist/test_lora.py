@@ -3,7 +3,7 @@
 - Model level, every sequence-parallel method: the loss and every adapter gradient (summed
   over ranks) equal one process within 1e-5 relative (to the loss / the adapter's largest
   gradient); frozen weights get no gradient.
-- Engine level, FSDP2 and DeepSpeed ZeRO-3: the trainer's model and engine on 2 ranks give
+- Engine level, FSDP2 (every method) and DeepSpeed ZeRO-3: the trainer's model and engine on 2 ranks give
   the second step's loss and adapter gradients of FSDP on one process within 1e-5 (the
   first step's update makes B non-zero); the optimizer holds the adapters only.
 - Runs: the loss trajectory equals one process; checkpoints hold only the adapters and
@@ -70,7 +70,7 @@ def _assert_same_step(got: dict, want: dict) -> None:
     assert got["frozen_with_grad"] == []
 
 
-@pytest.mark.parametrize("method", ["zigzag_ring_attn", "ulysses_attn", "usp_attn"])
+@pytest.mark.parametrize("method", SEQUENCE_PARALLEL)
 def test_fsdp_engine_equals_one_process(dist2, workdir, one_process, method):
     extra = {"ring_degree": 1} if method == "usp_attn" else {}
     got = dist2.run(engine_step_gradients, workdir, parallel_mode=method, **extra)[0]
