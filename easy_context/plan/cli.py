@@ -52,14 +52,28 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="GiB of host RAM per device for offloaded states and checkpoints "
                         "(--auto; default: not limited)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--lora-rank", type=int, default=None,
+                   help="plan a LoRA run: rank-R adapters on a frozen base (no gradients or "
+                        "optimizer states for the base)")
+    p.add_argument("--lora-targets", default="all-linear",
+                   help="with --lora-rank: the adapted modules of each layer (q_proj,v_proj,...), "
+                        "or all-linear")
+    p.add_argument("--lora-4bit", action="store_true",
+                   help="with --lora-rank: a 4-bit NF4 base (QLoRA; --engine fsdp)")
     p.add_argument("--report", choices=("claims", "table"), default=None,
                    help="write the seed-claims check or the README 'How far can I go?' table")
     p.add_argument("--output", default=None, help="file for --report (default: stdout)")
 
 
 def _kw(args) -> dict:
+    from .lora import LoRASpec, parse_targets
+
+    lora = None
+    if args.lora_rank:
+        lora = LoRASpec(args.lora_rank, parse_targets(args.lora_targets), args.lora_4bit)
     return dict(engine=args.engine, offload=args.offload, checkpointing=args.checkpointing,
-                dtype=args.dtype, loss_chunk="auto" if args.loss_chunk is None else (args.loss_chunk or None))
+                dtype=args.dtype, loss_chunk="auto" if args.loss_chunk is None else (args.loss_chunk or None),
+                lora=lora)
 
 
 def check_plan_args(args: argparse.Namespace) -> None:
@@ -68,7 +82,8 @@ def check_plan_args(args: argparse.Namespace) -> None:
     for flag, value, low in (("--devices", args.devices, 1), ("--seq-len", args.seq_len, 1),
                              ("--granularity", args.granularity, 1),
                              ("--ring-degree", args.ring_degree, 1),
-                             ("--loss-chunk", args.loss_chunk, 0)):
+                             ("--loss-chunk", args.loss_chunk, 0),
+                             ("--lora-rank", args.lora_rank, 1)):
         if value is not None and value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
     if not args.gpu_memory > 0:
@@ -77,6 +92,14 @@ def check_plan_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--usable is a fraction of the device memory, in (0, 1]; got {args.usable}")
     if args.ring_degree is not None and args.method != "usp_attn":
         raise ValueError("--ring-degree is usp_attn's; add --method usp_attn or drop it")
+    if args.lora_rank is None and (args.lora_4bit or args.lora_targets != "all-linear"):
+        raise ValueError("--lora-targets and --lora-4bit describe a LoRA run: add --lora-rank R")
+    if args.lora_4bit and args.engine != "fsdp":
+        raise ValueError("--lora-4bit (QLoRA) runs on the fsdp engine: add --engine fsdp")
+    if args.lora_rank:
+        from .lora import LoRASpec, parse_targets
+
+        LoRASpec(args.lora_rank, parse_targets(args.lora_targets))  # names it knows
     if args.output:
         check_output_path("--output", args.output, folder=False)
 
@@ -94,9 +117,10 @@ def _check_method(shape, method: str, n: int, ring_degree: int | None) -> None:
 def run_plan(args) -> int:
     check_plan_args(args)
     if args.report:
-        from .report import claims_markdown, how_far_markdown
+        from .report import claims_markdown, how_far_markdown, lora_how_far_markdown
 
-        text = claims_markdown() if args.report == "claims" else how_far_markdown()
+        text = (claims_markdown() if args.report == "claims"
+                else how_far_markdown() + "\n" + lora_how_far_markdown())
         if args.output:
             Path(args.output).parent.mkdir(parents=True, exist_ok=True)
             Path(args.output).write_text(text)

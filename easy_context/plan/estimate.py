@@ -341,7 +341,8 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
                     dtype: str = "bf16", *, loss_chunk: int | str | None = "auto",
                     ring_degree: int | None = None, runtime_bytes: int | None = None,
                     device: str = "gpu", mlp_tile: int | None = None,
-                    heads_per_chunk: int | None = None, keep_every: int = 1) -> MemoryEstimate:
+                    heads_per_chunk: int | None = None, keep_every: int = 1,
+                    lora=None) -> MemoryEstimate:
     """Predicted peak memory per device of one training step (see the module docstring).
 
     method: a key of easy_context.METHODS, or "local" on one device. loss_chunk: "auto" (what
@@ -350,6 +351,7 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
     (default: GPU_RUNTIME_BYTES, or CPU_RUNTIME_BYTES with device="cpu").
     mlp_tile / heads_per_chunk / keep_every: max-length mode's fused layers (either given turns
     it on; the other defaults to the whole sequence / all heads), plan/fused.py.
+    lora: a easy_context.plan.lora.LoRASpec for a LoRA run (frozen base, adapters trained).
     """
     for value, allowed, what in ((engine, ENGINES, "engine"), (offload, OFFLOADS, "offload"),
                                  (checkpointing, CHECKPOINTING, "checkpointing"),
@@ -379,7 +381,7 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
         buffers = attention_buffers(model_shape, s, a, method, world_size, ring_degree, device)
     if runtime_bytes is None:
         runtime_bytes = CPU_RUNTIME_BYTES if device == "cpu" else GPU_RUNTIME_BYTES
-    return MemoryEstimate(
+    est = MemoryEstimate(
         model=model_shape.name, seq_len=seq_len, world_size=world_size, method=method,
         engine=engine, offload=offload, checkpointing=checkpointing, dtype=dtype,
         parameters=st.params, gradients=st.grads, gradients_in_backward=st.grads_in_backward,
@@ -391,6 +393,11 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
                                                         ring_degree),
         mlp_tile=mlp_tile if fused else None,
         heads_per_chunk=heads_per_chunk if fused else None, keep_every=keep_every)
+    if lora is not None:
+        from .lora import with_lora
+
+        est = with_lora(est, model_shape, lora, _chunk_rows(loss_chunk, model_shape))
+    return est
 
 
 __all__ = ["MemoryEstimate", "States", "estimate_memory", "model_states", "activations",

@@ -130,7 +130,7 @@ def _estimates(stage: Stage, shape, world: int):
                           engine=train["engine"], offload=train["offload"],
                           checkpointing=train["checkpointing"], dtype=train["mixed_precision"],
                           loss_chunk="auto" if train["chunked_loss"] else None,
-                          ring_degree=train.get("ring_degree"))
+                          ring_degree=train.get("ring_degree"), lora=_lora_spec(train))
     # time: 6 * params * tokens for the dense part, plus causal attention (fwd+bwd, 2/3 of a
     # full 4 * L^2 * hidden per layer, times 3 for backward), at an assumed 40% of 312 TFLOP/s
     # (A100 bf16) per device.
@@ -139,6 +139,15 @@ def _estimates(stage: Stage, shape, world: int):
     flops = 6 * shape.num_params() * tokens + attn
     hours = flops * train["max_train_steps"] / (world * 0.4 * 312e12) / 3600
     return est.total / 2**30, hours, None
+
+
+def _lora_spec(train: dict):
+    """The planner's LoRASpec for a stage that trains LoRA adapters, else None."""
+    if not train.get("lora_rank"):
+        return None
+    from ..plan.lora import LoRASpec, parse_targets
+
+    return LoRASpec(int(train["lora_rank"]), parse_targets(train.get("lora_targets")))
 
 
 def plan_text(recipe: Recipe) -> str:

@@ -83,6 +83,15 @@ class TrainConfig:
     auto_memory: bool = _f(False, "let the planner (easy-context plan --auto) choose "
                                   "--parallel-mode, --engine, --offload, --checkpointing, "
                                   "--mlp-tile, --head-chunk and --keep-every for this length")
+    # --- LoRA (easy_context/train/lora.py; the lora extra: peft)
+    lora_rank: int = _f(None, "train rank-R LoRA adapters on the frozen model (peft); checkpoints "
+                              "and the export hold the adapters only")
+    lora_alpha: float = _f(None, "LoRA scale: the adapters add alpha/rank x B A x (default: 2 x rank)")
+    lora_targets: str = _f("all-linear", "LoRA: the decoder layers' linear modules to adapt, by "
+                                         "name (q_proj,v_proj), or all-linear")
+    merge: bool = _f(False, "LoRA: also export the model with the adapters merged in (final_model/)")
+    lora_4bit: bool = _f(False, "QLoRA: hold the decoder layers' linear weights in 4-bit NF4 on "
+                                "every rank (bitsandbytes; --engine fsdp)")
 
     def sp_size_for(self, world: int) -> int:
         """Ranks per sequence-parallel group in a world of ``world`` ranks."""
@@ -103,7 +112,7 @@ class TrainConfig:
             raise ValueError("--dataset is required (a save_to_disk folder, or a dataset name)")
         method = get_method(self.parallel_mode)  # the user's spelling (an alias) is kept
         positive = ("seq_length", "batch_size", "gradient_accumulate_every", "max_train_steps",
-                    "log_every", "nproc_per_node", "sp_size", "ring_degree")
+                    "log_every", "nproc_per_node", "sp_size", "ring_degree", "lora_rank")
         for name in positive:
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -136,6 +145,28 @@ class TrainConfig:
         if self.keep_every < 1:
             raise ValueError(f"--keep-every must be >= 1, got {self.keep_every}")
         parse_rope_scaling(self.rope_scaling)
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        if self.lora_rank is None:
+            given = [flag for flag, on in (("--lora-alpha", self.lora_alpha is not None),
+                                           ("--lora-targets", self.lora_targets != "all-linear"),
+                                           ("--merge", self.merge),
+                                           ("--lora-4bit", self.lora_4bit)) if on]
+            if given:
+                raise ValueError(f"{', '.join(given)} apply to LoRA: add --lora-rank R")
+        elif self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise ValueError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
+        else:
+            fused = [_flag(n) for n in ("mlp_tile", "head_chunk")
+                     if str(getattr(self, n)).lower() not in ("auto", "off")]
+            fused += ["--keep-every"] * (self.keep_every > 1) + ["--auto-memory"] * self.auto_memory
+            if fused:  # the fused layers compute with the base weights and skip the adapters
+                raise ValueError(f"{', '.join(fused)}: max-length mode does not run LoRA "
+                                 "adapters; drop them or --lora-rank")
+        if self.lora_4bit and self.engine != "fsdp":
+            raise ValueError("--lora-4bit needs --engine fsdp: ZeRO-3 would partition the 4-bit "
+                             "weights, whose layout does not survive it")
 
 
 def _flag(name: str) -> str:

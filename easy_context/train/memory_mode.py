@@ -108,6 +108,8 @@ def apply_memory_mode(model, config: TrainConfig, sp: int, device: torch.device)
     from ..plan.shapes import shape_from_config
 
     tile, chunk = parse_tiling(config.mlp_tile), parse_tiling(config.head_chunk, "head_chunk")
+    if config.lora_rank:  # the fused layers would skip the adapters (TrainConfig refuses forcing)
+        return False
     if tile is None and chunk is None:
         if config.keep_every > 1:
             raise ValueError("--keep-every needs max-length mode (--mlp-tile or --head-chunk)")

@@ -93,6 +93,17 @@ def check_packages(config: TrainConfig) -> None:
     for package, (flag, wanted) in needed.items():
         if wanted and importlib.util.find_spec(package) is None:
             raise ValueError(f"{flag} needs the {package} package: pip install {package}")
+    if config.lora_rank:
+        from .lora import require_peft
+
+        from .qlora import require_bitsandbytes
+
+        try:
+            require_peft()
+            if config.lora_4bit:
+                require_bitsandbytes()
+        except ImportError as e:  # a usage error, as for the packages above
+            raise ValueError(str(e)) from None
 
 
 def preflight(config: TrainConfig, model: bool = True) -> None:

@@ -53,12 +53,18 @@ def build_model_and_engine(config: TrainConfig, device: torch.device, mesh: Para
     if config.engine == "deepspeed":
         from .engines.deepspeed import DeepSpeedEngine, zero_init
 
-        model, pretrained = build_empty_model(config, lambda mc: zero_init(config, mc, device),
-                                              buffers_outside=True)
+        init = lambda mc: zero_init(config, mc, device)  # noqa: E731
+        model, pretrained = build_empty_model(config, init, buffers_outside=True)
     else:
         from .engines.fsdp import FSDPEngine
 
-        model, pretrained = build_empty_model(config, lambda _: params_on_meta())
+        init = lambda _: params_on_meta()  # noqa: E731
+        model, pretrained = build_empty_model(config, init)
+    if config.lora_rank:
+        from .lora import add_lora  # peft is imported only for LoRA runs
+
+        # The adapters are made empty like the model (meta, or ZeRO-3 partitions).
+        model, pretrained = add_lora(model, pretrained, config, init(model.config), device)
     # local (data parallelism) keeps packed documents apart too: transformers' sdpa path
     # would ignore document_ids.
     apply_sequence_parallel(model, config.parallel_mode, group=mesh.sp,
@@ -160,7 +166,11 @@ def train(config: TrainConfig, device: torch.device) -> dict:
         if config.save_every and step % config.save_every == 0 and step < config.max_train_steps:
             save_checkpoint(engine, output, step, _trainer_state(step, scheduler, config))
     save_checkpoint(engine, output, step, _trainer_state(step, scheduler, config))
-    if config.export:
+    if config.export and config.lora_rank:
+        from .lora import export_lora
+
+        export_lora(engine, model, tokenizer, config, output)
+    elif config.export:
         state_dict = engine.full_state_dict()
         if rank == 0:
             export_hf(model, state_dict, tokenizer, output / "final_model")

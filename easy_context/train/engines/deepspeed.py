@@ -212,7 +212,10 @@ class DeepSpeedEngine:
         if pretrained is not None:
             self._load_pretrained(pretrained)
         loss_module = CausalLMLoss(model, chunked=config.chunked_loss)
-        client_optimizer = torch.optim.AdamW(loss_module.parameters(), lr=config.learning_rate,
+        # Frozen parameters (LoRA's base) stay out: ZeRO-3 keeps no fp32 copy or state for them.
+        trainable = [p for p in loss_module.parameters() if p.requires_grad]
+        self.frozen = len(trainable) < len(list(loss_module.parameters()))
+        client_optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate,
                                              betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8)
         self.engine, _, _, _ = deepspeed.initialize(
             model=loss_module, optimizer=client_optimizer, config=self.ds_config,
@@ -302,7 +305,9 @@ class DeepSpeedEngine:
         """Writes this rank's ZeRO partitions; returns the files this rank wrote (DeepSpeed
         does not sync them): those named for its rank, and on rank 0 the shared ones
         (DeepSpeed's recovery scripts)."""
-        self.engine.save_checkpoint(str(folder), tag=CHECKPOINT_TAG, save_latest=False)
+        # Frozen weights are read from the model folder again on resume.
+        self.engine.save_checkpoint(str(folder), tag=CHECKPOINT_TAG, save_latest=False,
+                                    exclude_frozen_parameters=self.frozen)
         rank = dist.get_rank()  # = DeepSpeed's data-parallel rank: no model parallelism here
         written = sorted(folder.rglob(f"*zero_pp_rank_{rank}_*"))
         if rank == 0:
@@ -314,14 +319,16 @@ class DeepSpeedEngine:
         # DeepSpeed unpickles its own checkpoint files with torch.load (see the module docstring).
         path, _ = self.engine.load_checkpoint(str(folder), tag=CHECKPOINT_TAG,
                                               load_optimizer_states=True,
-                                              load_lr_scheduler_states=False)
+                                              load_lr_scheduler_states=False,
+                                              load_module_strict=not self.frozen)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint '{CHECKPOINT_TAG}' in {folder}")
         self._micro = 0
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unsharded fp32 weights on rank 0's CPU (other ranks get an empty dict).
-        Collective: every rank must call it."""
+    def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+        """The unsharded fp32 weights on rank 0's CPU (other ranks get an empty dict);
+        ``trainable_only``: only those that require a gradient (LoRA's adapters), and no
+        buffers. Collective: every rank must call it."""
         import deepspeed
         from deepspeed.utils import safe_get_full_fp32_param
 
@@ -329,6 +336,8 @@ class DeepSpeedEngine:
         module = self.engine.module
         state: dict[str, torch.Tensor] = {}
         for name, param in module.named_parameters():
+            if trainable_only and not param.requires_grad:
+                continue
             full = safe_get_full_fp32_param(param) if param.requires_grad else None
             if full is None:  # frozen: gather the module's copy
                 with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
@@ -336,7 +345,7 @@ class DeepSpeedEngine:
             if rank == 0:
                 state[name.removeprefix("model.")] = full.detach().to("cpu", torch.float32).clone()
             del full
-        if rank == 0:
+        if rank == 0 and not trainable_only:
             persistent = set(module.state_dict().keys())
             for name, buf in module.named_buffers():
                 if name in persistent:

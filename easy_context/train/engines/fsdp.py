@@ -114,8 +114,11 @@ class FSDPEngine:
                 for name, value in buffers.items():
                     model.get_buffer(name).copy_(value)
             self._load_pretrained(pretrained)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=(0.9, 0.95),
-                                           weight_decay=0.0, eps=1e-8)
+        # Frozen parameters (LoRA's base) have no optimizer state; checkpoints leave them out.
+        self.frozen = any(not p.requires_grad for p in model.parameters())
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                           lr=learning_rate, betas=(0.9, 0.95), weight_decay=0.0,
+                                           eps=1e-8)
 
     def _load_pretrained(self, pretrained: Pretrained) -> None:
         folder = pretrained.folder()
@@ -169,20 +172,27 @@ class FSDPEngine:
     def save(self, folder: Path) -> list[Path]:
         """Writes this rank's shards; returns the files it wrote that still need an fsync:
         none, as DCP's writer syncs each file it writes (and rank 0's metadata)."""
-        model_sd, optim_sd = get_state_dict(self.loss_module, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.loss_module, self.optimizer, options=self._options())
         dcp.save({"model": model_sd, "optimizer": optim_sd},
                  storage_writer=dcp.FileSystemWriter(str(folder), sync_files=True))
         return []
 
     def load(self, folder: Path) -> None:
-        model_sd, optim_sd = get_state_dict(self.loss_module, self.optimizer)
+        options = self._options()
+        model_sd, optim_sd = get_state_dict(self.loss_module, self.optimizer, options=options)
         state = {"model": model_sd, "optimizer": optim_sd}
         dcp.load(state, checkpoint_id=str(folder))
         set_state_dict(self.loss_module, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+                       optim_state_dict=state["optimizer"], options=options)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unsharded weights on rank 0's CPU (other ranks get an empty dict)."""
+    def _options(self) -> StateDictOptions:
+        # Frozen weights are read from the model folder again on resume, not checkpointed;
+        # loading then must not ask for them (strict=False), and only then.
+        return StateDictOptions(ignore_frozen_params=self.frozen, strict=not self.frozen)
+
+    def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+        """The unsharded weights on rank 0's CPU (other ranks get an empty dict);
+        ``trainable_only``: only those that require a gradient (LoRA's adapters)."""
         state = get_model_state_dict(self.loss_module, options=StateDictOptions(
-            full_state_dict=True, cpu_offload=True))
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only))
         return {k.removeprefix("model."): v for k, v in state.items()}

@@ -1,0 +1,258 @@
+"""LoRA (easy_context/train/lora.py) on 2 gloo ranks against one process, fp32.
+
+- Model level, every sequence-parallel method: the loss and every adapter gradient (summed
+  over ranks) equal one process within 1e-5 relative (to the loss / the adapter's largest
+  gradient); frozen weights get no gradient.
+- Engine level, FSDP2 (every method) and DeepSpeed ZeRO-3: the trainer's model and engine on 2 ranks give
+  the second step's loss and adapter gradients of FSDP on one process within 1e-5 (the
+  first step's update makes B non-zero); the optimizer holds the adapters only.
+- Runs: the loss trajectory equals one process; checkpoints hold only the adapters and
+  their optimizer state; the exported adapter loads with peft, and the merged model with
+  transformers, with the same logits; a run killed by SIGKILL and resumed reproduces the
+  uninterrupted trajectory bit for bit (FSDP), a stopped and resumed one too (DeepSpeed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+from easy_context.parallel import SEQUENCE_PARALLEL  # noqa: E402
+from tests.train_fixtures import tiny_dataset_dir, tiny_model_dir  # noqa: E402
+
+from .lora_cases import RANK, check_lora_methods, engine_step_gradients  # noqa: E402
+from .train_cases import train_run  # noqa: E402
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> str:
+    work = tmp_path_factory.mktemp("lora")
+    tiny_model_dir(work / "model")
+    tiny_dataset_dir(work / "data", seq_length=32, rows=16)
+    return str(work)
+
+
+def test_every_method_equals_one_process(dist2):
+    report = dist2.run(check_lora_methods, list(SEQUENCE_PARALLEL))[0]
+    assert set(report) == set(SEQUENCE_PARALLEL)
+    for method, (loss_err, grad_err, frozen_with_grad) in report.items():
+        assert loss_err <= TOL, (method, loss_err)
+        assert grad_err <= TOL, (method, grad_err)
+        assert frozen_with_grad == [], (method, frozen_with_grad)
+
+
+@pytest.fixture(scope="module")
+def one_process(dist1, workdir) -> dict:
+    return dist1.run(engine_step_gradients, workdir)[0]
+
+
+def _assert_same_step(got: dict, want: dict) -> None:
+    for g, w in zip(got["losses"], want["losses"]):
+        assert abs(g - w) <= TOL * abs(w), (got["losses"], want["losses"])
+    assert got["trainable"] == want["trainable"]
+    assert all(".lora_A." in n or ".lora_B." in n for n in got["trainable"])
+    for name, w in want["grads"].items():
+        assert w.abs().max() > 0, name  # the second step: A's gradients too
+        err = ((got["grads"][name] - w).abs().max() / w.abs().max()).item()
+        assert err <= TOL, (name, err)
+    assert got["frozen_with_grad"] == []
+
+
+@pytest.mark.parametrize("method", SEQUENCE_PARALLEL)
+def test_fsdp_engine_equals_one_process(dist2, workdir, one_process, method):
+    extra = {"ring_degree": 1} if method == "usp_attn" else {}
+    got = dist2.run(engine_step_gradients, workdir, parallel_mode=method, **extra)[0]
+    _assert_same_step(got, one_process)
+    adapters = sum(g.numel() for g in got["grads"].values())
+    assert got["optimized"] == one_process["optimized"] == adapters
+
+
+def test_deepspeed_engine_equals_one_process(dist2, workdir, one_process):
+    pytest.importorskip("deepspeed")
+    got = dist2.run(engine_step_gradients, workdir, engine="deepspeed")[0]
+    _assert_same_step(got, one_process)
+    adapters = sum(g.numel() for g in got["grads"].values())
+    # ZeRO-3's fp32 partitions of the adapters, padded to a multiple of the world per group
+    assert adapters <= got["optimized"] < adapters + 2 * len(got["grads"]), got["optimized"]
+
+
+def _losses(metrics):
+    return [m["loss"] for m in metrics]
+
+
+@pytest.fixture(scope="module")
+def reference_run(dist1, workdir):
+    return _losses(dist1.run(train_run, workdir, "ref", lora_rank=RANK, learning_rate=1e-2)[0])
+
+
+def test_run_equals_one_process_and_exports(dist2, workdir, reference_run):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    got = _losses(dist2.run(train_run, workdir, "sp", lora_rank=RANK, learning_rate=1e-2,
+                            merge=True, parallel_mode="zigzag_ring_attn")[0])
+    assert abs(got[0] - reference_run[0]) <= 1e-6 * reference_run[0]
+    assert all(abs(g - w) <= 1e-4 * w for g, w in zip(got, reference_run)), (got, reference_run)
+    assert reference_run[-1] < reference_run[0]
+
+    out = Path(workdir) / "sp"
+    assert sorted(p.name for p in (out / "final_adapter").iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
+    base = AutoModelForCausalLM.from_pretrained(Path(workdir) / "model")
+    with torch.no_grad():
+        base_logits = base(input_ids=ids).logits
+        adapted = PeftModel.from_pretrained(base, out / "final_adapter")(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(out / "final_model")(input_ids=ids).logits
+    assert (adapted - base_logits).abs().max() > 1e-3  # the adapters were trained
+    torch.testing.assert_close(merged, adapted, rtol=1e-5, atol=1e-5)
+    weights = sorted(p.name for p in (out / "final_model").iterdir() if p.suffix != ".json")
+    assert weights == ["model.safetensors"]
+    # Without --merge the one-process run exported the adapters only: the same ones.
+    from safetensors.torch import load_file
+
+    ref = Path(workdir) / "ref"
+    assert (ref / "final_adapter").is_dir() and not (ref / "final_model").exists()
+    ours, want = (load_file(d / "final_adapter" / "adapter_model.safetensors") for d in (out, ref))
+    assert ours.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(ours[key], want[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+def _checkpoint_tensors(folder: Path) -> dict[str, int]:
+    """Tensor name -> elements, from a DCP checkpoint's metadata."""
+    import math
+
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    return {k: math.prod(v.size) for k, v in meta.items() if hasattr(v, "size") and v.size}
+
+
+def test_checkpoint_holds_adapters_and_their_optimizer_state_only(workdir, reference_run):
+    step = Path(workdir) / "ref" / "checkpoints" / "step_0000003" / "engine"
+    tensors = _checkpoint_tensors(step)
+    model = {k: n for k, n in tensors.items() if k.startswith("model.")}
+    optim = {k: n for k, n in tensors.items() if k.startswith("optimizer.state.")}
+    assert model and all(".lora_A." in k or ".lora_B." in k for k in model), sorted(model)[:4]
+    # exp_avg and exp_avg_sq for every adapter, and nothing else of size
+    assert sum(optim.values()) == 2 * sum(model.values())
+    assert set(tensors) == set(model) | set(optim) | {
+        k for k in tensors if k.startswith("optimizer.state.") and k.endswith(".step")}
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_exactly(dist2, workdir, tmp_path):
+    """SIGKILL a 2-rank LoRA run after a checkpoint, resume it: the whole loss trajectory
+    equals an uninterrupted run's, bit for bit."""
+    out = tmp_path / "killed"
+    args = [sys.executable, "-m", "easy_context.cli", "train", "--model", f"{workdir}/model",
+            "--dataset", f"{workdir}/data", "--seq-length", "32", "--learning-rate", "1e-2",
+            "--mixed-precision", "fp32", "--checkpointing", "full", "--seed", "7",
+            "--nproc-per-node", "2", "--output-dir", str(out), "--save-every", "1",
+            "--deterministic", "--lora-rank", str(RANK), "--no-export"]
+    proc = subprocess.Popen(args + ["--max-train-steps", "1000"], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = out / "checkpoints" / "latest"
+    deadline = time.time() + 300
+    while not (latest.exists() and latest.read_text().strip() >= "step_0000002"):
+        assert proc.poll() is None, "the run ended before its checkpoints"
+        assert time.time() < deadline, "no checkpoint within 300 s"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = int(latest.read_text().strip().removeprefix("step_"))
+    total = killed_at + 2
+    subprocess.run(args + ["--max-train-steps", str(total), "--resume"], check=True,
+                   capture_output=True, timeout=300)
+    got = [json.loads(l)["loss"] for l in (out / "metrics.jsonl").read_text().splitlines()]
+    want = _losses(dist2.run(train_run, workdir, "uninterrupted", max_train_steps=total,
+                             save_every=1, deterministic=True, lora_rank=RANK,
+                             learning_rate=1e-2, export=False)[0])
+    assert len(got) == total
+    assert got == want
+
+
+@pytest.mark.slow
+def test_deepspeed_lora_resumes_and_checkpoints_adapters_only(dist2, workdir):
+    pytest.importorskip("deepspeed")
+    lora = dict(engine="deepspeed", lora_rank=RANK, learning_rate=1e-2, export=False)
+    want = _losses(dist2.run(train_run, workdir, "ds_full", max_train_steps=4, **lora)[0])
+    dist2.run(train_run, workdir, "ds_resume", max_train_steps=2, **lora)
+    got = _losses(dist2.run(train_run, workdir, "ds_resume", max_train_steps=4, resume=True,
+                            **dict(lora, export=True))[0])
+    assert got == want
+    # The export without --merge: the adapters only, in peft's format.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = Path(workdir) / "ds_resume"
+    assert not (out / "final_model").exists()
+    ids = torch.arange(1, 25).unsqueeze(0)
+    base = AutoModelForCausalLM.from_pretrained(Path(workdir) / "model")
+    with torch.no_grad():
+        before = base(input_ids=ids).logits
+        after = PeftModel.from_pretrained(base, out / "final_adapter")(input_ids=ids).logits
+    assert (after - before).abs().max() > 1e-3
+    # The frozen base is not in the checkpoint: the module's entries and the fp32 partitions
+    # (the files this test's run just wrote: unpickling them is safe) are the adapters'.
+    ckpt = Path(workdir) / "ds_resume" / "checkpoints" / "step_0000002" / "engine" / "state"
+    flat = 0
+    for rank in range(2):
+        states = torch.load(ckpt / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt",
+                            weights_only=False)
+        assert states["module"] and all(".lora_" in k for k in states["module"]), list(states["module"])
+        assert not states["frozen_param_shapes"]
+        optim = torch.load(ckpt / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+                           weights_only=False)["optimizer_state_dict"]
+        flat += sum(t.numel() for t in optim["fp32_flat_groups"])
+    adapters = sum(shape.numel() for shape in states["param_shapes"][0].values())
+    assert adapters <= flat < adapters + 2 * len(states["param_shapes"][0])
+
+
+@pytest.fixture(scope="module")
+def one_process_4bit(dist1, workdir) -> dict:
+    pytest.importorskip("bitsandbytes")
+    return dist1.run(engine_step_gradients, workdir, lora_4bit=True)[0]
+
+
+def test_4bit_base_on_2_ranks_equals_one_process(dist2, workdir, one_process, one_process_4bit):
+    got = dist2.run(engine_step_gradients, workdir, lora_4bit=True)[0]
+    _assert_same_step(got, one_process_4bit)
+    # the base really is quantized: the loss differs from the full-precision base's
+    assert abs(got["losses"][0] - one_process["losses"][0]) > 1e-6
+
+
+def test_4bit_merged_export_equals_transformers_4bit_base_with_the_adapter(dist2, workdir):
+    """The merged QLoRA model computes what training computed: transformers' NF4 base
+    (load_in_4bit) with our adapter folder on it, through peft."""
+    pytest.importorskip("bitsandbytes")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    dist2.run(train_run, workdir, "q4", lora_rank=RANK, lora_4bit=True, merge=True,
+              learning_rate=1e-2)
+    out = Path(workdir) / "q4"
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                             bnb_4bit_compute_dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(Path(workdir) / "model", quantization_config=nf4,
+                                                dtype=torch.float32)
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = base(input_ids=ids).logits
+        adapted = PeftModel.from_pretrained(base, out / "final_adapter")(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(out / "final_model")(input_ids=ids).logits
+    assert (adapted - before).abs().max() > 1e-3
+    torch.testing.assert_close(merged, adapted, rtol=1e-5, atol=1e-5)
