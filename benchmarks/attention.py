@@ -50,7 +50,7 @@ from benchmarks import common  # noqa: E402
 from easy_context import layouts  # noqa: E402
 from easy_context.parallel import SEQUENCE_PARALLEL  # noqa: E402
 from easy_context.parallel.local import local_attention  # noqa: E402
-from easy_context.utils.memory import PeakMemory  # noqa: E402
+from easy_context.memory.peak import PeakMemory  # noqa: E402
 
 DEFAULT_LENGTHS = (4096, 16384, 32768)
 HEADS, HEAD_DIM, BATCH = 8, 64, 1

@@ -1,6 +1,6 @@
 """Helpers shared by the benchmark scripts: environment, timing, machine info, result files.
 
-Memory on the CPU is measured as the resident-set high-water mark (easy_context.utils.memory).
+Memory on the CPU is measured as the resident-set high-water mark (easy_context.memory.peak).
 glibc keeps freed heap blocks unless big allocations are mapped directly, so every process
 that measures must start with ``MALLOC_MMAP_THRESHOLD_=65536``: then each tensor above 64 KiB
 is its own mapping, freed back to the OS when the tensor dies, and one measurement does not

@@ -82,7 +82,7 @@ def train_step(length: int, device: torch.device, tiny: bool, free_bytes: int | 
 
     import easy_context as ec
     from easy_context.memory.checkpointing import apply_activation_checkpointing
-    from easy_context.utils.memory import PeakMemory
+    from easy_context.memory.peak import PeakMemory
 
     config = llama3_8b_config(2, tiny)
     pred = predicted(config, length, device)

@@ -39,7 +39,7 @@ def measure(spec: dict) -> dict:
 
     import easy_context as ec
     from easy_context.parallel.head_groups import attention_buffer_budget
-    from easy_context.utils.memory import PeakMemory
+    from easy_context.memory.peak import PeakMemory
 
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(0)

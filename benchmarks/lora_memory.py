@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
@@ -45,7 +45,7 @@ def lora_rank_step(m: pv.TinyLlama, p: pv.Point) -> dict:
     import easy_context as ec
     from easy_context.train.config import TrainConfig
     from easy_context.train.lora import inject_lora, peft_config
-    from easy_context.utils.memory import PeakMemory, rss_bytes
+    from easy_context.memory.peak import PeakMemory, rss_bytes
 
     rank, world = dist.get_rank(), dist.get_world_size()
     ready = rss_bytes()

@@ -39,7 +39,7 @@ def worker(mode: str, tokens: int, vocab: int, hidden: int, chunk_size: int) -> 
     import torch
 
     from easy_context.memory import chunked_cross_entropy, logits_cross_entropy
-    from easy_context.utils.memory import PeakMemory
+    from easy_context.memory.peak import PeakMemory
 
     torch.manual_seed(0)
     dtype = torch.bfloat16

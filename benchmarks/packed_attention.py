@@ -15,7 +15,7 @@ no (L, L) mask exists: before, the one-rank path built an L x L float32 mask (4 
 ``local`` runs in this process with --threads threads; a sequence-parallel method runs on
 N=2 gloo ranks with one thread each (slowest rank's time, largest rank's peak). Time: wall
 time of forward + backward, packed and unpacked alternating, median over --repeats. Memory:
-resident-set high-water above the inputs (easy_context.utils.memory.PeakMemory, with
+resident-set high-water above the inputs (easy_context.memory.peak.PeakMemory, with
 MALLOC_MMAP_THRESHOLD_ so freed tensors return to the OS). Results:
 benchmarks/results/packed_attention.json.
 """
@@ -63,7 +63,7 @@ def measure(spec: dict) -> dict | None:
     import torch.distributed as dist
 
     import easy_context as ec
-    from easy_context.utils.memory import PeakMemory
+    from easy_context.memory.peak import PeakMemory
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0

@@ -10,7 +10,7 @@ MALLOC_MMAP_THRESHOLD_=65536 so that freed tensors go back to the OS) each:
   3. run ONE training step: forward, chunked loss (causal_lm_loss(..., chunked=True)),
      backward, gradient all-reduce over the ranks, AdamW step.
 The measured figure is each rank's resident-set high-water mark from "ready" to the end
-(easy_context.utils.memory.PeakMemory), i.e. everything the step and the model add to a
+(easy_context.memory.peak.PeakMemory), i.e. everything the step and the model add to a
 process that has only imported its libraries. The prediction is
 estimate_memory(...).total for the same setup (engine "replicated": this harness keeps a
 full model per rank, as plain data parallelism does) plus ONE runtime constant for the CPU
@@ -105,7 +105,7 @@ def rank_step(m: TinyLlama, p: Point) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import easy_context as ec
-    from easy_context.utils.memory import PeakMemory, rss_bytes
+    from easy_context.memory.peak import PeakMemory, rss_bytes
 
     rank, world = dist.get_rank(), dist.get_world_size()
     ready = rss_bytes()

@@ -21,7 +21,7 @@ fails with an allocation error, recorded, instead of waking the OOM killer). The
 AdamW states (exp_avg, exp_avg_sq, created before the step) exist before the measurement:
 
     step_peak_mb    resident-set high-water mark during the step minus the resident size at its
-                    start (easy_context.utils.memory.PeakMemory): activations, logits, gradients,
+                    start (easy_context.memory.peak.PeakMemory): activations, logits, gradients,
                     communication buffers, temporaries
     abs_peak_mb     the absolute high-water mark of the process (VmHWM): everything, including
                     the Python/torch runtime, weights and optimizer states
@@ -106,7 +106,7 @@ def measure(mode: str, length: int, kind: str, vocab: int, world: int, mem_share
     import torch
     import torch.distributed as dist
 
-    from easy_context.utils.memory import PeakMemory
+    from easy_context.memory.peak import PeakMemory
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     model = _model(vocab)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..data.synthetic import generate_texts, haystack_sentences, passkey_record
-from ..eval.needle import KEYS, NeedleTemplate
+from ..eval.needle import KEYS, Haystack, NeedleTemplate
 
 # "code=" occurs only in the needle and the question, and the haystack has no digits, so a
 # 2-layer induction circuit (find the earlier "=", copy what followed) solves the task (the
@@ -245,11 +245,9 @@ def write_heldout(path: Path, tokenizer, n_docs: int, n_tokens: int, seed: int) 
     return texts
 
 
-def filler_haystack(tokenizer, min_tokens: int) -> "Haystack":
+def filler_haystack(tokenizer, min_tokens: int) -> Haystack:
     """The needle eval's haystack: the repeated noise sentences of the passkey test
     (Mohtashami & Jaggi 2023), at least ``min_tokens`` tokens."""
-    from ..eval.needle import Haystack
-
     parts, stream = [], haystack_sentences(random.Random(0), "filler")
     while True:
         parts += [next(stream) for _ in range(64)]

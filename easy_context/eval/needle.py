@@ -72,6 +72,9 @@ class NeedleConfig:
     add_bos: bool | None = None
     """Prepend BOS: None means 'when the tokenizer has one' (as prepare-data does)."""
     template: NeedleTemplate = field(default_factory=NeedleTemplate)
+    distinct_digits: bool = False
+    """Numbers without a repeated digit (at most 10 digits): a model that copies by finding
+    the earlier occurrence of the current digit then has one candidate, not several."""
 
     def __post_init__(self) -> None:
         if self.min_context_length > self.max_context_length:
@@ -83,6 +86,8 @@ class NeedleConfig:
             raise ValueError(f"--depth-interval must be in (0, 1], got {self.depth_interval}")
         if self.num_samples < 1 or self.rnd_number_digits < 1 or self.num_values < 1:
             raise ValueError("--num-samples, --rnd-number-digits and --num-values must be >= 1")
+        if self.distinct_digits and self.rnd_number_digits > 10:
+            raise ValueError("--rnd-number-digits must be <= 10 with distinct digits")
         if self.num_distractor >= len(KEYS):
             raise ValueError(f"--num-distractor must be below {len(KEYS)} (one key per needle)")
 
@@ -97,7 +102,26 @@ class NeedleConfig:
     @property
     def chance(self) -> float:
         """Exact-match probability of guessing every number uniformly."""
-        return (1 / (9 * 10 ** (self.rnd_number_digits - 1))) ** self.num_values
+        return (1 / number_count(self.rnd_number_digits, self.distinct_digits)) ** self.num_values
+
+
+def number_count(digits: int, distinct: bool = False) -> int:
+    """How many numbers of ``digits`` digits there are (no leading zero), optionally with no
+    digit repeated."""
+    if not distinct:
+        return 9 * 10 ** (digits - 1)
+    n = 9
+    for i in range(1, digits):
+        n *= 10 - i
+    return n
+
+
+def random_number(rng: random.Random, digits: int, distinct: bool = False) -> str:
+    """A number of ``digits`` digits with no leading zero (see ``number_count``)."""
+    if not distinct:
+        return str(rng.randint(10 ** (digits - 1), 10 ** digits - 1))
+    first = rng.choice("123456789")
+    return first + "".join(rng.sample([d for d in "0123456789" if d != first], digits - 1))
 
 
 @dataclass
@@ -176,9 +200,9 @@ class NeedlePrompt:
     depth: float  # where the queried needle actually went, as a fraction of the haystack
 
 
-def _random_number(rng: random.Random, digits: int, taken: set[str]) -> str:
+def _random_number(rng: random.Random, digits: int, taken: set[str], distinct: bool) -> str:
     while True:
-        value = str(rng.randint(10 ** (digits - 1), 10 ** digits - 1))
+        value = random_number(rng, digits, distinct)
         if value not in taken:
             taken.add(value)
             return value
@@ -193,9 +217,11 @@ def build_prompt(hay: Haystack, tokenizer: PreTrainedTokenizerBase, cfg: NeedleC
     rng = random.Random(f"{cfg.seed}:values:{sample}")
     keys = rng.sample(KEYS, 1 + cfg.num_distractor)
     taken: set[str] = set()
-    values = [_random_number(rng, cfg.rnd_number_digits, taken) for _ in range(cfg.num_values)]
+    values = [_random_number(rng, cfg.rnd_number_digits, taken, cfg.distinct_digits)
+              for _ in range(cfg.num_values)]
     needles = [(t.needle.format(key=keys[0], value=v), True) for v in values]
-    needles += [(t.needle.format(key=k, value=_random_number(rng, cfg.rnd_number_digits, taken)),
+    needles += [(t.needle.format(key=k, value=_random_number(rng, cfg.rnd_number_digits, taken,
+                                                                   cfg.distinct_digits)),
                  False) for k in keys[1:]]
     question = (t.question if cfg.num_values == 1 else t.question_multi_value).format(key=keys[0])
     add_bos = tokenizer.bos_token_id is not None if cfg.add_bos is None else cfg.add_bos

@@ -1,4 +1,5 @@
-"""Memory savers: a loss that never builds the full logits (and, later, checkpointing/offload)."""
+"""Memory: the savers (a loss that never builds the full logits, activation checkpointing and
+offload, max-length mode's fused layers) and the measure (peak.py: a region's peak memory)."""
 
 from easy_context.memory.loss import (
     ChunkedLinearCrossEntropy,

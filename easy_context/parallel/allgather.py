@@ -23,18 +23,17 @@ them: each owner receives the sum of every rank's contribution to its chunks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from .. import layouts
 from ..attention.documents import ShardDocuments
-from ..attention.kernels import Kernel, default_scale, select_kernel
+from ..attention.kernels import default_scale, select_kernel
 from ..mesh import process_group
 from .blocks import backward_block, block_calls, forward_block, group_buffer_choice
 from .comm import all_gather_into, gather_shards, reduce_scatter_into
-from .function import check_inputs, run_attention
+from .function import GroupAlgorithm, check_inputs, run_attention
 from .method import AttentionDims, Method
 from .zigzag import check_two_chunks
 
@@ -98,8 +97,9 @@ def allgather_forward(q, k, v, group, causal, scale, kernel, docs=None):
     return out.to(q.dtype), lse
 
 
-def allgather_backward(dout, q, k, v, out, lse, group, causal, scale, kernel, docs, dq, dk, dv):
-    """Fills dq, dk, dv (views, the inputs' dtype) for this rank's shards."""
+def allgather_backward(dout, q, k, v, out, lse, group, causal, scale, kernel, docs, *, grads):
+    """Fills ``grads`` = (dq, dk, dv) (views, the inputs' dtype) for this rank's shards."""
+    dq, dk, dv = grads
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     kv = _gather_kv(k, v, group, world)
     dq_acc = torch.zeros_like(q, dtype=torch.float32)
@@ -123,26 +123,6 @@ def allgather_backward(dout, q, k, v, out, lse, group, causal, scale, kernel, do
     dv.copy_(dkv[1])
 
 
-@dataclass(frozen=True)
-class AllGatherAlgorithm:
-    """All-gather attention's forward and backward for one group of KV heads (function.py)."""
-
-    group: dist.ProcessGroup | None
-    causal: bool
-    scale: float
-    kernel: Kernel
-    docs: ShardDocuments | None = None
-    kv_heads_per_group: int = 1
-
-    def forward(self, q, k, v):
-        return allgather_forward(q, k, v, self.group, self.causal, self.scale, self.kernel,
-                                 self.docs)
-
-    def backward(self, dout, q, k, v, out, lse, dq, dk, dv):
-        allgather_backward(dout, q, k, v, out, lse, self.group, self.causal, self.scale,
-                           self.kernel, self.docs, dq, dk, dv)
-
-
 def allgather_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = True,
                    softmax_scale: float | None = None, document_ids: Tensor | None = None,
                    ring_degree: int | None = None) -> Tensor:
@@ -158,8 +138,8 @@ def allgather_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = T
     dims = AttentionDims(q.size(2), k.size(2), q.size(3))
     per_group = group_buffer_choice(
         lambda g: allgather_buffers(dims, q.size(1), q.element_size(), world, None, g), q, k)
-    algo = AllGatherAlgorithm(pg, bool(causal), scale, select_kernel(q),
-                              gather_documents(document_ids, pg, world), per_group)
+    algo = GroupAlgorithm(allgather_forward, allgather_backward, pg, bool(causal), scale,
+                          select_kernel(q), gather_documents(document_ids, pg, world), per_group)
     return run_attention(algo, q, k, v)
 
 

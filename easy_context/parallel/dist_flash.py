@@ -32,7 +32,6 @@ accumulator would (accumulate.py), in the output buffer where that is exact.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
@@ -46,7 +45,7 @@ from .accumulate import GradSum, max_cover, span
 from .blocks import (backward_block, block_calls, block_result, forward_block,
                      group_buffer_choice, shard_documents)
 from .comm import Exchange, group_rank_size
-from .function import check_inputs, run_attention
+from .function import GroupAlgorithm, check_inputs, run_attention
 from .method import AttentionDims, Method
 from .ring import ring_buffers
 
@@ -284,26 +283,6 @@ def _task_backward(task: Task, rank: int, got: dict, inputs, kernel: Kernel, cau
     return owed
 
 
-@dataclass(frozen=True)
-class DistFlashAlgorithm:
-    """DistFlashAttn's forward and backward for one group of KV heads (function.py)."""
-
-    group: dist.ProcessGroup | None
-    causal: bool
-    scale: float
-    kernel: Kernel
-    docs: ShardDocuments | None = None
-    kv_heads_per_group: int = 1
-
-    def forward(self, q, k, v):
-        return dist_flash_forward(q, k, v, self.group, self.causal, self.scale, self.kernel,
-                                  self.docs)
-
-    def backward(self, dout, q, k, v, out, lse, dq, dk, dv):
-        dist_flash_backward(dout, q, k, v, out, lse, self.group, self.causal, self.scale,
-                            self.kernel, self.docs, grads=(dq, dk, dv))
-
-
 def dist_flash_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = True,
                     softmax_scale: float | None = None, document_ids: Tensor | None = None,
                     ring_degree: int | None = None) -> Tensor:
@@ -319,8 +298,8 @@ def dist_flash_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = 
     dims = AttentionDims(q.size(2), k.size(2), q.size(3))
     per_group = group_buffer_choice(
         lambda g: dist_flash_buffers(dims, q.size(1), q.element_size(), world, None, g), q, k)
-    algo = DistFlashAlgorithm(pg, bool(causal), scale, select_kernel(q),
-                              shard_documents(document_ids, pg), per_group)
+    algo = GroupAlgorithm(dist_flash_forward, dist_flash_backward, pg, bool(causal), scale,
+                          select_kernel(q), shard_documents(document_ids, pg), per_group)
     return run_attention(algo, q, k, v)
 
 

@@ -10,7 +10,8 @@ where out is in q's dtype and lse (B, H, S) float32. Backward gets the *final* o
 so each block's kernel backward returns exactly its share of the gradients. An algorithm
 carries everything else it needs: its process group, its kernel, and the document runs of
 the shards it pairs (easy_context.attention.documents.ShardDocuments, built once per call
-before it runs, so neither forward nor backward touches the ids again). The function runs
+before it runs, so neither forward nor backward touches the ids again); :class:`GroupAlgorithm`
+builds one from a method's forward and backward functions. The function runs
 the algorithm a group of KV heads at a time (head_groups.py), saves what backward needs,
 and lets attention-saving checkpointing hand back a stored (out, lse) on recompute
 (easy_context.attention.saving).
@@ -18,12 +19,45 @@ and lets attention-saving checkpointing hand back a stored (out, lse) on recompu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Callable
+
 import torch
 
 from ..attention.saving import run_saved
 from .head_groups import backward_into_heads, forward_by_heads
 
 Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class GroupAlgorithm:
+    """An algorithm over one process group from a method's two functions, called as
+
+        forward_fn(q, k, v, group=, causal=, scale=, kernel=, docs=, **options) -> (out, lse)
+        backward_fn(dout, q, k, v, out, lse, group=, ..., grads=(dq, dk, dv), **options)
+
+    ``options``: (name, value) pairs of the method's own arguments (a ring's schedule)."""
+
+    forward_fn: Callable
+    backward_fn: Callable
+    group: Any
+    causal: bool
+    scale: float
+    kernel: Any
+    docs: Any = None  # easy_context.attention.documents.ShardDocuments
+    kv_heads_per_group: int = 1
+    options: tuple = ()
+
+    def _kwargs(self) -> dict:
+        return dict(group=self.group, causal=self.causal, scale=self.scale, kernel=self.kernel,
+                    docs=self.docs, **dict(self.options))
+
+    def forward(self, q, k, v):
+        return self.forward_fn(q, k, v, **self._kwargs())
+
+    def backward(self, dout, q, k, v, out, lse, dq, dk, dv):
+        self.backward_fn(dout, q, k, v, out, lse, grads=(dq, dk, dv), **self._kwargs())
 
 
 class _Attention(torch.autograd.Function):

@@ -29,7 +29,7 @@ from .accumulate import GradSum, max_cover, span
 from .blocks import (backward_block, block_calls, forward_block, group_buffer_choice,
                      shard_documents)
 from .comm import Exchange, group_rank_size, ring_pass
-from .function import check_inputs, run_attention
+from .function import GroupAlgorithm, check_inputs, run_attention
 from .method import AttentionDims, Method
 
 Tensor = torch.Tensor
@@ -210,27 +210,6 @@ def _ring_step_backward(dout, q, out, lse, held, docs, src, rank, causal, scale,
     return owed
 
 
-@dataclass(frozen=True)
-class RingAlgorithm:
-    """One ring-shaped method's forward and backward for one group of KV heads (function.py)."""
-
-    group: dist.ProcessGroup | None
-    causal: bool
-    scale: float
-    schedule: Schedule
-    kernel: Kernel
-    docs: ShardDocuments | None = None
-    kv_heads_per_group: int = 1
-
-    def forward(self, q, k, v):
-        return ring_forward(q, k, v, self.group, self.causal, self.scale, self.schedule,
-                            self.kernel, self.docs)
-
-    def backward(self, dout, q, k, v, out, lse, dq, dk, dv):
-        ring_backward(dout, q, k, v, out, lse, self.group, self.causal, self.scale,
-                      self.schedule, self.kernel, self.docs, grads=(dq, dk, dv))
-
-
 def run_ring(q, k, v, group, causal, softmax_scale, schedule: Schedule,
              document_ids: Tensor | None = None) -> Tensor:
     """A ring method on local shards: ``schedule`` says which blocks each step computes."""
@@ -241,8 +220,8 @@ def run_ring(q, k, v, group, causal, softmax_scale, schedule: Schedule,
     dims = AttentionDims(q.size(2), k.size(2), q.size(3))
     per_group = group_buffer_choice(
         lambda g: ring_buffers(dims, q.size(1), q.element_size(), world, None, g), q, k)
-    algo = RingAlgorithm(pg, bool(causal), scale, schedule, select_kernel(q),
-                         shard_documents(document_ids, pg), per_group)
+    algo = GroupAlgorithm(ring_forward, ring_backward, pg, bool(causal), scale, select_kernel(q),
+                          shard_documents(document_ids, pg), per_group, (("schedule", schedule),))
     return run_attention(algo, q, k, v)
 
 

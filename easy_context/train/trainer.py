@@ -29,7 +29,7 @@ from ..mesh import ParallelMesh, build_mesh, check_mesh
 from ..parallel import get_method
 from ..sequence_parallel import shard_batch
 from ..utils.allocator import configure_allocator
-from ..utils.memory import PeakMemory
+from ..memory.peak import PeakMemory
 from .checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, save_config
 from .data import TrainBatches, load_training_dataset

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from easy_context.mesh import build_mesh
 from easy_context.train.config import TrainConfig
 from easy_context.train.trainer import build_model_and_engine
-from easy_context.utils.memory import rss_bytes
+from easy_context.memory.peak import rss_bytes
 
 
 def _config(model_dir: str, engine: str, **overrides) -> TrainConfig:

@@ -1,4 +1,4 @@
-"""A tiny Llama that learns needle retrieval in a couple of minutes, shared by the eval tests.
+"""A tiny Llama that learns needle retrieval in about a minute, shared by the eval tests.
 
 Byte-level tokenizer with no merges (a character-level vocabulary of 259), 2 layers, width
 128, trained with plain AdamW in two phases: the demo's copy curriculum (short period
@@ -6,6 +6,14 @@ documents and copy drills, easy_context.demo.build, which grow the induction cir
 prompts built by the needle eval itself (other numbers than the eval's). So the test checks
 that the eval measures retrieval, not that a big model can retrieve. The folder is built
 once per test session under pytest's base temp directory.
+
+The curriculum's strings and the answers are digits with no digit repeated, and the model
+has 8 heads of 16 dimensions. With 4 heads of 32 the copy circuit had not formed after
+800 steps in 2 of 5 seeds (answer digits right: 10-12%), and the earlier fixture (36
+symbols, 4 heads) scored 23% on another CPU against the test's floor of 30%: the outcome
+depended on the seed and the CPU. Its margin over seeds, thread counts and
+instruction sets: ``python benchmarks/needle_test_margin.py`` (results/needle_test_margin.json;
+``python -m tests.unit.eval_fixtures --seeds ...`` is one run of it).
 """
 
 from __future__ import annotations
@@ -28,22 +36,23 @@ TEMPLATE = NeedleTemplate(prefix="", needle="The {key} code={value}.",
                           question=" Recall the {key} code=",
                           question_multi_value=" Recall all {key} codes=", answer_prefix="")
 DIGITS = 3
+CODE_DIGITS = 5  # the copy drills' codes
 CONTEXTS = (128, 192)
 
 
 def eval_config(**kw) -> NeedleConfig:
     base = dict(min_context_length=CONTEXTS[0], max_context_length=CONTEXTS[1],
                 context_interval=CONTEXTS[1] - CONTEXTS[0], depth_interval=0.25, num_samples=2,
-                rnd_number_digits=DIGITS, template=TEMPLATE)
+                rnd_number_digits=DIGITS, template=TEMPLATE, distinct_digits=True)
     return NeedleConfig(**{**base, **kw})
 
 
-def _llama_config(vocab: int, hidden: int = 64):
+def _llama_config(vocab: int, hidden: int = 64, heads: int = 4, kv_heads: int = 2):
     from transformers import LlamaConfig
 
     return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=hidden // 4, max_position_embeddings=1024, attention_dropout=0.0,
+                       num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                       head_dim=hidden // heads, max_position_embeddings=1024, attention_dropout=0.0,
                        bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=True)
 
 
@@ -63,9 +72,9 @@ def _batch(seqs: list[tuple[list[int], int]], pad: int) -> tuple[torch.Tensor, t
     return ids, targets, answer
 
 
-def train_needle_model(folder: Path, copy_steps: int = 1000, steps: int = 300, seed: int = 0,
+def train_needle_model(folder: Path, copy_steps: int = 600, steps: int = 200, seed: int = 0,
                        lr: float = 3e-3) -> Path:
-    """Train the tiny model (about 2 minutes on 2 idle cores) and save model + tokenizer to
+    """Train the tiny model (about a minute on 2 idle cores) and save model + tokenizer to
     ``folder``: ``copy_steps`` steps of 32 copy-curriculum documents of 64 tokens, then
     ``steps`` steps of 8 needle prompts and 8 copy drills."""
     from transformers import LlamaForCausalLM
@@ -75,27 +84,31 @@ def train_needle_model(folder: Path, copy_steps: int = 1000, steps: int = 300, s
     t0 = time.time()
     tok = train_bpe_tokenizer(generate_texts(4, 500), vocab_size=259)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(_llama_config(len(tok), hidden=128))
+    # 8 heads of 16 (not 4 of 32): with more heads to grow it in, the copy circuit formed by
+    # step 400-600 in seeds where 4 heads left it unformed after 1400 steps
+    model = LlamaForCausalLM(_llama_config(len(tok), hidden=128, heads=8, kv_heads=8))
     # Seeds far from the eval's (seed 0, samples 0..n): training never sees the eval numbers.
     cfg = NeedleConfig(CONTEXTS[0], CONTEXTS[1], 1, rnd_number_digits=DIGITS, template=TEMPLATE,
-                       seed=10_000)
+                       seed=10_000, distinct_digits=True)
     hay = build_haystack(tok, CONTEXTS[1] + 64, seed=10_000)
     rng = random.Random(seed)
-    symbols = [tok.convert_tokens_to_ids(c) for c in "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"]
+    symbols = [tok.convert_tokens_to_ids(c) for c in "0123456789"]
     filler = tok(" ".join(["The grass is green. The sky is blue."] * 4),
                  add_special_tokens=False)["input_ids"]
+    code_eq = tok(" code=", add_special_tokens=False)["input_ids"]
 
     def curriculum(n: int = 64) -> tuple[list[int], int]:
         """The demo's copy curriculum at token level (easy_context.demo.build): one in five a
-        period document (units of 2-4 symbols repeated), else copy drills (8-20 symbols, up
-        to 16 filler tokens, the same symbols)."""
+        period document (units of 2-4 distinct digits repeated), else copy drills (codes of
+        ``CODE_DIGITS`` distinct digits, up to 16 filler tokens, the same code), half of
+        them after the needle's "code=" (a circuit grown on bare codes did not copy there)."""
         out = [tok.bos_token_id]
         periodic = rng.random() < 0.2
         while len(out) < n:
             if periodic:
-                out += [rng.choice(symbols) for _ in range(rng.randint(2, 4))] * rng.randint(3, 8)
+                out += rng.sample(symbols, rng.randint(2, 4)) * rng.randint(3, 8)
             else:
-                code = [rng.choice(symbols) for _ in range(rng.randint(8, 20))]
+                code = (code_eq if rng.random() < 0.5 else []) + rng.sample(symbols, CODE_DIGITS)
                 start = rng.randrange(len(filler) - 16)
                 out += code + filler[start:start + rng.randint(0, 16)] + code
         return out[:n], 0
@@ -154,3 +167,44 @@ def random_model_dir(folder: Path, seed: int = 0) -> Path:
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+def trained_model_scores(folder: Path) -> dict:
+    """The needle eval of the trained tiny model as the trained test runs it (2 lengths x
+    5 depths x 3 samples, teacher-forced): answer-digit accuracy, exact match, chance."""
+    from easy_context.models import load_model_and_tokenizer
+    from easy_context.eval.needle import evaluate_needle
+
+    model, tk = load_model_and_tokenizer(str(folder))
+    results = evaluate_needle(model, tk, build_haystack(tk, 300), eval_config(num_samples=3),
+                              "zigzag_ring_attn", progress=False)
+    return {"token_accuracy": results["average_token_accuracy"],
+            "exact": results["average_score"], "chance_exact": results["chance"]}
+
+
+def _measure_margin() -> None:
+    """``python -m tests.unit.eval_fixtures --seeds 0 1 2 3 4``: train the tiny model per seed
+    and print the trained test's figures, one JSON line each. Set ATEN_CPU_CAPABILITY and
+    OMP_NUM_THREADS in the environment to see another CPU's kernels and reduction orders."""
+    import argparse
+    import json
+    import os
+    import tempfile
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in args.seeds:
+            t0 = time.process_time()
+            folder = train_needle_model(Path(tmp) / f"seed{seed}", seed=seed)
+            row = {"seed": seed, **trained_model_scores(folder),
+                   "cpu_s": round(time.process_time() - t0, 1),
+                   "capability": torch.backends.cpu.get_cpu_capability(),
+                   "ATEN_CPU_CAPABILITY": os.environ.get("ATEN_CPU_CAPABILITY"),
+                   "threads": torch.get_num_threads()}
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    _measure_margin()

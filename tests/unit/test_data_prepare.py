@@ -124,7 +124,7 @@ def test_packed_ids_equal_plain_map_and_itertools_packing(tmp_path):
     """The plain way (datasets.map over the tokenizer's own call, then itertools windows)
     gives exactly our packed ids, in both modes: the faster backend call changes nothing."""
     path = tmp_path / "c.jsonl"
-    texts = write_jsonl(path, n=40, length=3000, seed=31)
+    write_jsonl(path, n=40, length=3000, seed=31)
     # Text that spells a special token, non-ASCII text, an empty document.
     extra = ["a literal <|eos|> inside", "déjà vu — ünïcödé ✓ 中文", ""]
     with path.open("a") as f:

@@ -57,11 +57,11 @@ def test_runtime_and_planner_pick_the_same_groups(monkeypatch):
 
     seen = {}
 
-    def spy(*args):
-        seen["per_group"] = args[-1]
+    def spy(algo, *tensors):
+        seen["per_group"] = algo.kv_heads_per_group
         raise RuntimeError("stop")
 
-    monkeypatch.setattr(ring, "RingAlgorithm", spy)
+    monkeypatch.setattr(ring, "run_attention", spy)
     monkeypatch.setattr(ring.dist, "get_world_size", lambda group=None: 2)
     q = torch.randn(1, 4096, 8, 64, dtype=torch.bfloat16)
     k = torch.randn(1, 4096, 4, 64, dtype=torch.bfloat16)

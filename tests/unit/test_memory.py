@@ -1,4 +1,4 @@
-"""Peak memory on the CPU (easy_context/utils/memory.py) and the training log line that shows
+"""Peak memory on the CPU (easy_context/memory/peak.py) and the training log line that shows
 it: the process's real peak, never a negative or near-zero delta; nothing when unknown."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from easy_context.train.logs import step_line
-from easy_context.utils import memory
-from easy_context.utils.memory import PeakMemory, rss_bytes
+from easy_context.memory import peak as memory
+from easy_context.memory.peak import PeakMemory, rss_bytes
 
 MB = 2**20
 
