@@ -40,7 +40,7 @@ def lora_rank_step(m: pv.TinyLlama, p: pv.Point) -> dict:
     import peft  # noqa: F401 - before "ready": importing it (and bitsandbytes, which it
     import torch  # imports when installed) adds ~50 MB of libraries, not the step's memory
     import torch.distributed as dist
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM  # noqa: F401 - imported before "ready" (m.build uses it)
 
     import easy_context as ec
     from easy_context.train.config import TrainConfig
@@ -51,12 +51,7 @@ def lora_rank_step(m: pv.TinyLlama, p: pv.Point) -> dict:
     ready = rss_bytes()
     t0 = time.perf_counter()
     with PeakMemory("cpu") as pm:
-        config = LlamaConfig(vocab_size=m.vocab, hidden_size=m.hidden, num_hidden_layers=m.layers,
-                             num_attention_heads=m.heads, num_key_value_heads=m.kv_heads,
-                             intermediate_size=m.intermediate, max_position_embeddings=p.seq_len,
-                             attention_dropout=0.0, tie_word_embeddings=False)
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config).float().train()
+        model = m.build(p.seq_len)
         inject_lora(model, peft_config(TrainConfig(model="tiny", dataset="-", lora_rank=RANK)))
         ec.apply_sequence_parallel(model, p.method)
         if p.checkpointing == "full":

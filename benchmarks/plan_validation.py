@@ -50,6 +50,19 @@ class TinyLlama:
     intermediate: int = 688
     vocab: int = 32000
 
+    def build(self, seq_len: int):
+        """The model in fp32, training mode, seeded: a transformers LlamaForCausalLM."""
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=self.vocab, hidden_size=self.hidden,
+                             num_hidden_layers=self.layers, num_attention_heads=self.heads,
+                             num_key_value_heads=self.kv_heads,
+                             intermediate_size=self.intermediate, max_position_embeddings=seq_len,
+                             attention_dropout=0.0, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config).float().train()
+
 
 # The smallest model that still runs every code path: its tensors are a few MB, so what it
 # adds to a ready process is the runtime's first-use memory.
@@ -102,7 +115,7 @@ def rank_step(m: TinyLlama, p: Point) -> dict:
     """One steady-state training step on this rank; returns its peak above 'ready'."""
     import torch
     import torch.distributed as dist
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM  # noqa: F401 - imported before "ready" (m.build uses it)
 
     import easy_context as ec
     from easy_context.memory.peak import PeakMemory, rss_bytes
@@ -111,12 +124,7 @@ def rank_step(m: TinyLlama, p: Point) -> dict:
     ready = rss_bytes()
     t0 = time.perf_counter()
     with PeakMemory("cpu") as pm:
-        config = LlamaConfig(vocab_size=m.vocab, hidden_size=m.hidden, num_hidden_layers=m.layers,
-                             num_attention_heads=m.heads, num_key_value_heads=m.kv_heads,
-                             intermediate_size=m.intermediate, max_position_embeddings=p.seq_len,
-                             attention_dropout=0.0, tie_word_embeddings=False)
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config).float().train()
+        model = m.build(p.seq_len)
         ec.apply_sequence_parallel(model, p.method,
                                    ring_degree=world if p.method == "usp_attn" else None)
         if p.checkpointing == "full":

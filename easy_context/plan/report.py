@@ -184,20 +184,26 @@ def how_far_markdown() -> str:
            "Predictions, validated against measured peaks on CPU for tiny models; allow some "
            "margin on GPUs. Regenerate with `easy-context plan --report table`.", ""]
     for title, kw in TABLE_SETUPS:
-        out += [f"**{title}**", "",
-                "| model | " + " | ".join(f"{n} GPU{'s' if n > 1 else ''}" for n in TABLE_DEVICES) + " |",
-                "|---|" + "---|" * len(TABLE_DEVICES)]
-        for name in TABLE_MODELS:
-            shape = load_shape(name)
-            cells = []
-            for n in TABLE_DEVICES:
-                longest, m = max_sequence_length(shape, n, budget, granularity=1024, dtype="bf16",
-                                                 loss_chunk="auto", **kw)
-                cells.append(f"{_fmt_len(longest)} ({get_method(m).short})" if m and n > 1
-                             else _fmt_len(longest))
-            out.append(f"| {name} | " + " | ".join(cells) + " |")
-        out.append("")
+        out += _longest_table(title, budget, kw)
     return "\n".join(out) + "\n" + auto_markdown()
+
+
+def _longest_table(title: str, budget: int, setup: dict) -> list[str]:
+    """Markdown lines: the longest sequence per model (rows) and GPU count (columns) in one
+    setup (keyword arguments of max_sequence_length), with the method that reaches it."""
+    out = [f"**{title}**", "",
+           "| model | " + " | ".join(f"{n} GPU{'s' if n > 1 else ''}" for n in TABLE_DEVICES) + " |",
+           "|---|" + "---|" * len(TABLE_DEVICES)]
+    for name in TABLE_MODELS:
+        shape = load_shape(name)
+        cells = []
+        for n in TABLE_DEVICES:
+            longest, m = max_sequence_length(shape, n, budget, granularity=1024, dtype="bf16",
+                                             loss_chunk="auto", **setup)
+            cells.append(f"{_fmt_len(longest)} ({get_method(m).short})" if m and n > 1
+                         else _fmt_len(longest))
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return out + [""]
 
 
 # LoRA's table (its own setups and function, so that the full fine-tuning tables above can
@@ -226,18 +232,5 @@ def lora_how_far_markdown() -> str:
            "bf16 base below 4 GPUs. LoRA steps of a tiny Llama on CPU peaked within 2% of "
            "these predictions ([lora_memory.json](benchmarks/results/lora_memory.json)).", ""]
     for title, kw, lora in LORA_TABLE_SETUPS:
-        spec = LoRASpec(**lora)
-        out += [f"**{title}**", "",
-                "| model | " + " | ".join(f"{n} GPU{'s' if n > 1 else ''}" for n in TABLE_DEVICES) + " |",
-                "|---|" + "---|" * len(TABLE_DEVICES)]
-        for name in TABLE_MODELS:
-            shape = load_shape(name)
-            cells = []
-            for n in TABLE_DEVICES:
-                longest, m = max_sequence_length(shape, n, budget, granularity=1024, dtype="bf16",
-                                                 loss_chunk="auto", lora=spec, **kw)
-                cells.append(f"{_fmt_len(longest)} ({get_method(m).short})" if m and n > 1
-                             else _fmt_len(longest))
-            out.append(f"| {name} | " + " | ".join(cells) + " |")
-        out.append("")
+        out += _longest_table(title, budget, dict(kw, lora=LoRASpec(**lora)))
     return "\n".join(out)
