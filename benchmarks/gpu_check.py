@@ -247,6 +247,20 @@ def main(argv=None) -> int:
             log(f"train: L={length} done")
             report["sections"]["train"] = sec
             save()
+        # max-length mode at the longest length: tiles of 16K tokens (128 for --tiny), one KV
+        # head's query heads per attention chunk
+        length = (TINY_TRAIN_LENGTHS if args.tiny else TRAIN_LENGTHS)[-1]
+        maxlen = {"mlp_tile": 128 if args.tiny else 16384, "heads_per_chunk": 2 if args.tiny else 4}
+        if time.time() - t_start > args.budget_s:
+            sec["max_length_mode"] = {"L": length, "skipped": f"time budget {args.budget_s} s"}
+        else:
+            free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+            try:
+                sec["max_length_mode"] = gpu_check_train.train_step(length, device, args.tiny,
+                                                                    free, maxlen)
+            except Exception as e:  # noqa: BLE001 - an OOM is a finding, not a crash
+                sec["max_length_mode"] = {"L": length, "failed": f"{type(e).__name__}: {e}"[:800]}
+            log(f"train: max-length mode L={length} done")
         report["sections"]["train"] = sec
         report["seconds"]["train"] = round(time.time() - t0, 1)
     save()

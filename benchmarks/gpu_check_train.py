@@ -12,6 +12,9 @@ per-layer components for the same model, L and checkpointing (stored activations
 layer's backward, the loss) plus the gradients alive when backward starts (the output
 head's and one layer's, bf16 here): what the measured peak above the weights should be.
 
+The same step in max-length mode (MLP tiles, one KV head's query heads per attention chunk)
+at the longest length: its measured peak against the planner's fused-layer terms.
+
 Attention TFLOP/s: causal forward + backward at 32K tokens, 32 heads on 8 KV heads, D=128,
 bf16, through local_attention (the kernel easy_context picks) against torch's
 scaled_dot_product_attention; FLOPs = 3.5 x the forward's 2 x H x S^2 x D (causal).
@@ -63,13 +66,14 @@ def _reset(device):
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def predicted(config, length: int, device) -> dict:
+def predicted(config, length: int, device, maxlen: dict | None = None) -> dict:
     from easy_context.plan.estimate import estimate_memory
     from easy_context.plan.shapes import shape_from_config
 
     shape = shape_from_config(config, "Llama-3-8B (2 layers)")
     est = estimate_memory(shape, length, 1, "local", engine="replicated", checkpointing="full",
-                          dtype="bf16", device="gpu" if device.type == "cuda" else "cpu")
+                          dtype="bf16", device="gpu" if device.type == "cuda" else "cpu",
+                          **(maxlen or {}))
     grads_at_start = (shape.vocab * shape.hidden + shape.layer_params()) * 2
     above_weights = est.stored_activations + max(est.layer_phase, est.loss) + grads_at_start
     return {"stored_activations": est.stored_activations, "mlp_backward": est.mlp_backward,
@@ -77,7 +81,11 @@ def predicted(config, length: int, device) -> dict:
             "gradients_in_backward_bf16": grads_at_start, "above_weights": above_weights}
 
 
-def train_step(length: int, device: torch.device, tiny: bool, free_bytes: int | None) -> dict:
+def train_step(length: int, device: torch.device, tiny: bool, free_bytes: int | None,
+               maxlen: dict | None = None) -> dict:
+    """One step at ``length``; ``maxlen`` ({"mlp_tile": T, "heads_per_chunk": C}): in
+    max-length mode (easy_context.memory.maxlen, full checkpointing) instead of the plain
+    layers with full activation checkpointing."""
     from transformers import AutoModelForCausalLM
 
     import easy_context as ec
@@ -85,8 +93,8 @@ def train_step(length: int, device: torch.device, tiny: bool, free_bytes: int | 
     from easy_context.memory.peak import PeakMemory
 
     config = llama3_8b_config(2, tiny)
-    pred = predicted(config, length, device)
-    row = {"L": length, "predicted_bytes": pred}
+    pred = predicted(config, length, device, maxlen)
+    row = {"L": length, "max_length_mode": maxlen, "predicted_bytes": pred}
     # Past the free memory by a margin the planner could be wrong by, an OOM is certain and
     # costs time for nothing; nearer, the attempt (or its OOM) checks the prediction.
     if free_bytes is not None and pred["above_weights"] > 1.25 * free_bytes:
@@ -97,7 +105,12 @@ def train_step(length: int, device: torch.device, tiny: bool, free_bytes: int | 
     with torch.device(device):  # initialised in place (1.5B parameters)
         model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     ec.apply_sequence_parallel(model, "local")
-    apply_activation_checkpointing(model, "full")
+    if maxlen:
+        from easy_context.memory.maxlen import apply_max_length
+
+        apply_max_length(model, maxlen["mlp_tile"], maxlen["heads_per_chunk"], "full")
+    else:
+        apply_activation_checkpointing(model, "full")
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=False)
     ids = torch.randint(0, config.vocab_size, (1, length + 1), device=device)

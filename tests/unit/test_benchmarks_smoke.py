@@ -72,6 +72,9 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
     assert [s["L"] for s in steps] == [128, 256, 512]
     for s in steps:
         assert s["tokens_per_s"] > 0 and s["predicted_bytes"]["above_weights"] > 0, s
+    fused = train["max_length_mode"]
+    assert fused["L"] == 512 and fused["max_length_mode"] == {"mlp_tile": 128, "heads_per_chunk": 2}
+    assert fused["tokens_per_s"] > 0 and abs(fused["loss"] - steps[-1]["loss"]) < 0.05, fused
     tf = train["attention_tflops"]
     assert tf["easy_context"]["fwd_bwd_s"] > 0 and tf["torch_sdpa"]["fwd_bwd_s"] > 0
 

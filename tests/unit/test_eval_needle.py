@@ -19,7 +19,7 @@ from easy_context.eval.needle import (
 )
 
 from .eval_fixtures import (TEMPLATE, char_tokenizer, eval_config, random_model_dir,
-                            train_needle_model)
+                            train_needle_model, trained_model_scores)
 
 
 @pytest.fixture(scope="module")
@@ -112,18 +112,15 @@ def test_cli_writes_results_and_heatmap(tmp_path_factory, tmp_path, monkeypatch)
 
 @pytest.mark.slow
 def test_trained_tiny_model_beats_chance(tmp_path_factory):
-    """The tiny model (1000 copy-curriculum steps, 300 retrieval steps, ~2-4 min) gets far
-    more answer digits right than guessing does (1 in 10): the eval measures retrieval. It
-    does not yet copy all three digits reliably, so exact match is not asserted (issue 6:
-    measured 44% of digits right, 0% exact, in 221 s on a loaded 2-core machine)."""
-    from easy_context.models import load_model_and_tokenizer
-
-    model, tk = load_model_and_tokenizer(
-        str(train_needle_model(tmp_path_factory.getbasetemp() / "needle_model")))
-    cfg = eval_config(num_samples=3)
-    results = evaluate_needle(model, tk, build_haystack(tk, 300), cfg, "zigzag_ring_attn",
-                              progress=False)
-    assert results["average_token_accuracy"] > 0.3, results["average_token_accuracy"]
+    """The tiny model (600 copy-curriculum steps, 200 retrieval steps, 1-2 minutes) retrieves:
+    answer digits right and exact matches far above guessing (1 in 10 digits; 1 in 648
+    numbers). The floors sit well below the worst of the runs recorded by
+    benchmarks/needle_test_margin.py over seeds 0-4, 1 and 2 threads and two instruction
+    sets (results/needle_test_margin.json: digits right 0.87-1.0, exact 0.70-1.0), so a
+    machine whose kernels train it differently still passes."""
+    scores = trained_model_scores(train_needle_model(tmp_path_factory.getbasetemp() / "needle_model"))
+    assert scores["token_accuracy"] >= 0.5, scores
+    assert scores["exact"] >= 0.3 and scores["exact"] > 100 * scores["chance_exact"], scores
 
 
 def test_generation_agrees_with_teacher_forcing(tmp_path_factory):
