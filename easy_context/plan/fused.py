@@ -91,7 +91,9 @@ def fused_terms(shape: ModelShape, s: int, a: int, method: str, world: int,
     per_layer = x + (results if keep_attention else 0)
     kept = -(-n // keep_every) + (keep_every - 1 if keep_every > 1 else 0)
     if checkpointing == "offload":
-        stored, host = 2 * per_layer * s, kept * per_layer * s  # in use + arriving
+        # device: the input in use + the next one arriving; host: every kept input but the
+        # last layer's, which stays on the device (needed first in backward, offload.py)
+        stored, host = 2 * per_layer * s, max(kept - 1, 0) * per_layer * s
     else:
         stored, host = min(kept, n) * per_layer * s, 0
     dims = group_dims(shape, heads_per_chunk)
