@@ -23,7 +23,6 @@ them: each owner receives the sum of every rank's contribution to its chunks.
 
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 
