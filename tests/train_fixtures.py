@@ -60,3 +60,29 @@ def tiny_dataset_dir(folder: Path, seq_length: int, rows: int = 16, vocab: int =
         columns["position_ids"] = positions
     datasets.Dataset.from_dict(columns).save_to_disk(str(folder))
     return Path(folder)
+
+
+def kill_and_resume(args: list[str], out: Path, extra_steps: int = 2) -> tuple[list[float], int]:
+    """Start ``easy-context train`` (``args``, its output folder ``out``, a checkpoint every
+    step) for many steps, SIGKILL it once step 2 is checkpointed, resume it for
+    ``extra_steps`` more: (the loss of every step in metrics.jsonl, the total steps)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(args + ["--max-train-steps", "1000"], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = out / "checkpoints" / "latest"
+    deadline = time.time() + 300
+    while not (latest.exists() and latest.read_text().strip() >= "step_0000002"):
+        assert proc.poll() is None, "the run ended before its checkpoints"
+        assert time.time() < deadline, "no checkpoint within 300 s"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    total = int(latest.read_text().strip().removeprefix("step_")) + extra_steps
+    subprocess.run(args + ["--max-train-steps", str(total), "--resume"], check=True,
+                   capture_output=True, timeout=300)
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()], total

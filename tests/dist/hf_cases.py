@@ -62,9 +62,27 @@ def _grad_errors(sp_model, ref_model) -> float:
     return worst
 
 
+def sharded_loss(base, method: str, inputs, positions, targets, ring_degree=None,
+                 chunked: bool = True):
+    """(a copy of ``base`` made sequence-parallel, its loss on this rank's shard, backward
+    done). The document ids come from prepare_seq_parallel_inputs, as the README's example
+    passes them: an unpacked batch's name one document per sequence, which must not switch
+    document masking on in any method."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = copy.deepcopy(base)
+    ec.apply_sequence_parallel(model, method, ring_degree=ring_degree)
+    local = ec.prepare_seq_parallel_inputs(method, inputs, positions, targets, rank, world, "cpu",
+                                           ring_degree=ring_degree)
+    loss = ec.causal_lm_loss(model, local["local_input_ids"], local["local_position_ids"],
+                             local["local_target_ids"], chunked=chunked,
+                             document_ids=local["local_document_ids"])
+    loss.backward()
+    return model, loss
+
+
 def check_family(family: str, methods: list[str], chunked_options=(True, False)):
     """Returns {f"{method} chunked={c}": (loss rel error, max grad rel error)}."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     base = tiny_model(family)
     inputs, positions, targets = make_batch(2 * world * 5, base.config.vocab_size)
     ref = copy.deepcopy(base)
@@ -73,17 +91,9 @@ def check_family(family: str, methods: list[str], chunked_options=(True, False))
     report = {}
     for method in methods:
         for chunked in chunked_options:
-            model = copy.deepcopy(base)
             ring_degree = 2 if method == "usp_attn" else None
-            ec.apply_sequence_parallel(model, method, ring_degree=ring_degree)
-            local = ec.prepare_seq_parallel_inputs(method, inputs, positions, targets, rank, world,
-                                                   "cpu", ring_degree=ring_degree)
-            # As the README's example does: the ids of an unpacked batch name one document
-            # per sequence, which must not switch document masking on in any method.
-            loss = ec.causal_lm_loss(model, local["local_input_ids"], local["local_position_ids"],
-                                     local["local_target_ids"], chunked=chunked,
-                                     document_ids=local["local_document_ids"])
-            loss.backward()
+            model, loss = sharded_loss(base, method, inputs, positions, targets, ring_degree,
+                                       chunked)
             loss_err = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
             report[f"{method} chunked={chunked}"] = (loss_err, _grad_errors(model, ref))
     return report
@@ -91,7 +101,7 @@ def check_family(family: str, methods: list[str], chunked_options=(True, False))
 
 def check_packed_documents(family: str, method: str, ring_degree: int | None = None):
     """Packed sequences: the SP loss with document ids equals each document run alone."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     base = tiny_model(family)
     length = 2 * world * 5
     gen = torch.Generator().manual_seed(3)
@@ -111,12 +121,5 @@ def check_packed_documents(family: str, method: str, ring_degree: int | None = N
         count += int((targets[0, a:b] != -100).sum())
     ref_loss = total / count
     ref_loss.backward()
-    model = copy.deepcopy(base)
-    ec.apply_sequence_parallel(model, method, ring_degree=ring_degree)
-    local = ec.prepare_seq_parallel_inputs(method, inputs, positions, targets, rank, world, "cpu",
-                                           ring_degree=ring_degree)
-    loss = ec.causal_lm_loss(model, local["local_input_ids"], local["local_position_ids"],
-                             local["local_target_ids"], document_ids=local["local_document_ids"],
-                             chunked=True)
-    loss.backward()
+    model, loss = sharded_loss(base, method, inputs, positions, targets, ring_degree)
     return abs(loss.item() - ref_loss.item()) / ref_loss.item(), _grad_errors(model, ref)

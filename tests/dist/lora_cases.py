@@ -13,11 +13,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import easy_context as ec
 from easy_context.train.config import TrainConfig
 from easy_context.train.lora import inject_lora, is_adapter, peft_config
 
-from .hf_cases import make_batch, reference_loss, tiny_model
+from .hf_cases import make_batch, reference_loss, sharded_loss, tiny_model
 
 RANK = 4
 
@@ -54,7 +53,7 @@ def _adapter_errors(sp_model, ref_model) -> tuple[float, list[str]]:
 def check_lora_methods(methods: list[str]) -> dict[str, tuple[float, float, list[str]]]:
     """For each method: (loss relative error, adapter gradient relative error, frozen
     parameters with a gradient), the LoRA model on this rank's shard against one process."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     base = lora_model()
     inputs, positions, targets = make_batch(2 * world * 5, base.config.vocab_size)
     ref = copy.deepcopy(base)
@@ -62,15 +61,8 @@ def check_lora_methods(methods: list[str]) -> dict[str, tuple[float, float, list
     ref_loss.backward()
     report = {}
     for method in methods:
-        model = copy.deepcopy(base)
         ring_degree = 1 if method == "usp_attn" else None  # one ring member: Ulysses x ring
-        ec.apply_sequence_parallel(model, method, ring_degree=ring_degree)
-        local = ec.prepare_seq_parallel_inputs(method, inputs, positions, targets, rank, world,
-                                               "cpu", ring_degree=ring_degree)
-        loss = ec.causal_lm_loss(model, local["local_input_ids"], local["local_position_ids"],
-                                 local["local_target_ids"], chunked=True,
-                                 document_ids=local["local_document_ids"])
-        loss.backward()
+        model, loss = sharded_loss(base, method, inputs, positions, targets, ring_degree)
         loss_err = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
         report[method] = (loss_err, *_adapter_errors(model, ref))
     return report

@@ -7,18 +7,13 @@ order into small weight differences). Data-parallel ranks split a global batch: 
 batch 1 equal 1 rank x batch 2.
 """
 
-import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.train_fixtures import tiny_dataset_dir, tiny_model_dir
+from tests.train_fixtures import kill_and_resume, tiny_dataset_dir, tiny_model_dir
 
 from .train_cases import train_error, train_run
 
@@ -151,21 +146,7 @@ def test_killed_run_resumes_exactly(dist2, workdir, tmp_path):
             "--mixed-precision", "fp32", "--checkpointing", "full", "--seed", "7",
             "--nproc-per-node", "2", "--output-dir", str(out), "--save-every", "1",
             "--deterministic"]
-    proc = subprocess.Popen(args + ["--max-train-steps", "1000"], start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    latest = out / "checkpoints" / "latest"
-    deadline = time.time() + 300
-    while not (latest.exists() and latest.read_text().strip() >= "step_0000002"):
-        assert proc.poll() is None, "the run ended before its checkpoints"
-        assert time.time() < deadline, "no checkpoint within 300 s"
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    killed_at = int(latest.read_text().strip().removeprefix("step_"))
-    total = killed_at + 2
-    subprocess.run(args + ["--max-train-steps", str(total), "--resume"], check=True,
-                   capture_output=True, timeout=300)
-    got = [json.loads(l)["loss"] for l in (out / "metrics.jsonl").read_text().splitlines()]
+    got, total = kill_and_resume(args, out)
     want = _losses(dist2.run(train_run, workdir, "uninterrupted", max_train_steps=total,
                              save_every=1, deterministic=True)[0])
     assert len(got) == total
