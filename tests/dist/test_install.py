@@ -2,11 +2,15 @@
 checkout must hold every file the package reads at run time (the bundled recipes, the
 DeepSpeed config), and the demo must run from the installed wheel, in a folder away from
 the checkout. (An editable install reads the checkout, so the other tests cannot see a
-file missing from the wheel.)"""
+file missing from the wheel.) The quick demo is the CI version of the README's main job: the
+real pipeline (tokenizer, model, corpora, 2-rank recipe stages, needle and ppl evals,
+report) with a few steps per stage; it must write every artifact of the report, and a rerun
+must find every phase done."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -74,9 +78,48 @@ def test_demo_runs_from_the_installed_wheel(wheel, tmp_path):
     assert Path(where.stdout.strip()).is_relative_to(venv), where.stdout
 
     out = elsewhere / "demo"
-    run = subprocess.run([str(venv / "bin" / "easy-context"), "demo", "--quick", "--output-dir",
-                          str(out)], cwd=elsewhere, env=env, capture_output=True, text=True,
+    cmd = [str(venv / "bin" / "easy-context"), "demo", "--quick", "--output-dir", str(out)]
+    run = subprocess.run(cmd, cwd=elsewhere, env=env, capture_output=True, text=True,
                          timeout=840)
     assert run.returncode == 0, run.stderr[-4000:]
-    assert (out / "report.md").stat().st_size > 0
-    assert "Quick run" in (out / "report.md").read_text()
+    _check_quick_demo(out)
+
+    # Rerun: every stage is skipped (its outputs untouched) and the evals are reused.
+    stage_files = sorted((out / "output").rglob("*"))
+    mtimes = {p: p.stat().st_mtime_ns for p in stage_files if p.is_file()}
+    again = subprocess.run(cmd, cwd=elsewhere, env=env, capture_output=True, text=True,
+                           timeout=600)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "done, skipped" in again.stderr
+    assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes
+    assert "phase eval" not in again.stderr  # the saved evals are reused
+
+
+def _check_quick_demo(out: Path) -> None:
+    """Every artifact of the report, the recipe's stages in order, and the models the two
+    evals read: "before" is the last stage at the first length and theta, "after" the last."""
+    from easy_context.demo.report import ARTIFACTS
+    from easy_context.demo.run import bundled_recipe_path
+    from easy_context.recipes.recipe import load_recipe
+
+    for name in ARTIFACTS:
+        path = out / name
+        assert path.is_file() and path.stat().st_size > 0, name
+    for name in (n for n in ARTIFACTS if n.endswith(".png")):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    report = (out / "report.md").read_text()
+    assert "Quick run" in report
+    for section in ("## Targets", "## Needle accuracy", "## Perplexity", "## Training stages",
+                    "## Time"):
+        assert section in report
+    stages = load_recipe(bundled_recipe_path(), output_root=out).stages
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["stage"] for s in summary["stages"]] == [s.name for s in stages]
+    assert set(summary["evals"]) == {"before", "after"}
+    first = [s for s in stages if s.train["seq_length"] == stages[0].train["seq_length"]][-1]
+    before = json.loads((out / "eval" / "needle_before.json").read_text())["config"]
+    assert first.name in before["model_dir"]
+    assert before["rope_parameters"]["rope_theta"] == first.train["rope_theta"]
+    needle = json.loads((out / "eval" / "needle_after.json").read_text())
+    assert max(c["context_length"] for c in needle["cells"]) == stages[-1].train["seq_length"]
+    assert needle["config"]["rope_parameters"]["rope_theta"] == stages[-1].train["rope_theta"]
