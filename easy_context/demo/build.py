@@ -6,21 +6,26 @@ followed it. Such circuits form only after a long loss plateau (Olsson et al. 20
 et al. 2025 put it at millions of tokens), too long for a CPU demo, unless the data makes
 each half useful on its own. So the corpus mixes three kinds of short documents:
 
-- period documents, short random units repeated ("K3FK3FK3F..."): predicting them needs the
-  token one, two or three places back, which trains the previous-token head directly;
-- copy drills, random strings repeated after some haystack ("Q7XZ2 <haystack> Q7XZ2"),
-  which need the full induction circuit; the two together cut the plateau from thousands of
-  steps to about a thousand (measured: drill copy accuracy 1% -> 65% in 1750 steps of
-  32 x 64 tokens with period documents, 10% after 3500 without them; in the demo, 4% after
-  800 steps of retrieval tasks alone, 34-69% after the 600-800 steps of its copy stage);
+- period documents, short units of distinct digits repeated ("390390390 4747"): predicting
+  them needs the token one, two or three places back, which trains the previous-token head;
+- copy drills, codes repeated after some haystack ("47102 <haystack> 47102."), half of them
+  in the needle's own wording ("The Oslo code=47102. <haystack> Recall the Oslo
+  code=47102."), which need the full induction circuit; the two together cut the plateau
+  from thousands of steps to a few hundred (measured with an earlier alphabet: drill copy
+  accuracy 1% -> 65% in 1750 steps of 32 x 64 tokens with period documents, 10% after 3500
+  without them; 4% after 800 steps of retrieval tasks alone). A circuit grown on bare codes
+  alone copied them but not after "code=" (25% of needle digits right at 256 tokens in both
+  seeds tried), hence the needle-worded half;
 - retrieval tasks in the needle eval's own wording ("The Paris code=48213." in a haystack,
   then the question and the answer), with log-uniform lengths up to the window so that every
   position is trained; the haystack is mostly the passkey test's repeated noise sentences,
   as in the eval (``filler_haystack``); the perplexity curves use varied text.
 
-Random strings use upper-case letters and digits: this tokenizer has no merges among them,
-so every character is one token and a repeated string is a repeated token sequence. The eval
-uses other numbers (a different seed) and its own haystack.
+Codes, needle values and period units are digits with no digit repeated (the answers' own
+alphabet): this tokenizer has no merges among digits, so a code is a sequence of single-digit
+tokens, and a model that copies by finding the earlier occurrence of the current digit has
+one candidate to follow, not several. The eval uses other numbers (a different seed) and its
+own haystack.
 
 Packing without cutting a task: prepare-data cuts the document that straddles a window
 boundary into two segments, and a retrieval task cut in two teaches guessing (the question
@@ -39,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..data.synthetic import generate_texts, haystack_sentences, passkey_record
-from ..eval.needle import KEYS, Haystack, NeedleTemplate
+from ..eval.needle import KEYS, Haystack, NeedleTemplate, random_number
 
 # "code=" occurs only in the needle and the question, and the haystack has no digits, so a
 # 2-layer induction circuit (find the earlier "=", copy what followed) solves the task (the
@@ -48,19 +53,21 @@ TEMPLATE = NeedleTemplate(prefix="", needle="The {key} code={value}.",
                           question=" Recall the {key} code=",
                           question_multi_value=" Recall all {key} codes=", answer_prefix="")
 DIGITS = 5
+DISTINCT_DIGITS = True
 
 
 @dataclass
 class ModelShape:
     """The tiny Llama: ~0.48M parameters, 2 layers (the fewest an induction circuit needs:
-    twice as many tokens per second as 4), head_dim 32."""
+    twice as many tokens per second as 4), 8 heads of 16 dimensions (with 4 of 32 the copy
+    circuit formed late or not at all in 2 of 5 seeds of the eval tests' model)."""
 
     hidden_size: int = 128
     intermediate_size: int = 384
     num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 4
-    rope_theta: float = 10_000.0
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 8
+    rope_theta: float = 1_000.0
     max_position_embeddings: int = 512
 
 
@@ -113,7 +120,7 @@ def needle_document(rng: random.Random, n_tokens: int, tokens_of, noise: str = "
     """One retrieval task of about ``n_tokens`` tokens: haystack with a needle (and
     ``distractors`` needles of other keys), the question about the first key, its answer."""
     keys = rng.sample(KEYS, 1 + distractors)
-    values = [str(rng.randint(10 ** (DIGITS - 1), 10 ** DIGITS - 1)) for _ in keys]
+    values = [random_number(rng, DIGITS, DISTINCT_DIGITS) for _ in keys]
     needles = [TEMPLATE.needle.format(key=k, value=v) for k, v in zip(keys, values)]
     question = TEMPLATE.question.format(key=keys[0]) + TEMPLATE.answer_prefix + values[0] + "."
     fixed = sum(tokens_of(" " + n) for n in needles) + tokens_of(question)
@@ -123,15 +130,17 @@ def needle_document(rng: random.Random, n_tokens: int, tokens_of, noise: str = "
     return " ".join(sentences) + question
 
 
-SYMBOLS = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+# The copy curriculum's strings are the answers' own alphabet, the ten digits, with no digit
+# repeated (see the module docstring for why).
+SYMBOLS = "0123456789"
 
 
 def _random_string(rng: random.Random, n: int) -> str:
-    return "".join(rng.choice(SYMBOLS) for _ in range(n))
+    return "".join(rng.sample(SYMBOLS, n))
 
 
 def period_document(rng: random.Random, n_tokens: int) -> str:
-    """Random units of 2-4 symbols, each repeated 3-8 times ("K3FK3FK3F Q9Q9Q9Q9"): about
+    """Random units of 2-4 distinct digits, each repeated 3-8 times ("390390390 474747"): about
     ``n_tokens`` tokens whose prediction needs the previous tokens (see the module docstring)."""
     parts, used = [], 0
     while used < n_tokens:
@@ -142,18 +151,35 @@ def period_document(rng: random.Random, n_tokens: int) -> str:
     return " ".join(parts)
 
 
-def copy_drill(rng: random.Random, n_tokens: int, tokens_of, max_gap: int = 16) -> str:
-    """Random strings of 8-20 symbols, each repeated after up to ``max_gap`` tokens of
-    haystack ("Q7XZ2 <haystack> Q7XZ2 ..."), about ``n_tokens`` tokens: the second copy is
+def copy_drill(rng: random.Random, n_tokens: int, tokens_of, max_gap: int = 16,
+               needle_share: float = 0.0) -> str:
+    """Codes of ``DIGITS`` distinct digits, each repeated after up to ``max_gap`` tokens of
+    haystack ("47102 <haystack> 47102. ..."), about ``n_tokens`` tokens: the second copy is
     predictable only by looking up the first, which is what the induction circuit does.
-    Short gaps grow the circuit fastest; long ones teach it to look far back."""
+    Short gaps grow the circuit fastest; long ones teach it to look far back.
+
+    A share ``needle_share`` of the codes come in the needle's own wording instead ("The Oslo
+    code=47102. <haystack> Recall the Oslo code=47102."): a circuit grown on bare codes alone
+    copied them perfectly but not after "code=" (measured: 25% of needle digits right at 256
+    tokens for both seeds tried), so the drills show it both."""
     parts, used = [], 0
     while used < n_tokens:
-        code = _random_string(rng, rng.randint(8, 20))
-        room = max(n_tokens - used - 2 * len(code) - 4, 0)  # a gap that fits the document
+        code = _random_string(rng, DIGITS)
+        if rng.random() < needle_share:
+            key = rng.choice(KEYS)
+            first = TEMPLATE.needle.format(key=key, value=code)
+            second = TEMPLATE.question.format(key=key) + TEMPLATE.answer_prefix + code + "."
+        else:
+            first, second = code, f" {code}."
+        fixed = tokens_of(first) + tokens_of(second)
+        room = max(n_tokens - used - fixed - 2, 0)  # a gap that fits the document
         gap = " ".join(_sentences(rng, rng.randint(0, min(max_gap, room)), tokens_of, "filler"))
-        parts.append(f"{code} {gap} {code}." if gap else f"{code} {code}.")
-        used += tokens_of(" " + parts[-1])
+        piece = f"{first} {gap}{second}" if gap else first + second
+        n = tokens_of(" " + piece)
+        if parts and used + n > n_tokens:  # the document is full
+            break
+        parts.append(piece)
+        used += n
     return " ".join(parts)
 
 
@@ -177,7 +203,8 @@ def haystack_document(rng: random.Random, n_tokens: int, tokenizer) -> str:
 def write_corpus(path: Path, tokenizer, seq_length: int, windows: int, min_doc: int,
                  seed: int, passkey_share: float = 0.05, filler_share: float = 0.75,
                  drill_share: float = 0.35, period_share: float = 0.25,
-                 drill_tokens: tuple[int, int] = (32, 128), drill_gap: int = 16) -> dict:
+                 drill_tokens: tuple[int, int] = (32, 128), drill_gap: int = 16,
+                 drill_needle_share: float = 0.5) -> dict:
     """Write ``windows`` windows' worth of documents to a jsonl file (see the module
     docstring). Retrieval documents are ``min_doc`` to ``seq_length`` tokens long, period
     documents and drills ``drill_tokens`` (short: the more of them, the denser the signal)
@@ -205,7 +232,8 @@ def write_corpus(path: Path, tokenizer, seq_length: int, windows: int, min_doc: 
                 if kind < period_share:
                     text, kind = period_document(rng, short), "period"
                 else:
-                    text, kind = copy_drill(rng, short, tokens_of, drill_gap), "drill"
+                    text, kind = copy_drill(rng, short, tokens_of, drill_gap,
+                                                  drill_needle_share), "drill"
             elif room >= min_doc + 8:
                 # Log-uniform lengths: many short tasks (retrieval is learnt from the number
                 # of tasks), and some as long as the window (positions up to its end).

@@ -15,7 +15,7 @@ from pathlib import Path
 from ..models import load_model_and_tokenizer
 from ..eval.needle import NeedleConfig, evaluate_needle
 from ..eval.ppl import PplConfig, evaluate_ppl
-from .build import DIGITS, TEMPLATE, filler_haystack
+from .build import DIGITS, DISTINCT_DIGITS, TEMPLATE, filler_haystack
 
 log = logging.getLogger("easy_context.demo")
 
@@ -34,7 +34,7 @@ def needle_config(s: EvalSettings) -> NeedleConfig:
     return NeedleConfig(min_context_length=s.min_length, max_context_length=s.max_length,
                         context_interval=s.length_step, depth_interval=s.depth_interval,
                         num_samples=s.samples, rnd_number_digits=DIGITS, seed=s.seed,
-                        template=TEMPLATE)
+                        template=TEMPLATE, distinct_digits=DISTINCT_DIGITS)
 
 
 def evaluate_model(model_dir: Path, label: str, out_dir: Path, settings: EvalSettings,

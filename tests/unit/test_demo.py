@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from easy_context.demo.build import build_tokenizer, filler_haystack, write_corpus
+from easy_context.demo.build import DIGITS, build_tokenizer, filler_haystack, write_corpus
 
 
 @pytest.fixture(scope="module")
@@ -21,31 +21,36 @@ def test_corpus_never_cuts_a_retrieval_task(tokenizer, tmp_path):
     kinds = ("needle", "drill", "period", "passkey", "haystack")
     assert sum(counts[k] for k in kinds) == len(texts)
     assert counts["needle"] > windows and counts["drill"] > 0 and counts["period"] > 0
-    window, offset, tasks = seq_length + 1, 0, 0
+    window, offset, tasks, needle_form = seq_length + 1, 0, 0, 0
     for text in texts:
         n = len(tokenizer(text, add_special_tokens=False)["input_ids"]) + 2  # BOS, EOS
-        drill = re.match(r"([0-9A-Z]{8,20}) ", text) and "." in text  # periods have no "."
-        if drill:  # every string of a drill comes back
-            codes = re.findall(r"(?:^|\. )([0-9A-Z]{8,20}) ", text)
-            assert codes and all(text.count(c) >= 2 for c in codes), text
-        if "code=" in text or drill or "pass key" in text:  # a task
-            answer = re.search(r"[= ](\w+)\.?$", text).group(1)
-            assert text.count(answer) >= 2  # the needle holds the answer
+        numbers = re.findall(r"\d+", text)  # the haystack has no digits
+        if numbers and re.fullmatch(r"[0-9 ]+", text):  # a period document: units repeated
+            assert all(len(set(run)) <= 4 for run in text.split()), text
+        elif numbers:  # a task: every number comes back (drill codes, needles, pass keys)
+            assert all(text.count(x) >= 2 for x in numbers), text
+            if "pass key" not in text:  # codes and needle values: DIGITS distinct digits
+                assert all(len(x) == len(set(x)) == DIGITS for x in numbers), text
+            assert re.search(r"\d\.$", text), text[-40:]  # it ends with an answer
             assert offset // window == (offset + n - 1) // window, text[-80:]  # one window
+            needle_form += text.count("Recall the")
             tasks += 1
         offset += n
     assert counts["tokens"] == offset >= windows * window
     assert tasks == counts["needle"] + counts["drill"] + counts["passkey"]
+    assert needle_form > counts["needle"]  # some drills are in the needle's wording
 
 
 def test_copy_curriculum_symbols_are_single_tokens(tokenizer):
-    """Period documents and drills repeat token sequences only if every symbol is a token."""
+    """Period documents and drills repeat token sequences only if every digit is a token
+    (and stays one next to other digits and the needle's "=")."""
     import random
 
     from easy_context.demo.build import SYMBOLS, period_document
 
-    for ch in SYMBOLS:
-        assert len(tokenizer(ch, add_special_tokens=False)["input_ids"]) == 1, ch
+    for text in ("=" + SYMBOLS, " " + SYMBOLS[::-1] + "."):
+        pieces = tokenizer.convert_ids_to_tokens(tokenizer(text, add_special_tokens=False)["input_ids"])
+        assert sum(p.strip("Ġ=.").isdigit() for p in pieces) == 10, pieces
     text = period_document(random.Random(0), 60)
     unit_runs = text.split(" ")
     assert all(len(run) >= 6 for run in unit_runs) and len(text) >= 50
