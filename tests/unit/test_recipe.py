@@ -73,7 +73,7 @@ def test_bundled_demo_recipe_parses(tmp_path):
 
     recipe = load_recipe(bundled_recipe_path(), output_root=tmp_path)
     assert [s.train["seq_length"] for s in recipe.stages] == [512, 512, 1024, 2048]
-    assert [s.train["rope_theta"] for s in recipe.stages] == [10000, 10000, 40000, 160000]
+    assert [s.train["rope_theta"] for s in recipe.stages] == [1000, 1000, 4000, 16000]
     # the copy curriculum keeps its learning rate: the circuit forms late in the stage
     assert recipe.stages[0].train["lr_schedule"] == "constant"
     assert recipe.nproc_per_node == 2
