@@ -1,31 +1,43 @@
 """EasyContext: exact sequence-parallel long-context training for Hugging Face causal LMs.
 
-Importing the package registers every sequence-parallel method as a transformers attention
-implementation (see easy_context.integrations.hf).
+Importing the package is light; every sequence-parallel method becomes a transformers
+attention implementation as soon as transformers' modeling code is imported, before or
+after this package (easy_context.integrations.registration, .hf).
 """
 
-from .compat import (
-    apply_seq_parallel_monkey_patch,
-    prepare_dataloader,
-    prepare_seq_parallel_inputs,
-)
-from .integrations.hf import (
-    apply_sequence_parallel,
-    causal_lm_loss,
-    check_model_supported,
-    hf_attention_name,
-)
-from .mesh import ParallelMesh, SPGroup, build_mesh
-from .parallel import METHODS, get_method
-from .parallel.local import local_attention
-from .sequence_parallel import (
-    pad_for_sequence_parallel,
-    required_multiple,
-    sequence_parallel_attention,
-    shard_batch,
-    shard_sequence,
-    unshard_sequence,
-)
+from .utils.lazy import lazy_exports
+
+# Public name -> the module that defines it. Attributes are imported on first use (PEP 562),
+# so ``import easy_context`` stays light; see integrations/registration.py for when the
+# methods become transformers attention implementations.
+_EXPORTS = {
+    "apply_seq_parallel_monkey_patch": "compat",
+    "prepare_dataloader": "compat",
+    "prepare_seq_parallel_inputs": "compat",
+    "apply_sequence_parallel": "integrations.hf",
+    "causal_lm_loss": "integrations.hf",
+    "check_model_supported": "integrations.hf",
+    "hf_attention_name": "integrations.hf",
+    "ParallelMesh": "mesh",
+    "SPGroup": "mesh",
+    "build_mesh": "mesh",
+    "METHODS": "parallel",
+    "get_method": "parallel",
+    "local_attention": "parallel.local",
+    "pad_for_sequence_parallel": "sequence_parallel",
+    "required_multiple": "sequence_parallel",
+    "sequence_parallel_attention": "sequence_parallel",
+    "shard_batch": "sequence_parallel",
+    "shard_sequence": "sequence_parallel",
+    "unshard_sequence": "sequence_parallel",
+}
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+from .integrations import registration as _registration  # noqa: E402
+
+_registration.install()
 
 __version__ = "0.1.0"
 

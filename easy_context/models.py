@@ -190,6 +190,3 @@ def pad_token_id(tokenizer: PreTrainedTokenizerBase | None, config: PretrainedCo
     return 0
 
 
-def model_name(path: str) -> str:
-    """A short label for a model path: its folder name."""
-    return Path(path.rstrip("/")).name or path

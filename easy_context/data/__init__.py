@@ -11,15 +11,21 @@ Chat data (``PrepareConfig(chat=True, ...)``: a ``messages`` column, or ``prompt
 the token on assistant turns, -100 elsewhere.
 """
 
-from .chat import IGNORE_INDEX, ChatColumns, ChatTokenizer, load_chat_template
-from .pack import Packer, PackedBatch
-from .pose import PoSECollator, PoSEConfig, pose_position_ids
-from .prepare import PrepareConfig, prepare_data
-from .sources import SourceSpec, load_source, parse_source
-from .synthetic import SyntheticConfig, generate, generate_texts
-from .tokenize import SpecialTokens, load_tokenizer, resolve_special_tokens
-from .tokenizer import train_bpe_tokenizer
-from .upsample import UpsampleConfig, length_histogram, plan_copies
+from ..utils.lazy import lazy_exports
+
+# Imported on first use: synth-data needs none of datasets, tokenizers or transformers.
+_EXPORTS = {
+    "IGNORE_INDEX": "chat", "ChatColumns": "chat", "ChatTokenizer": "chat",
+    "load_chat_template": "chat", "Packer": "pack", "PackedBatch": "pack",
+    "PoSECollator": "pose", "PoSEConfig": "pose", "pose_position_ids": "pose",
+    "PrepareConfig": "prepare", "prepare_data": "prepare", "SourceSpec": "sources",
+    "load_source": "sources", "parse_source": "sources", "SyntheticConfig": "synthetic",
+    "generate": "synthetic", "generate_texts": "synthetic", "SpecialTokens": "tokenize",
+    "load_tokenizer": "tokenize", "resolve_special_tokens": "tokenize",
+    "train_bpe_tokenizer": "tokenizer", "UpsampleConfig": "upsample",
+    "length_histogram": "upsample", "plan_copies": "upsample",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
     "IGNORE_INDEX", "ChatColumns", "ChatTokenizer", "load_chat_template",

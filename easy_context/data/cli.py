@@ -24,10 +24,9 @@ import json
 import logging
 from pathlib import Path
 
-from .prepare import PrepareConfig, prepare_data
+# Only the light module at the top: the others import datasets, tokenizers and transformers,
+# which synth-data never needs (each command imports what it runs).
 from .synthetic import KINDS, SyntheticConfig, generate
-from .tokenizer import check_vocab_size, iter_text_files, list_text_files, train_bpe_tokenizer
-from .upsample import UpsampleConfig
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +80,9 @@ def add_prepare_data_args(parser: argparse.ArgumentParser) -> None:
 
 def run_prepare_data(args: argparse.Namespace) -> int:
     """Run prepare-data from parsed flags; print a one-line summary; return 0."""
+    from .prepare import PrepareConfig, prepare_data
+    from .upsample import UpsampleConfig
+
     cfg = PrepareConfig(
         inputs=list(args.inputs), tokenizer=args.tokenizer, output=args.output,
         seq_length=args.seq_length, text_column=args.text_column, add_bos=args.add_bos,
@@ -139,6 +141,8 @@ def add_train_tokenizer_args(parser: argparse.ArgumentParser) -> None:
 
 def run_train_tokenizer(args: argparse.Namespace) -> int:
     """Train a byte-level BPE on the input files and save it as a Hugging Face tokenizer."""
+    from .tokenizer import check_vocab_size, iter_text_files, list_text_files, train_bpe_tokenizer
+
     check_vocab_size(args.vocab_size)
     out = Path(args.output)
     if out.exists() and not out.is_dir():

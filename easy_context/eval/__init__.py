@@ -8,26 +8,19 @@ prompt or window, sharded like training) and sum their per-token results across 
 Command line: ``easy-context eval-needle``, ``eval-ppl`` and ``plot-ppl`` (easy_context.eval.cli).
 """
 
-from ..models import (
-    apply_rope_overrides,
-    load_config,
-    load_model_and_tokenizer,
-    parse_rope_scaling,
-    resolve_dtype,
-)
-from .needle import (
-    Haystack,
-    NeedleConfig,
-    NeedlePrompt,
-    NeedleTemplate,
-    build_haystack,
-    build_prompt,
-    evaluate_needle,
-    score_generate,
-    score_teacher_forced,
-)
-from .plots import plot_needle_heatmap, plot_ppl
-from .ppl import PplConfig, evaluate_ppl, sliding_windows, window_stats
+from ..utils.lazy import lazy_exports
+
+# Imported on first use: plot-ppl needs neither the models nor the evals.
+_EXPORTS = {
+    **dict.fromkeys(("apply_rope_overrides", "load_config", "load_model_and_tokenizer",
+                     "parse_rope_scaling", "resolve_dtype"), "..models"),
+    **dict.fromkeys(("Haystack", "NeedleConfig", "NeedlePrompt", "NeedleTemplate",
+                     "build_haystack", "build_prompt", "evaluate_needle", "score_generate",
+                     "score_teacher_forced"), "needle"),
+    **dict.fromkeys(("plot_needle_heatmap", "plot_ppl"), "plots"),
+    **dict.fromkeys(("PplConfig", "evaluate_ppl", "sliding_windows", "window_stats"), "ppl"),
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
     "Haystack", "NeedleConfig", "NeedlePrompt", "NeedleTemplate", "PplConfig",

@@ -24,8 +24,7 @@ import torch.distributed as dist
 from ..parallel import SEQUENCE_PARALLEL, get_method
 from ..launch import device as rank_device
 from ..launch import launch
-from ..models import model_name
-from ..utils.paths import check_output_path
+from ..utils.paths import check_output_path, model_name
 
 logger = logging.getLogger(__name__)
 

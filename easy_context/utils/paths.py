@@ -20,3 +20,8 @@ def check_output_path(flag: str, path: str | Path, folder: bool) -> None:
             if not parent.is_dir():
                 raise NotADirectoryError(f"{flag} {path}: {parent} is a file, not a folder")
             return
+
+
+def model_name(path: str) -> str:
+    """A short label for a model path: its folder name."""
+    return Path(path.rstrip("/")).name or path
