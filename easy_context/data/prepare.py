@@ -226,9 +226,11 @@ def prepare_data(cfg: PrepareConfig) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        bar = tqdm(desc="packing", unit="tok", unit_scale=True)
         with (ArrowWriter(features=features, path=str(work / "windows.arrow")) as writer,
               TokenizerPool(doc_tok, cfg.num_proc) as pool):
+            # made after the pool forks its workers: a forked copy of the bar prints a stray
+            # "packing: 0.00tok" line when the worker exits
+            bar = tqdm(desc="packing", unit="tok", unit_scale=True)
             for i, (spec, ds) in enumerate(zip(specs, opened)):
                 for batch in _emit(i, spec, ds, cfg, pool, work, per_source):
                     bar.update(int(batch.lengths.sum()))
