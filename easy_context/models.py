@@ -188,5 +188,3 @@ def pad_token_id(tokenizer: PreTrainedTokenizerBase | None, config: PretrainedCo
         if value is not None:
             return int(value)
     return 0
-
-
