@@ -1,8 +1,10 @@
 """The one place that knows transformers internals.
 
-Importing easy_context registers every sequence-parallel method as a transformers attention
-implementation (``AttentionInterface``), so any model whose attention layers go through that
-interface (Llama, Mistral, Qwen2/3, Gemma, Phi-3, OLMo, ...) runs sequence-parallel with
+Importing this module registers every sequence-parallel method as a transformers attention
+implementation (``AttentionInterface``); after ``import easy_context`` that happens as soon
+as transformers' modeling code is imported (registration.py). So any model whose attention
+layers go through that interface (Llama, Mistral, Qwen2/3, Gemma, Phi-3, OLMo, ...) runs
+sequence-parallel with
 
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="zigzag_ring_attn")
 
