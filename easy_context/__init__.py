@@ -41,24 +41,4 @@ _registration.install()
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "METHODS",
-    "ParallelMesh",
-    "SPGroup",
-    "build_mesh",
-    "get_method",
-    "local_attention",
-    "shard_batch",
-    "apply_seq_parallel_monkey_patch",
-    "apply_sequence_parallel",
-    "causal_lm_loss",
-    "check_model_supported",
-    "hf_attention_name",
-    "pad_for_sequence_parallel",
-    "prepare_dataloader",
-    "prepare_seq_parallel_inputs",
-    "required_multiple",
-    "sequence_parallel_attention",
-    "shard_sequence",
-    "unshard_sequence",
-]
+__all__ = list(_EXPORTS)

@@ -27,10 +27,4 @@ _EXPORTS = {
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
-__all__ = [
-    "IGNORE_INDEX", "ChatColumns", "ChatTokenizer", "load_chat_template",
-    "Packer", "PackedBatch", "PoSECollator", "PoSEConfig", "pose_position_ids", "PrepareConfig",
-    "prepare_data", "SourceSpec", "load_source", "parse_source", "SyntheticConfig", "generate",
-    "generate_texts", "SpecialTokens", "load_tokenizer", "resolve_special_tokens",
-    "train_bpe_tokenizer", "UpsampleConfig", "length_histogram", "plan_copies",
-]
+__all__ = list(_EXPORTS)

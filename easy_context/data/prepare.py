@@ -228,8 +228,7 @@ def prepare_data(cfg: PrepareConfig) -> dict:
     try:
         with (ArrowWriter(features=features, path=str(work / "windows.arrow")) as writer,
               TokenizerPool(doc_tok, cfg.num_proc) as pool):
-            # made after the pool forks its workers: a forked copy of the bar prints a stray
-            # "packing: 0.00tok" line when the worker exits
+            # made after the pool forks its workers, so that none of them holds a copy of it
             bar = tqdm(desc="packing", unit="tok", unit_scale=True)
             for i, (spec, ds) in enumerate(zip(specs, opened)):
                 for batch in _emit(i, spec, ds, cfg, pool, work, per_source):

@@ -22,10 +22,4 @@ _EXPORTS = {
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
-__all__ = [
-    "Haystack", "NeedleConfig", "NeedlePrompt", "NeedleTemplate", "PplConfig",
-    "apply_rope_overrides", "build_haystack", "build_prompt", "evaluate_needle", "evaluate_ppl",
-    "load_config", "load_model_and_tokenizer", "parse_rope_scaling", "plot_needle_heatmap",
-    "plot_ppl", "resolve_dtype", "score_generate", "score_teacher_forced", "sliding_windows",
-    "window_stats",
-]
+__all__ = list(_EXPORTS)
