@@ -10,7 +10,8 @@ the untiled layer, recomputed under per-layer checkpointing, holds for every tok
 sequence the normed input, q, k, v (before and after RoPE), the attention output, h, the
 normed h and the MLP's four I-wide intermediates at once, plus their gradients in backward.
 Here one autograd function computes the layer and keeps only its input x (and, with
-``keep_attention``, each head group's attention output and log-sum-exp); its backward
+``keep_attention``, each head group's attention output and log-sum-exp; the first layer
+keeps a way to look its input up again instead, when that is the embedding); its backward
 recomputes what it needs in pieces:
 
 - attention, ``heads_per_chunk`` query heads at a time (whole KV heads with all their query
@@ -103,6 +104,8 @@ class Run:
     attn_kwargs: dict = field(default_factory=dict)
     attention_mask: Tensor | None = None
     gathered: Callable = contextlib.nullcontext  # () -> context with the layer's weights whole
+    input_recipe: Callable | None = None  # () -> x again (the first layer's: an embedding lookup)
+    replay: tuple | None = None  # (outs, recorded) from the nested recompute's regenerate()
 
     # ---------------------------------------------------------------- head groups
     def groups(self) -> list[tuple[slice, slice]]:
@@ -176,11 +179,16 @@ class Run:
         with torch.no_grad():
             return self.output(x, self.attention_forward(x, cos, sin)[0])
 
-    def regenerate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def regenerate(self, x: Tensor, cos: Tensor, sin: Tensor, keep: bool = False) -> Tensor:
         """The forward again, from another layer's backward (the nested recompute): this
-        layer's weights are sharded then, so they are gathered around it."""
-        with self.gathered():
-            return self.forward(x, cos, sin)
+        layer's weights are sharded then, so they are gathered around it. ``keep``: this
+        layer's backward comes next, so its attention results are kept for it (``replay``)
+        instead of being computed a third time there."""
+        with self.gathered(), torch.no_grad():
+            outs, recorded = self.attention_forward(x, cos, sin)
+            if keep:
+                self.replay = (outs, recorded)
+            return self.output(x, outs)
 
     def output(self, x: Tensor, outs: list[Tensor]) -> Tensor:
         y = torch.empty_like(x)
@@ -308,7 +316,10 @@ class FusedLayer(torch.autograd.Function):
             kept = [x, *outs, *flat]
         else:
             kept = [x]
-        ctx.handle = run.storage.pack(kept, run.index, lambda x: run.regenerate(x, cos, sin))
+        recipe = None if run.keep_attention else run.input_recipe  # x alone can be recomputed
+        ctx.handle = run.storage.pack(kept, run.index,
+                                      lambda x, keep=False: run.regenerate(x, cos, sin, keep),
+                                      recipe=recipe)
         return y
 
     @staticmethod
@@ -322,6 +333,8 @@ class FusedLayer(torch.autograd.Function):
             n = len(ctx.layout)
             outs, flat = kept[1:1 + n], iter(kept[1 + n:])
             recorded = [[tuple(next(flat) for _ in range(k)) for k in rec] for rec in ctx.layout]
+        elif run.replay is not None:  # regenerated just before, with its attention
+            (outs, recorded), run.replay = run.replay, None
         else:
             with torch.no_grad():
                 outs, recorded = run.attention_forward(x, cos, sin)

@@ -32,6 +32,8 @@ import contextlib
 import contextvars
 import sys
 import types
+import weakref
+from typing import Callable
 
 import torch
 from torch import nn
@@ -119,7 +121,8 @@ def unsupported_reason(model: nn.Module) -> str | None:
 
 
 class _State:
-    """What every patched layer of one model shares: its settings and the layer storage."""
+    """What every patched layer of one model shares: its settings, the layer storage and the
+    last embedding lookup (to recompute the first layer's input rather than keep it)."""
 
     def __init__(self, mlp_tile: int, heads_per_chunk: int, checkpointing: str,
                  keep_every: int, layers: int):
@@ -129,6 +132,34 @@ class _State:
         offload = checkpointing == "offload"
         self.storage = (LayerStorage(layers, offload=offload, keep_every=keep_every)
                         if offload or keep_every > 1 else DeviceStorage())
+        self.embedding = None  # (embedding module, its token ids, weakref to its output, version)
+
+    def record_embedding(self, module: nn.Module, args: tuple, output) -> None:
+        """Forward hook of the decoder's input embedding: what the lookup was."""
+        ids = args[0] if args else None
+        if isinstance(output, torch.Tensor) and isinstance(ids, torch.Tensor):
+            self.embedding = (module, ids, weakref.ref(output), output._version)
+
+    def input_recipe(self, x: torch.Tensor) -> Callable[[], torch.Tensor] | None:
+        """How to compute ``x`` again, when it is the embedding of the token ids as looked up
+        (same memory, not modified since): an embedding lookup costs next to nothing and
+        keeping its result costs a whole sequence of hidden states. None otherwise (a model
+        that scales or adds to its embeddings before the first layer keeps that input)."""
+        if self.embedding is None:
+            return None
+        module, ids, ref, version = self.embedding
+        out = ref()
+        if (out is None or out._version != version or x.data_ptr() != out.data_ptr()
+                or x.shape != out.shape or x.stride() != out.stride() or x.dtype != out.dtype):
+            return None
+
+        def regenerate() -> torch.Tensor:
+            # the module's own forward: no hooks (ZeRO-3 would release, FSDP re-gather, and
+            # the recording hook above would record again), with its weights gathered
+            with torch.no_grad(), _gathered(module):
+                return module.forward(ids)
+
+        return regenerate
 
 
 def _fused_forward(self, hidden_states, *args, attention_mask=None, position_ids=None,
@@ -143,7 +174,8 @@ def _fused_forward(self, hidden_states, *args, attention_mask=None, position_ids
     attn_kwargs = {k: v for k, v in kwargs.items() if k not in _CACHE_KEYS}
     attn_kwargs["position_ids"] = position_ids
     run = Run(spec, state.mlp_tile, state.heads_per_chunk, state.keep_attention, state.storage,
-              index, attn_kwargs, attention_mask, lambda: _gathered(self))
+              index, attn_kwargs, attention_mask, lambda: _gathered(self),
+              state.input_recipe(hidden_states) if index == 0 else None)
     cos, sin = position_embeddings
     if not torch.is_grad_enabled():
         return run.forward(hidden_states, cos, sin)
@@ -216,8 +248,20 @@ def apply_max_length(model: nn.Module, mlp_tile: int, heads_per_chunk: int,
         _mark_zero3_leaf(layer)
     _fold_final_norm(model)
     _tile_rotary(model)
+    _watch_embedding(model, state)
     setattr(model, _STATE, state)
     return model
+
+
+def _watch_embedding(model: nn.Module, state: _State) -> None:
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not isinstance(embed, nn.Module):
+        return
+    old = getattr(embed, "_ec_embedding_hook", None)
+    if old is not None:  # applied again: the new state records
+        old.remove()
+    embed._ec_embedding_hook = embed.register_forward_hook(
+        lambda module, args, output: state.record_embedding(module, args, output))
 
 
 def _mark_zero3_leaf(layer: nn.Module) -> None:
@@ -282,7 +326,9 @@ def final_norm_skipped():
 def max_length_loss(model: nn.Module, head: nn.Linear, input_ids, position_ids, target_ids,
                     extra: dict, chunk_size: int, group=None, num_items_in_batch=None):
     """causal_lm_loss's chunked loss in max-length mode: the decoder without its final norm,
-    then norm, head and cross-entropy chunk by chunk (easy_context.memory.tiled_loss)."""
+    then norm, head and cross-entropy chunk by chunk (easy_context.memory.tiled_loss). The
+    last layer's output is read by nothing but the loss, so the loss's backward writes the
+    gradient of the hidden states over them (one sequence-long tensor fewer)."""
     from .tiled_loss import normed_chunked_cross_entropy
 
     with final_norm_skipped():
@@ -290,4 +336,5 @@ def max_length_loss(model: nn.Module, head: nn.Linear, input_ids, position_ids, 
                                      use_cache=False, **extra).last_hidden_state
     return normed_chunked_cross_entropy(hidden, model.get_decoder().norm, head.weight, target_ids,
                                         head.bias, chunk_size=chunk_size, group=group,
-                                        num_items_in_batch=num_items_in_batch)
+                                        num_items_in_batch=num_items_in_batch,
+                                        overwrite_hidden=True)

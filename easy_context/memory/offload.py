@@ -6,17 +6,22 @@ CUDA stream, so the copy overlaps the next layer's compute) and, in backward, wh
 tensors are taken back, starts copying layer l-1's to the device on that stream: by the time
 layer l's backward (seconds at long contexts) is done, l-1's input is there. At most two
 layers' tensors are on the device at once (the one in use and the one arriving: a double
-buffer), against all of them with ``DeviceStorage``. The last layer's tensors are needed
-first, right after the loss, so they stay on the device.
+buffer), against all of them with ``DeviceStorage``. When offloading, the last layer's
+tensors are needed first, right after the loss, so they stay on the device.
 
 On a CPU the same code runs without streams (the "host" copy is a plain copy in the same
 memory, which saves nothing there; the planner never picks it on a CPU).
+
+A layer input that is cheaper to compute than to keep (the first layer's: the embedding of the
+token ids) is kept as a recipe, a function that computes it again when backward needs it.
 
 Two-level (nested) recompute, for when host memory is the limit: with ``keep_every = k``
 only every k-th layer's input is copied out; the others are regenerated in backward by
 running the layers from the last kept input forward again (without autograd), once per
 group of k layers, so host memory holds L/k + k layer inputs instead of L, for one more
-forward of each layer (easy_context.memory.maxlen wires the layers' forwards in).
+forward of each layer (easy_context.memory.maxlen wires the layers' forwards in). The last
+layer a group regenerates is the next to run backward: it keeps the attention results of its
+regeneration for that backward, so with k = 2 the nested recompute runs no attention again.
 """
 
 from __future__ import annotations
@@ -29,13 +34,15 @@ Tensor = torch.Tensor
 
 
 class DeviceStorage:
-    """Keep the tensors where they are (plain checkpointing)."""
+    """Keep the tensors where they are (plain checkpointing), or only the ``recipe`` that
+    computes the one tensor again (the first layer's input: an embedding lookup)."""
 
-    def pack(self, tensors: list[Tensor], index: int | None = None, forward=None):
-        return tensors
+    def pack(self, tensors: list[Tensor], index: int | None = None, forward=None,
+             recipe: Callable[[], Tensor] | None = None):
+        return recipe if recipe is not None else tensors
 
     def unpack(self, handle) -> list[Tensor]:
-        return list(handle)
+        return [handle()] if callable(handle) else list(handle)
 
 
 class _Entry:
@@ -51,7 +58,8 @@ class _Entry:
 class LayerStorage:
     """Layer inputs in host memory, the previous layer's prefetched while one runs backward.
 
-    ``layers``: how many layers pack per forward (the last one stays on the device);
+    ``layers``: how many layers pack per forward (with offload, the last one stays on the
+    device);
     ``offload``: False keeps the tensors on the device (for the nested recompute alone);
     ``keep_every``: keep every k-th layer's input only (nested recompute, k > 1).
     """
@@ -127,14 +135,23 @@ class LayerStorage:
 
     # ---------------------------------------------------------------- pack / unpack
     def pack(self, tensors: list[Tensor], index: int,
-             forward: Callable[[Tensor], Tensor] | None = None):
-        """Keep layer ``index``'s tensors; ``forward(x) -> layer output`` (no autograd) lets
-        the nested recompute regenerate the next layer's input. Returns the handle."""
+             forward: Callable[[Tensor, bool], Tensor] | None = None,
+             recipe: Callable[[], Tensor] | None = None):
+        """Keep layer ``index``'s tensors; ``forward(x, keep) -> layer output`` (no autograd)
+        lets the nested recompute regenerate the next layer's input (``keep``: this layer's
+        backward comes next, so it may keep what that would recompute); ``recipe() -> tensors[0]``,
+        when given, is kept instead of the one tensor. Returns the handle."""
         if index == 0:
             self.entries, self.forwards = {}, {}  # a new forward pass
         self.forwards[index] = forward
-        if index == self.layers - 1:
-            self.entries[index] = list(tensors)  # needed first in backward: stays put
+        if recipe is not None:
+            self.entries[index] = recipe  # computed again where it is needed, never copied
+        elif self.offload and index == self.layers - 1:
+            # needed first in backward: stays put rather than going out and straight back.
+            # Without offload (the nested recompute alone) it follows keep_every like the
+            # others: kept, it would only add one input to the forward and the loss while the
+            # backward's peak (the last group's regenerated inputs) stays the same.
+            self.entries[index] = list(tensors)
         elif index % self.keep_every == 0:
             host, ready = self._to_host(tensors)
             self.entries[index] = _Entry(host, tensors[0].device, ready)
@@ -148,6 +165,8 @@ class LayerStorage:
             entry = self._regenerate(index)
         if isinstance(entry, list):
             tensors = entry
+        elif callable(entry):  # a recipe
+            tensors = [entry()]
         elif entry.arriving is None:  # not prefetched: the first one
             tensors = self._fetch_now(entry)
         else:
@@ -167,9 +186,10 @@ class LayerStorage:
         """Run layers first..index-1 forward again from the last kept input (layer first's),
         keep the inputs they produce on the host, return layer index's (on the device)."""
         first = index - index % self.keep_every
-        x = self._fetch_now(self.entries[first])[0]
+        kept = self.entries[first]
+        x = kept() if callable(kept) else self._fetch_now(kept)[0]
         for i in range(first, index):
-            x = self.forwards[i](x)
+            x = self.forwards[i](x, i + 1 == index)
             if i + 1 < index:
                 host, ready = self._to_host([x])
                 self.entries[i + 1] = _Entry(host, x.device, ready)

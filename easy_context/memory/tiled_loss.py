@@ -6,7 +6,9 @@ normalized states and the norm's output, all kept for backward (about four times
 hidden states). In max-length mode (easy_context.memory.maxlen) the decoder skips that norm
 and this loss applies it to each chunk of rows, keeping only the un-normed hidden states
 (which exist anyway: the last layer's output) and the per-token log-sum-exp; backward
-recomputes each chunk's norm and logits:
+recomputes each chunk's norm and logits. With ``overwrite_hidden`` (max-length mode, whose
+hidden states nothing else uses) backward writes each chunk's gradient over that chunk's rows
+of the hidden states once it has read them, so the gradient takes no memory of its own:
 
     hn = norm(h_c);  logits = hn @ W.T + b;  loss_t = lse_t - logits_t[y_t]
     d hn = (softmax - onehot) @ W;  d W += (softmax - onehot).T @ hn;  d h_c = norm's VJP(d hn)
@@ -43,11 +45,12 @@ def _forward_of(norm: nn.Module):
 
 class NormedChunkedCrossEntropy(torch.autograd.Function):
     """(hidden (T, H) before the final norm, norm, weight (V, H), targets (T,), bias | None,
-    chunk_size, ignore_index, *norm parameters) -> (sum of token losses, valid count)."""
+    chunk_size, ignore_index, overwrite_hidden, *norm parameters) -> (sum of token losses,
+    valid count)."""
 
     @staticmethod
     def forward(ctx, hidden, norm: nn.Module, weight, targets, bias, chunk_size: int,
-                ignore_index: int, *norm_params):
+                ignore_index: int, overwrite_hidden: bool, *norm_params):
         T, acc = hidden.shape[0], _acc(hidden.dtype)
         norm_forward = _forward_of(norm)
         lse = torch.empty(T, dtype=acc, device=hidden.device)
@@ -65,6 +68,7 @@ class NormedChunkedCrossEntropy(torch.autograd.Function):
         count = count_valid_targets(targets, ignore_index)
         ctx.save_for_backward(hidden, weight, targets, bias, lse)
         ctx.norm, ctx.chunk_size, ctx.ignore_index = norm, chunk_size, ignore_index
+        ctx.overwrite_hidden = overwrite_hidden
         ctx.mark_non_differentiable(count)
         return total, count
 
@@ -75,7 +79,10 @@ class NormedChunkedCrossEntropy(torch.autograd.Function):
         params = [p for p in norm.parameters()]
         need_h, _, need_w, _, need_b = ctx.needs_input_grad[:5]
         T, acc = hidden.shape[0], lse.dtype
-        grad_h = torch.empty_like(hidden) if need_h else None
+        # Overwriting the saved hidden states bumps their version: any other autograd node
+        # that saved them would raise at its backward instead of reading gradients.
+        overwrite = need_h and ctx.overwrite_hidden and hidden.is_contiguous()
+        grad_h = (hidden if overwrite else torch.empty_like(hidden)) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
         grad_n = [torch.zeros(p.shape, dtype=_acc(p.dtype), device=p.device) if p.requires_grad
@@ -110,16 +117,19 @@ class NormedChunkedCrossEntropy(torch.autograd.Function):
                             grad_n[i] += gp
             del pc, hn, h
         return (grad_h, None, None if grad_w is None else grad_w.to(weight.dtype), None,
-                None if grad_b is None else grad_b.to(bias.dtype), None, None,
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None,
                 *[None if gn is None else gn.to(prm.dtype) for gn, prm in zip(grad_n, params)])
 
 
 def normed_chunked_cross_entropy(hidden: Tensor, norm: nn.Module, weight: Tensor,
                                  targets: Tensor, bias: Tensor | None = None, *,
                                  chunk_size: int, ignore_index: int = -100, group=None,
-                                 num_items_in_batch: Tensor | int | None = None) -> Tensor:
+                                 num_items_in_batch: Tensor | int | None = None,
+                                 overwrite_hidden: bool = False) -> Tensor:
     """The global-mean loss of ``norm(hidden) @ weight.T (+ bias)``, chunk by chunk (see the
-    module docstring); hidden (B, S, H) or (T, H), targets shifted, -100 ignored."""
+    module docstring); hidden (B, S, H) or (T, H), targets shifted, -100 ignored.
+    ``overwrite_hidden``: backward writes the gradient into ``hidden`` (only for hidden states
+    that the caller owns and nothing reads after the loss)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     h = hidden.reshape(-1, hidden.shape[-1])
@@ -127,5 +137,6 @@ def normed_chunked_cross_entropy(hidden: Tensor, norm: nn.Module, weight: Tensor
     if h.shape[0] != y.shape[0]:
         raise ValueError(f"{h.shape[0]} hidden states but {y.shape[0]} targets")
     local_sum, local_count = NormedChunkedCrossEntropy.apply(
-        h, norm, weight, y, bias, chunk_size, ignore_index, *norm.parameters())
+        h, norm, weight, y, bias, chunk_size, ignore_index, overwrite_hidden,
+        *norm.parameters())
     return global_token_mean(local_sum, local_count, group, num_items_in_batch)

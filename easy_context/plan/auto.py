@@ -145,7 +145,7 @@ def fastest_tiling(shape: ModelShape, seq_len: int, devices: int, setup: Setup,
     s = seq_len // devices
     tiles = [tile] if tile else sorted({min(t, s) for t in TILES}, reverse=True)
     chunks = [chunk] if chunk else chunk_choices(shape, setup, devices)
-    keeps = [keep_every] if keep_every else [k for k in KEEP_EVERY if k == 1 or k < shape.layers]
+    keeps = [keep_every] if keep_every else [k for k in KEEP_EVERY if k <= shape.layers]
     tried = [replace(setup, mlp_tile=t, heads_per_chunk=c, keep_every=k)
              for c in chunks for t in tiles for k in keeps]
     tried.sort(key=lambda x: x.speed_key(shape))
@@ -186,7 +186,7 @@ def plan_longest(shape: ModelShape, devices: int, device_bytes: int,
     for base in bases or _bases(shape, devices):
         frugal = [base] + [replace(base, mlp_tile=1024, heads_per_chunk=c, keep_every=k)
                            for c in chunk_choices(shape, base, devices)[-1:] for k in KEEP_EVERY
-                           if k == 1 or (base.checkpointing != "attention" and k < shape.layers)]
+                           if k == 1 or (base.checkpointing != "attention" and k <= shape.layers)]
         for setup in frugal:
             length, _ = max_sequence_length(shape, devices, device_bytes, setup.method,
                                             setup.ring_degree, granularity, limit=1 << 31,

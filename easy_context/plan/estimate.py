@@ -17,7 +17,8 @@ method's communication buffers). runtime: the CUDA context / CPU runtime, a cons
 
 In max-length mode (easy_context.memory.maxlen: ``mlp_tile``, ``heads_per_chunk``,
 ``keep_every``) the stored activations and the layer's two halves are those of the fused
-layer instead (plan/fused.py), and the loss phase keeps the un-normed last hidden states.
+layer instead (plan/fused.py), and the loss phase keeps the un-normed last hidden states,
+whose gradient its backward writes over them.
 
 Batch size 1 (one packed sequence per step), as long-context training does; token counts are
 per device: s = seq_len / world_size. Bytes per element: ``a`` for activations (2 in bf16
@@ -373,8 +374,9 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
         ft = fused_terms(model_shape, s, a, method, world_size, checkpointing, mlp_tile,
                          heads_per_chunk, ring_degree, keep_every)
         stored, mlp_w, attn_w, act_host = ft.stored + ft.head, ft.mlp_half, ft.attention_half, ft.host
+        # The loss keeps the un-normed last hidden states and its backward writes their
+        # gradient over them (tiled_loss.py): the one s x H tensor loss_bytes counts.
         buffers = ft.buffers
-        loss += s * model_shape.hidden * a  # the un-normed last hidden states (tiled_loss.py)
     else:
         stored, mlp_w, attn_w, act_host = activations(model_shape, s, a, method, world_size,
                                                       checkpointing, ring_degree)

@@ -23,7 +23,14 @@ layout(s) the method keeps it in, and the float32 lse. Q = the group's q, k, v (
 leaves and RoPE'd copies), the method's saved q, k, v for the group (the all-to-all'd ones
 for Ulysses; the RoPE'd ones themselves for the block methods), its output gradient and its
 dq, dk, dv. The loss phase keeps the un-normed last hidden states instead of the final norm's
-float32 copies (easy_context.memory.tiled_loss).
+float32 copies, and writes their gradient over them (easy_context.memory.tiled_loss).
+With the nested recompute on the device (``keep_every`` > 1, no offload) the forward and
+the loss hold one input per group of layers; the inputs a group regenerates exist in backward
+only, so they count in the layer's two halves, with the attention results (R) of the last
+layer regenerated, kept for its backward. The first layer's input is counted as the
+embedding of the token ids, recomputed in backward (easy_context.memory.maxlen: so for
+Llama, Mistral, Qwen; a model that scales its embeddings outside the embedding module keeps
+it, one layer input more than planned).
 """
 
 from __future__ import annotations
@@ -89,13 +96,21 @@ def fused_terms(shape: ModelShape, s: int, a: int, method: str, world: int,
     grads = shape.layer_params() * 4 + (3 * h * i + h) * a
     keep_attention = checkpointing in ("attention", "none")
     per_layer = x + (results if keep_attention else 0)
-    kept = -(-n // keep_every) + (keep_every - 1 if keep_every > 1 else 0)
+    # the first layer's input is the embedding lookup, recomputed rather than kept, unless
+    # the layer keeps its attention too (maxlen.py)
+    kept, alive = kept_inputs(n, keep_every, first_free=not keep_attention)
     if checkpointing == "offload":
-        # device: the input in use + the next one arriving; host: every kept input but the
-        # last layer's, which stays on the device (needed first in backward, offload.py)
-        stored, host = 2 * per_layer * s, max(kept - 1, 0) * per_layer * s
+        # device: the input in use + the next one arriving; host: every input but the last
+        # layer's, which stays on the device (needed first in backward, offload.py)
+        stored, host, regen = 2 * per_layer * s, max(alive - 1, 0) * per_layer * s, 0
     else:
-        stored, host = min(kept, n) * per_layer * s, 0
+        # kept from forward on; the regenerated inputs (x alone) exist only in backward:
+        # they count in the layer's halves, not in the loss phase
+        stored, host, regen = kept * per_layer * s, 0, (alive - kept) * x * s
+    if keep_every > 1 and n > 1:
+        # the layer regenerated last keeps its attention results for its backward, which
+        # comes next: alive during the backward of the group's last layer
+        regen += results * s
     dims = group_dims(shape, heads_per_chunk)
     m = _method(method, world)
     buffers = 0 if world == 1 else m.buffers(dims, s, a, world, ring_degree)
@@ -104,6 +119,20 @@ def fused_terms(shape: ModelShape, s: int, a: int, method: str, world: int,
         base -= s * results  # counted in stored for the layer being differentiated
     q = group_per_token(shape, a, method, world, ring_degree, heads_per_chunk)
     head = s * 2 * shape.hd * a  # RoPE cos and sin
-    return FusedTerms(stored=stored, mlp_half=base + tile + grads,
-                      attention_half=base + s * (x + q) + grads, buffers=buffers, host=host,
-                      head=head)
+    return FusedTerms(stored=stored, mlp_half=regen + base + tile + grads,
+                      attention_half=regen + base + s * (x + q) + grads, buffers=buffers,
+                      host=host, head=head)
+
+
+def kept_inputs(layers: int, keep_every: int, first_free: bool) -> tuple[int, int]:
+    """(layer inputs kept from forward to backward, the most alive at once in backward).
+
+    The nested recompute (offload.py) keeps the first input of each group of ``keep_every``
+    layers; group j regenerates its other inputs at its last layer's backward, while the kept
+    inputs of groups 0..j are still there. ``first_free``: the first layer's input is
+    recomputed from the token ids, so it is never kept (and alive only in its own backward)."""
+    starts = range(0, layers, keep_every)
+    free = 1 if first_free else 0
+    alive = max(j + 1 - free + min(keep_every, layers - start) - 1
+                for j, start in enumerate(starts))
+    return len(starts) - free, max(alive, 1)

@@ -40,10 +40,43 @@ def test_normed_loss_equals_norm_then_chunked_loss():
         assert torch.allclose(g, t.grad, rtol=1e-10, atol=1e-12)
 
 
+def test_normed_loss_writes_its_gradient_over_owned_hidden_states():
+    torch.manual_seed(0)
+    w = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 50, (37,))
+    y[::5] = -100
+    norm = RMSNorm(16).double()
+    leaf = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
+    grads = {}
+    for overwrite in (False, True):
+        hidden = leaf * 1.0  # a non-leaf the loss alone reads, like the last layer's output
+        hidden.register_hook(lambda g, o=overwrite: grads.__setitem__(o, g))
+        before = hidden.detach().clone()
+        loss = normed_chunked_cross_entropy(hidden, norm, w, y, chunk_size=8,
+                                            overwrite_hidden=overwrite)
+        loss.backward()
+        # the gradient took the hidden states' memory only when asked to
+        assert (grads[overwrite].data_ptr() == hidden.data_ptr()) == overwrite
+        assert torch.equal(hidden.detach(), grads[True] if overwrite else before)
+    torch.testing.assert_close(grads[True], grads[False], rtol=0, atol=0)
+
+
+def test_overwritten_hidden_states_fail_loudly_if_another_node_saved_them():
+    norm = RMSNorm(16).double()
+    w = torch.randn(50, 16, dtype=torch.float64)
+    leaf = torch.randn(9, 16, dtype=torch.float64, requires_grad=True)
+    hidden = leaf * 1.0
+    other = (hidden * hidden).sum()  # MulBackward saves hidden
+    loss = normed_chunked_cross_entropy(hidden, norm, w, torch.randint(0, 50, (9,)),
+                                        chunk_size=4, overwrite_hidden=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (loss + other).backward()
+
+
 def test_layer_storage_offload_and_nested_recompute():
     layers = 5
     xs = [torch.full((1, 3, 2), float(i)) for i in range(layers)]
-    forward = [lambda x, i=i: x + 1 for i in range(layers)]  # layer i: x_{i+1} = x_i + 1
+    forward = [lambda x, keep, i=i: x + 1 for i in range(layers)]  # layer i: x_{i+1} = x_i + 1
     for keep_every in (1, 2, 3):
         st = LayerStorage(layers, offload=True, keep_every=keep_every)
         handles = [st.pack([xs[i]], i, forward[i]) for i in range(layers)]
@@ -54,6 +87,17 @@ def test_layer_storage_offload_and_nested_recompute():
             assert torch.equal(x, xs[i])
             # the last layer's input stays where it is; the others come back as copies
             assert (x.data_ptr() == xs[i].data_ptr()) == (i == layers - 1)
+        assert not st.entries
+    # without offload (the nested recompute alone) the last layer follows keep_every too
+    for keep_every in (2, 3, 5):
+        st = LayerStorage(layers, offload=False, keep_every=keep_every)
+        handles = [st.pack([xs[i]], i, forward[i]) for i in range(layers)]
+        kept = [i for i, e in st.entries.items() if e is not None]
+        assert kept == [i for i in range(layers) if i % keep_every == 0]
+        for i in reversed(range(layers)):
+            (x,) = st.unpack(handles[i])
+            assert torch.equal(x, xs[i])
+            assert (x.data_ptr() == xs[i].data_ptr()) == (i in kept)  # kept ones are not copied
         assert not st.entries
     d = DeviceStorage()
     assert d.unpack(d.pack([xs[0]], 0))[0] is xs[0]
@@ -102,3 +146,70 @@ def test_rope_tables_in_pieces_equal_whole(monkeypatch):
     maxlen._tile_rotary(model)
     pieces = rotary(x, pos)
     assert all(torch.equal(a, b) for a, b in zip(whole, pieces))
+
+
+def _tiny_llama(layers: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", vocab_size=61, hidden_size=32, intermediate_size=48,
+                                  num_hidden_layers=layers, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double()
+
+
+@pytest.mark.parametrize("keep_every,forwards", [(1, 8), (2, 8), (4, 10)])
+def test_nested_recompute_reuses_the_regenerated_attention(monkeypatch, keep_every, forwards):
+    """4 layers: the plain recompute runs each layer's attention twice (forward, backward);
+    the nested one hands the attention of the last layer it regenerates to that layer's
+    backward, so with 2 layers a group it runs no attention more (4 layers a group: the 2
+    layers regenerated earlier run theirs once more)."""
+    import copy
+
+    import easy_context as ec
+    from easy_context.memory import fused_layer
+    from easy_context.memory.maxlen import apply_max_length
+
+    calls = []
+    original = fused_layer.Run.attention_forward
+    monkeypatch.setattr(fused_layer.Run, "attention_forward",
+                        lambda self, *a: calls.append(self.index) or original(self, *a))
+    base = _tiny_llama(4)
+    ids = torch.randint(0, 61, (1, 24), generator=torch.Generator().manual_seed(0))
+    pos, tgt = torch.arange(24)[None], torch.roll(ids, -1, 1)
+    grads = []
+    for k in (1, keep_every):
+        model = copy.deepcopy(base)
+        apply_max_length(model, 8, 2, "full", keep_every=k)
+        calls.clear()
+        ec.causal_lm_loss(model, ids, pos, tgt, chunked=True, chunk_size=7).backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert len(calls) == forwards
+    for a, b in zip(*grads):  # the same numbers, however the inputs came back
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
+
+
+def test_first_layer_input_is_recomputed_from_the_embedding():
+    from easy_context.memory import offload
+    from easy_context.memory.maxlen import apply_max_length, max_length_settings
+
+    d = DeviceStorage()
+    assert torch.equal(d.unpack(d.pack([torch.zeros(2)], 0, recipe=lambda: torch.ones(2)))[0],
+                       torch.ones(2))
+    model = _tiny_llama(3)
+    apply_max_length(model, 8, 2, "full", keep_every=2)
+    state = max_length_settings(model)
+    ids = torch.randint(0, 61, (1, 16))
+    hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+    handles = state.storage.entries
+    # layer 0: a recipe; layer 2 (the next group's first): its input itself
+    assert callable(handles[0]) and isinstance(handles[2], offload._Entry)
+    x0 = model.get_input_embeddings()(ids)
+    assert torch.equal(handles[0](), x0)
+    hidden.sum().backward()
+    # a model that changes its embeddings before the first layer keeps that input
+    emb = model.get_input_embeddings()
+    handle = emb.register_forward_hook(lambda m, a, out: out.mul_(2.0))
+    with torch.no_grad():
+        assert state.input_recipe(emb(ids)) is None
+    handle.remove()
