@@ -11,7 +11,8 @@ sequence the normed input, q, k, v (before and after RoPE), the attention output
 normed h and the MLP's four I-wide intermediates at once, plus their gradients in backward.
 Here one autograd function computes the layer and keeps only its input x (and, with
 ``keep_attention``, each head group's attention output and log-sum-exp; the first layer
-keeps a way to look its input up again instead, when that is the embedding); its backward
+keeps a way to look its input up again instead, when that is the embedding, and every layer
+one to compute the decoder's RoPE tables again: easy_context.memory.recomputed); its backward
 recomputes what it needs in pieces:
 
 - attention, ``heads_per_chunk`` query heads at a time (whole KV heads with all their query
@@ -105,6 +106,7 @@ class Run:
     attention_mask: Tensor | None = None
     gathered: Callable = contextlib.nullcontext  # () -> context with the layer's weights whole
     input_recipe: Callable | None = None  # () -> x again (the first layer's: an embedding lookup)
+    rope_recipe: Callable | None = None  # () -> (cos, sin) again (the decoder's RoPE tables)
     replay: tuple | None = None  # (outs, recorded) from the nested recompute's regenerate()
 
     # ---------------------------------------------------------------- head groups
@@ -308,7 +310,13 @@ class FusedLayer(torch.autograd.Function):
         outs, recorded = run.attention_forward(x, cos, sin)
         y = run.output(x, outs)
         ctx.run = run
-        ctx.save_for_backward(cos, sin)
+        # the RoPE tables: recomputed in backward when they are the decoder's
+        # (easy_context.memory.recomputed), else kept
+        tables = run.rope_recipe
+        if tables is None:
+            ctx.save_for_backward(cos, sin)
+            tables = lambda c=cos, s=sin: (c, s)  # noqa: E731 - alive anyway, in ctx
+        ctx.tables = run.rope_recipe
         if run.keep_attention:
             # per group, the length of each recorded result (e.g. (out, lse)): to unflatten
             ctx.layout = [[len(result) for result in rec] for rec in recorded]
@@ -318,14 +326,14 @@ class FusedLayer(torch.autograd.Function):
             kept = [x]
         recipe = None if run.keep_attention else run.input_recipe  # x alone can be recomputed
         ctx.handle = run.storage.pack(kept, run.index,
-                                      lambda x, keep=False: run.regenerate(x, cos, sin, keep),
+                                      lambda x, keep=False: run.regenerate(x, *tables(), keep),
                                       recipe=recipe)
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         run = ctx.run
-        cos, sin = ctx.saved_tensors
+        cos, sin = ctx.saved_tensors if ctx.tables is None else ctx.tables()
         kept = run.storage.unpack(ctx.handle)
         ctx.handle = None
         x = kept[0]

@@ -32,12 +32,12 @@ import contextlib
 import contextvars
 import sys
 import types
-import weakref
 from typing import Callable
 
 import torch
 from torch import nn
 
+from . import recomputed
 from .fused_layer import FusedLayer, LayerSpec, Run, head_chunks
 from .offload import DeviceStorage, LayerStorage
 
@@ -122,7 +122,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
 
 class _State:
     """What every patched layer of one model shares: its settings, the layer storage and the
-    last embedding lookup (to recompute the first layer's input rather than keep it)."""
+    watchers of the embedding and RoPE modules (easy_context.memory.recomputed)."""
 
     def __init__(self, mlp_tile: int, heads_per_chunk: int, checkpointing: str,
                  keep_every: int, layers: int):
@@ -132,34 +132,15 @@ class _State:
         offload = checkpointing == "offload"
         self.storage = (LayerStorage(layers, offload=offload, keep_every=keep_every)
                         if offload or keep_every > 1 else DeviceStorage())
-        self.embedding = None  # (embedding module, its token ids, weakref to its output, version)
-
-    def record_embedding(self, module: nn.Module, args: tuple, output) -> None:
-        """Forward hook of the decoder's input embedding: what the lookup was."""
-        ids = args[0] if args else None
-        if isinstance(output, torch.Tensor) and isinstance(ids, torch.Tensor):
-            self.embedding = (module, ids, weakref.ref(output), output._version)
+        self.embedding = self.rotary = None  # recomputed.Recorded watchers
 
     def input_recipe(self, x: torch.Tensor) -> Callable[[], torch.Tensor] | None:
-        """How to compute ``x`` again, when it is the embedding of the token ids as looked up
-        (same memory, not modified since): an embedding lookup costs next to nothing and
-        keeping its result costs a whole sequence of hidden states. None otherwise (a model
-        that scales or adds to its embeddings before the first layer keeps that input)."""
-        if self.embedding is None:
-            return None
-        module, ids, ref, version = self.embedding
-        out = ref()
-        if (out is None or out._version != version or x.data_ptr() != out.data_ptr()
-                or x.shape != out.shape or x.stride() != out.stride() or x.dtype != out.dtype):
-            return None
+        """How to compute the first layer's input again, when it is the embedding lookup."""
+        return None if self.embedding is None else self.embedding.recipe(x)
 
-        def regenerate() -> torch.Tensor:
-            # the module's own forward: no hooks (ZeRO-3 would release, FSDP re-gather, and
-            # the recording hook above would record again), with its weights gathered
-            with torch.no_grad(), _gathered(module):
-                return module.forward(ids)
-
-        return regenerate
+    def rope_recipe(self, cos: torch.Tensor, sin: torch.Tensor) -> Callable[[], tuple] | None:
+        """How to compute the RoPE tables again, when they are the decoder's."""
+        return None if self.rotary is None else self.rotary.recipe(cos, sin)
 
 
 def _fused_forward(self, hidden_states, *args, attention_mask=None, position_ids=None,
@@ -173,10 +154,11 @@ def _fused_forward(self, hidden_states, *args, attention_mask=None, position_ids
                                          position_embeddings=position_embeddings, **kwargs)
     attn_kwargs = {k: v for k, v in kwargs.items() if k not in _CACHE_KEYS}
     attn_kwargs["position_ids"] = position_ids
+    cos, sin = position_embeddings
     run = Run(spec, state.mlp_tile, state.heads_per_chunk, state.keep_attention, state.storage,
               index, attn_kwargs, attention_mask, lambda: _gathered(self),
-              state.input_recipe(hidden_states) if index == 0 else None)
-    cos, sin = position_embeddings
+              state.input_recipe(hidden_states) if index == 0 else None,
+              state.rope_recipe(cos, sin))
     if not torch.is_grad_enabled():
         return run.forward(hidden_states, cos, sin)
     return FusedLayer.apply(run, hidden_states, cos, sin, *spec.parameters())
@@ -248,20 +230,14 @@ def apply_max_length(model: nn.Module, mlp_tile: int, heads_per_chunk: int,
         _mark_zero3_leaf(layer)
     _fold_final_norm(model)
     _tile_rotary(model)
-    _watch_embedding(model, state)
+    state.embedding = recomputed.watch(
+        model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None,
+        _gathered)
+    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    if getattr(rotary, "rope_type", None) in recomputed.STATIC_ROPE_TYPES:
+        state.rotary = recomputed.watch(rotary, _gathered, stub_first=True)
     setattr(model, _STATE, state)
     return model
-
-
-def _watch_embedding(model: nn.Module, state: _State) -> None:
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if not isinstance(embed, nn.Module):
-        return
-    old = getattr(embed, "_ec_embedding_hook", None)
-    if old is not None:  # applied again: the new state records
-        old.remove()
-    embed._ec_embedding_hook = embed.register_forward_hook(
-        lambda module, args, output: state.record_embedding(module, args, output))
 
 
 def _mark_zero3_leaf(layer: nn.Module) -> None:
@@ -295,7 +271,7 @@ def _tile_rotary(model: nn.Module) -> None:
     all positions at once and keep the one-piece computation."""
     rotary = getattr(model.get_decoder(), "rotary_emb", None)
     if rotary is None or hasattr(rotary, "_ec_original_forward") or \
-            getattr(rotary, "rope_type", None) not in ("default", "linear", "llama3", "yarn"):
+            getattr(rotary, "rope_type", None) not in recomputed.STATIC_ROPE_TYPES:
         return
     rotary._ec_original_forward = rotary.forward
 

@@ -27,7 +27,8 @@ float32 copies, and writes their gradient over them (easy_context.memory.tiled_l
 With the nested recompute on the device (``keep_every`` > 1, no offload) the forward and
 the loss hold one input per group of layers; the inputs a group regenerates exist in backward
 only, so they count in the layer's two halves, with the attention results (R) of the last
-layer regenerated, kept for its backward. The first layer's input is counted as the
+layer regenerated, kept for its backward. So do the RoPE tables, which each layer's backward
+computes again (for RoPE types that depend on the positions alone). The first layer's input is counted as the
 embedding of the token ids, recomputed in backward (easy_context.memory.maxlen: so for
 Llama, Mistral, Qwen; a model that scales its embeddings outside the embedding module keeps
 it, one layer input more than planned).
@@ -48,7 +49,7 @@ class FusedTerms:
     attention_half: int  # ... attention half, without the method's buffers
     buffers: int  # the method's communication buffers for one head group
     host: int  # layer inputs in host memory
-    head: int  # per-sequence tensors kept besides the layers (RoPE tables)
+    head: int  # per-sequence tensors kept besides the layers (none: RoPE tables recomputed)
 
 
 def _method(method: str, world: int):
@@ -118,10 +119,12 @@ def fused_terms(shape: ModelShape, s: int, a: int, method: str, world: int,
     if keep_attention:
         base -= s * results  # counted in stored for the layer being differentiated
     q = group_per_token(shape, a, method, world, ring_degree, heads_per_chunk)
-    head = s * 2 * shape.hd * a  # RoPE cos and sin
+    # RoPE cos and sin: computed again by each layer's backward (memory/recomputed.py),
+    # so they count in the layer's halves, not from forward to backward
+    regen += s * 2 * shape.hd * a
     return FusedTerms(stored=stored, mlp_half=regen + base + tile + grads,
                       attention_half=regen + base + s * (x + q) + grads, buffers=buffers,
-                      host=host, head=head)
+                      host=host, head=0)
 
 
 def kept_inputs(layers: int, keep_every: int, first_free: bool) -> tuple[int, int]:

@@ -189,9 +189,12 @@ def test_nested_recompute_reuses_the_regenerated_attention(monkeypatch, keep_eve
         torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
 
 
-def test_first_layer_input_is_recomputed_from_the_embedding():
-    from easy_context.memory import offload
+def test_first_layer_input_and_rope_tables_are_recomputed(monkeypatch):
+    from easy_context.memory import fused_layer, maxlen, offload
     from easy_context.memory.maxlen import apply_max_length, max_length_settings
+
+    runs = []
+    monkeypatch.setattr(maxlen, "Run", lambda *a: runs.append(fused_layer.Run(*a)) or runs[-1])
 
     d = DeviceStorage()
     assert torch.equal(d.unpack(d.pack([torch.zeros(2)], 0, recipe=lambda: torch.ones(2)))[0],
@@ -206,6 +209,11 @@ def test_first_layer_input_is_recomputed_from_the_embedding():
     assert callable(handles[0]) and isinstance(handles[2], offload._Entry)
     x0 = model.get_input_embeddings()(ids)
     assert torch.equal(handles[0](), x0)
+    assert [r.input_recipe is not None for r in runs] == [True, False, False]
+    pos = torch.arange(16)[None]
+    tables = model.get_decoder().rotary_emb(x0, pos)
+    for r in runs:  # every layer recomputes the decoder's tables
+        assert all(torch.equal(a, b) for a, b in zip(r.rope_recipe(), tables))
     hidden.sum().backward()
     # a model that changes its embeddings before the first layer keeps that input
     emb = model.get_input_embeddings()
