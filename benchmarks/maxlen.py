@@ -98,6 +98,14 @@ def part_alst(lengths: list[int], systems: list[str]) -> dict:
         if row["ok"] and row["system"] in first and row["seq_len"] != lengths[0]:
             growth.setdefault(row["system"], {})[str(row["seq_len"])] = (
                 (_peak(row) - first[row["system"]]) / MB)
+    # the growth between the two longest lengths: the per-token cost, free of whatever a
+    # system's floor at the shortest length (its loss shards, say) absorbs
+    longest = {}
+    if len(lengths) > 2:
+        peaks = {(r["system"], r["seq_len"]): _peak(r) for r in rows if r["ok"]}
+        a, b = lengths[-2], lengths[-1]
+        longest = {s: (peaks[(s, b)] - peaks[(s, a)]) / MB for s in systems
+                   if (s, a) in peaks and (s, b) in peaks}
     targets = []
     for L in lengths[1:]:
         a = growth.get("alst", {}).get(str(L))
@@ -114,7 +122,8 @@ def part_alst(lengths: list[int], systems: list[str]) -> dict:
             targets.append({"target": f"{s} step time < ALST's at L={lengths[-1]}",
                             "ours_s": round(ours, 1), "alst_s": round(alst, 1),
                             "result": "PASS" if ours < alst else "FAIL"})
-    return {"rows": rows, "growth_mb": growth, "targets": targets}
+    return {"rows": rows, "growth_mb": growth, "targets": targets,
+            "growth_between_longest_mb": longest}
 
 
 def part_ratio(length: int, repeats: int, baseline: int) -> dict:
