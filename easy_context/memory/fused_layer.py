@@ -312,11 +312,10 @@ class FusedLayer(torch.autograd.Function):
         ctx.run = run
         # the RoPE tables: recomputed in backward when they are the decoder's
         # (easy_context.memory.recomputed), else kept
-        tables = run.rope_recipe
-        if tables is None:
-            ctx.save_for_backward(cos, sin)
-            tables = lambda c=cos, s=sin: (c, s)  # noqa: E731 - alive anyway, in ctx
         ctx.tables = run.rope_recipe
+        if ctx.tables is None:
+            ctx.save_for_backward(cos, sin)
+        tables = ctx.tables or (lambda: (cos, sin))
         if run.keep_attention:
             # per group, the length of each recorded result (e.g. (out, lse)): to unflatten
             ctx.layout = [[len(result) for result in rec] for rec in recorded]

@@ -33,7 +33,8 @@ class Recorded:
     """The last call of one module (its arguments, weak references to its output tensors and
     their versions), and recipes for that output."""
 
-    def __init__(self, module: nn.Module, gathered: Callable[[nn.Module], contextlib.AbstractContextManager],
+    def __init__(self, module: nn.Module,
+                 gathered: Callable[[nn.Module], contextlib.AbstractContextManager],
                  stub_first: bool = False):
         self.module, self.gathered = module, gathered
         # the RoPE module reads only its first argument's dtype and device: keep a stand-in,
