@@ -19,9 +19,11 @@ Two-level (nested) recompute, for when host memory is the limit: with ``keep_eve
 only every k-th layer's input is copied out; the others are regenerated in backward by
 running the layers from the last kept input forward again (without autograd), once per
 group of k layers, so host memory holds L/k + k layer inputs instead of L, for one more
-forward of each layer (easy_context.memory.maxlen wires the layers' forwards in). The last
-layer a group regenerates is the next to run backward: it keeps the attention results of its
-regeneration for that backward, so with k = 2 the nested recompute runs no attention again.
+forward of each layer (easy_context.memory.maxlen wires the layers' forwards in). Without
+offload, the last layer a group regenerates, the next to run backward, keeps the attention
+results of its regeneration on the device for that backward, so with k = 2 the nested
+recompute runs no attention again (one layer's attention output more on the device while
+the group's last layer runs backward); with offload the device memory goes first.
 """
 
 from __future__ import annotations
@@ -189,7 +191,9 @@ class LayerStorage:
         kept = self.entries[first]
         x = kept() if callable(kept) else self._fetch_now(kept)[0]
         for i in range(first, index):
-            x = self.forwards[i](x, i + 1 == index)
+            # the layer whose backward comes next keeps the attention it computes on the way
+            # (on the device: offloading is for when the device is the limit, so not then)
+            x = self.forwards[i](x, i + 1 == index and not self.offload)
             if i + 1 < index:
                 host, ready = self._to_host([x])
                 self.entries[i + 1] = _Entry(host, x.device, ready)

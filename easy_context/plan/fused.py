@@ -27,7 +27,7 @@ float32 copies, and writes their gradient over them (easy_context.memory.tiled_l
 With the nested recompute on the device (``keep_every`` > 1, no offload) the forward and
 the loss hold one input per group of layers; the inputs a group regenerates exist in backward
 only, so they count in the layer's two halves, with the attention results (R) of the last
-layer regenerated, kept for its backward. So do the RoPE tables, which each layer's backward
+layer regenerated, kept for its backward (not with offload). So do the RoPE tables, which each layer's backward
 computes again (for RoPE types that depend on the positions alone). The first layer's input is counted as the
 embedding of the token ids, recomputed in backward (easy_context.memory.maxlen: so for
 Llama, Mistral, Qwen; a model that scales its embeddings outside the embedding module keeps
@@ -108,9 +108,9 @@ def fused_terms(shape: ModelShape, s: int, a: int, method: str, world: int,
         # kept from forward on; the regenerated inputs (x alone) exist only in backward:
         # they count in the layer's halves, not in the loss phase
         stored, host, regen = kept * per_layer * s, 0, (alive - kept) * x * s
-    if keep_every > 1 and n > 1:
+    if keep_every > 1 and n > 1 and checkpointing != "offload":
         # the layer regenerated last keeps its attention results for its backward, which
-        # comes next: alive during the backward of the group's last layer
+        # comes next: alive during the backward of the group's last layer (offload.py)
         regen += results * s
     dims = group_dims(shape, heads_per_chunk)
     m = _method(method, world)

@@ -158,12 +158,16 @@ def _tiny_llama(layers: int):
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double()
 
 
-@pytest.mark.parametrize("keep_every,forwards", [(1, 8), (2, 8), (4, 10)])
-def test_nested_recompute_reuses_the_regenerated_attention(monkeypatch, keep_every, forwards):
+@pytest.mark.parametrize("keep_every,kind,forwards",
+                         [(1, "full", 8), (2, "full", 8), (4, "full", 10), (2, "offload", 9)])
+def test_nested_recompute_reuses_the_regenerated_attention(monkeypatch, keep_every, kind,
+                                                           forwards):
     """4 layers: the plain recompute runs each layer's attention twice (forward, backward);
     the nested one hands the attention of the last layer it regenerates to that layer's
     backward, so with 2 layers a group it runs no attention more (4 layers a group: the 2
-    layers regenerated earlier run theirs once more)."""
+    layers regenerated earlier run theirs once more). With offload the device memory comes
+    first: the one layer regenerated (layer 0; the last layer's input stays on the device)
+    runs its attention again."""
     import copy
 
     import easy_context as ec
@@ -180,7 +184,7 @@ def test_nested_recompute_reuses_the_regenerated_attention(monkeypatch, keep_eve
     grads = []
     for k in (1, keep_every):
         model = copy.deepcopy(base)
-        apply_max_length(model, 8, 2, "full", keep_every=k)
+        apply_max_length(model, 8, 2, kind, keep_every=k)
         calls.clear()
         ec.causal_lm_loss(model, ids, pos, tgt, chunked=True, chunk_size=7).backward()
         grads.append([p.grad for p in model.parameters()])
