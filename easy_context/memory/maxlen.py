@@ -16,7 +16,9 @@ keep, between forward and backward:
     none           as attention (the fused layer always recomputes its MLP)
 
 ``keep_every = k > 1`` adds a nested recompute: only every k-th layer input is kept, the
-others are regenerated in backward (easy_context.memory.offload).
+others are regenerated in backward (easy_context.memory.offload). The first layer's input,
+when it is the embedding lookup, and the decoder's RoPE tables are not kept at all: backward
+computes them again (easy_context.memory.recomputed).
 
 Which layers: pre-norm decoder layers, found by their structure, not by model name: the
 children ``input_layernorm``, ``self_attn`` (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``

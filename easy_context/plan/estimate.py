@@ -3,12 +3,13 @@
 A step's peak comes in one of two phases, and the estimate is the larger:
 
     backward  = P + O + G_bwd + gathered + stored + max(mlp_bwd, attn_bwd + buffers, loss) + runtime
-    step      = P + O + G     + gathered + step temporaries                                 + runtime
+    step      = P + O + G                + step temporaries                                 + runtime
 
 P, O: parameters and optimizer states (held all along); G: every gradient (at the end of
 backward); G_bwd: the gradients alive at the start of backward (the output head's and one
 layer's, as they are created layer by layer; DeepSpeed keeps a persistent partitioned buffer,
-so all of them); gathered: sharded engines' unsharded layer weights; stored: activations kept
+so all of them); gathered: sharded engines' unsharded layer weights (resharded when backward
+ends, so not during the optimizer step); stored: activations kept
 from forward to backward (every layer); then the largest transient of backward: the loss
 (every layer's stored activations are alive while it is computed), or the last layer's
 backward: its MLP half (the layer's recomputed activations plus MLP gradients) or its
@@ -88,7 +89,7 @@ class MemoryEstimate:
 
     @property
     def backward_phase(self) -> int:
-        return (self.gradients_in_backward + self.stored_activations
+        return (self.gathered_parameters + self.gradients_in_backward + self.stored_activations
                 + max(self.layer_phase, self.loss))
 
     @property
@@ -97,7 +98,9 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        held = self.parameters + self.optimizer + self.gathered_parameters + self.runtime
+        # FSDP and ZeRO-3 reshard every layer when backward ends: the gathered weights count
+        # in the backward phase only, not while the optimizer steps
+        held = self.parameters + self.optimizer + self.runtime
         return held + max(self.backward_phase, self.step_phase)
 
     def components(self) -> dict[str, int]:
@@ -114,14 +117,15 @@ class MemoryEstimate:
         if not bwd:
             peak = {"gradients", "optimizer_step"}
         elif self.loss > self.layer_phase:
-            peak = {"gradients_in_backward", "stored_activations", "loss"}
+            peak = {"gathered_parameters", "gradients_in_backward", "stored_activations", "loss"}
         elif self.mlp_backward >= self.attention_backward + self.attention_buffers:
-            peak = {"gradients_in_backward", "stored_activations", "mlp_backward"}
+            peak = {"gathered_parameters", "gradients_in_backward", "stored_activations", "mlp_backward"}
         else:
-            peak = {"gradients_in_backward", "stored_activations", "attention_backward",
-                    "attention_buffers"}
+            peak = {"gathered_parameters", "gradients_in_backward", "stored_activations",
+                    "attention_backward", "attention_buffers"}
         phase = {"gradients": "step", "optimizer_step": "step",
                  "gradients_in_backward": "backward", "stored_activations": "backward",
+                 "gathered_parameters": "backward",
                  "mlp_backward": "backward, layer", "attention_backward": "backward, layer",
                  "attention_buffers": "backward, layer", "loss": "backward, loss"}
         lines = [f"{self.model}: L={self.seq_len:,} on {self.world_size} device(s), "

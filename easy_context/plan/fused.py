@@ -27,11 +27,11 @@ float32 copies, and writes their gradient over them (easy_context.memory.tiled_l
 With the nested recompute on the device (``keep_every`` > 1, no offload) the forward and
 the loss hold one input per group of layers; the inputs a group regenerates exist in backward
 only, so they count in the layer's two halves, with the attention results (R) of the last
-layer regenerated, kept for its backward (not with offload). So do the RoPE tables, which each layer's backward
-computes again (for RoPE types that depend on the positions alone). The first layer's input is counted as the
-embedding of the token ids, recomputed in backward (easy_context.memory.maxlen: so for
-Llama, Mistral, Qwen; a model that scales its embeddings outside the embedding module keeps
-it, one layer input more than planned).
+layer regenerated, kept for its backward (not with offload). So do the RoPE tables, which
+each layer's backward computes again (for RoPE types that depend on the positions alone).
+The first layer's input is counted as the embedding of the token ids, recomputed in backward
+(easy_context.memory.recomputed: so for Llama, Mistral, Qwen; a model that scales its
+embeddings outside the embedding module keeps it, one layer input more than planned).
 """
 
 from __future__ import annotations
