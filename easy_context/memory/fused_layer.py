@@ -280,6 +280,11 @@ def attention_backward(run: Run, x: Tensor, cos: Tensor, sin: Tensor, recorded: 
         # d out = dh @ o_proj.weight[:, the group's columns]
         dout = (dh @ a.o_proj.weight[:, run._rows(qs)].to(dh.dtype)).view_as(out)
         dq, dk, dv = torch.autograd.grad(out, [q, k, v], dout)
+        # The replayed result is the recorded tensor itself, which the attention function
+        # returned as its output: it now carries the graph back to this group's q, k, v
+        # leaves. Dropping the record frees them, and the group's output, here rather than
+        # when the layer's backward ends (3 q/k/v-sized tensors a group otherwise).
+        rec.clear()
         del out, dout, q, k, v
         owners = [t for proj in projs for t in (proj.weight, proj.bias)]
         leaves = [None if t is None else _leaf(t, p.requires_grad)
