@@ -176,21 +176,21 @@ class Run:
         proj = self.spec.attn.o_proj
         return x[:, t] + F.linear(o, proj.weight, proj.bias), o
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """The layer's output without autograd."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, keep: bool = False) -> Tensor:
+        """The layer's output without autograd. ``keep``: this layer's backward comes next,
+        so its attention results are kept for it (``replay``) instead of being computed a
+        third time there."""
         with torch.no_grad():
-            return self.output(x, self.attention_forward(x, cos, sin)[0])
-
-    def regenerate(self, x: Tensor, cos: Tensor, sin: Tensor, keep: bool = False) -> Tensor:
-        """The forward again, from another layer's backward (the nested recompute): this
-        layer's weights are sharded then, so they are gathered around it. ``keep``: this
-        layer's backward comes next, so its attention results are kept for it (``replay``)
-        instead of being computed a third time there."""
-        with self.gathered(), torch.no_grad():
             outs, recorded = self.attention_forward(x, cos, sin)
             if keep:
                 self.replay = (outs, recorded)
             return self.output(x, outs)
+
+    def regenerate(self, x: Tensor, cos: Tensor, sin: Tensor, keep: bool = False) -> Tensor:
+        """The forward again, from another layer's backward (the nested recompute): this
+        layer's weights are sharded then, so they are gathered around it."""
+        with self.gathered():
+            return self.forward(x, cos, sin, keep)
 
     def output(self, x: Tensor, outs: list[Tensor]) -> Tensor:
         y = torch.empty_like(x)
