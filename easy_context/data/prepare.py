@@ -228,18 +228,18 @@ def prepare_data(cfg: PrepareConfig) -> dict:
     try:
         with (ArrowWriter(features=features, path=str(work / "windows.arrow")) as writer,
               TokenizerPool(doc_tok, cfg.num_proc) as pool):
-            # made after the pool forks its workers, so that none of them holds a copy of it
-            bar = tqdm(desc="packing", unit="tok", unit_scale=True)
-            for i, (spec, ds) in enumerate(zip(specs, opened)):
-                for batch in _emit(i, spec, ds, cfg, pool, work, per_source):
-                    bar.update(int(batch.lengths.sum()))
-                    windows = packer.add(batch.tokens, batch.lengths, batch.labels)
-                    if len(windows):
-                        writer.write_table(windows.to_arrow())
-                        if windows.labels is not None:
-                            label_tokens += int((windows.labels != IGNORE_INDEX).sum())
+            # made after the pool forks its workers, so that none of them holds a copy of it;
+            # closed on an error too (an open bar prints itself again when the process exits)
+            with tqdm(desc="packing", unit="tok", unit_scale=True) as bar:
+                for i, (spec, ds) in enumerate(zip(specs, opened)):
+                    for batch in _emit(i, spec, ds, cfg, pool, work, per_source):
+                        bar.update(int(batch.lengths.sum()))
+                        windows = packer.add(batch.tokens, batch.lengths, batch.labels)
+                        if len(windows):
+                            writer.write_table(windows.to_arrow())
+                            if windows.labels is not None:
+                                label_tokens += int((windows.labels != IGNORE_INDEX).sum())
             writer.finalize()
-        bar.close()
         if packer.num_windows == 0:
             raise ValueError(
                 f"the inputs hold {packer.num_tokens} tokens, fewer than one window of "

@@ -333,27 +333,30 @@ def evaluate_needle(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     bar = tqdm(total=len(lengths) * len(depths) * cfg.num_samples, desc="needle", unit="prompt",
                disable=not progress)
     cells = []
-    for length in lengths:
-        for depth in depths:
-            samples = []
-            for i in range(cfg.num_samples):
-                p = build_prompt(hay, tokenizer, cfg, length, depth, i)
-                r = (score_generate(model, p, device) if generate else
-                     score_teacher_forced(model, p, method, pad_id, group, device, ring_degree))
-                shown = [t for t in r["predicted_ids"] if t >= 0]
-                samples.append({"key": p.key, "answer": ", ".join(p.values),
-                                "predicted": tokenizer.decode(shown), "tokens": len(p.input_ids),
-                                "depth": round(p.depth, 4), "correct_tokens": r["correct"],
-                                "answer_tokens": r["total"], "answer_nll": r["nll"],
-                                "exact": r["correct"] == r["total"]})
-                bar.update(1)
-            cells.append({"context_length": length, "depth_percent": round(depth * 100, 2),
-                          "score": sum(s["exact"] for s in samples) / len(samples),
-                          "token_accuracy": sum(s["correct_tokens"] / s["answer_tokens"]
-                                                for s in samples) / len(samples),
-                          "samples": samples})
-            bar.set_postfix(length=length, score=f"{cells[-1]['score']:.2f}")
-    bar.close()
+    try:  # closed on an error too (an open bar prints itself again at exit)
+        for length in lengths:
+            for depth in depths:
+                samples = []
+                for i in range(cfg.num_samples):
+                    p = build_prompt(hay, tokenizer, cfg, length, depth, i)
+                    r = (score_generate(model, p, device) if generate else
+                         score_teacher_forced(model, p, method, pad_id, group, device, ring_degree))
+                    shown = [t for t in r["predicted_ids"] if t >= 0]
+                    samples.append({"key": p.key, "answer": ", ".join(p.values),
+                                    "predicted": tokenizer.decode(shown),
+                                    "tokens": len(p.input_ids),
+                                    "depth": round(p.depth, 4), "correct_tokens": r["correct"],
+                                    "answer_tokens": r["total"], "answer_nll": r["nll"],
+                                    "exact": r["correct"] == r["total"]})
+                    bar.update(1)
+                cells.append({"context_length": length, "depth_percent": round(depth * 100, 2),
+                              "score": sum(s["exact"] for s in samples) / len(samples),
+                              "token_accuracy": sum(s["correct_tokens"] / s["answer_tokens"]
+                                                    for s in samples) / len(samples),
+                              "samples": samples})
+                bar.set_postfix(length=length, score=f"{cells[-1]['score']:.2f}")
+    finally:
+        bar.close()
     return {"cells": cells, "average_score": sum(c["score"] for c in cells) / len(cells),
             "average_token_accuracy": sum(c["token_accuracy"] for c in cells) / len(cells),
             "chance": cfg.chance}

@@ -130,21 +130,23 @@ def evaluate_ppl(model: PreTrainedModel, samples: Sequence[Sequence[int]], cfg: 
     bar = tqdm(total=sum(len(ws) for _, per in plan for _, ws in per), desc="ppl",
                unit="window", disable=not progress)
     rows = []
-    for length, per_sample in plan:
-        total = torch.zeros(4, dtype=torch.float64)
-        for sample, windows in per_sample:
-            for begin, end, first in windows:
-                total += window_stats(model, sample[begin:end], first, method, pad_id,
-                                      last_k=min(cfg.last_k, length), chunk_size=cfg.chunk_size,
-                                      group=group, device=device, ring_degree=ring_degree)
-                bar.update(1)
-        nll, count, last_nll, last_count = total.tolist()
-        rows.append({"context_length": length, "samples": len(samples),
-                     "windows": sum(len(ws) for _, ws in per_sample), "tokens": int(count),
-                     "nll_sum": nll, "ppl": math.exp(nll / max(count, 1)),
-                     "last_k": min(cfg.last_k, length), "last_k_tokens": int(last_count),
-                     "last_k_nll_sum": last_nll,
-                     "last_k_ppl": math.exp(last_nll / max(last_count, 1))})
-        bar.set_postfix(length=length, ppl=f"{rows[-1]['ppl']:.3f}")
-    bar.close()
+    try:  # closed on an error too (an open bar prints itself again at exit)
+        for length, per_sample in plan:
+            total = torch.zeros(4, dtype=torch.float64)
+            for sample, windows in per_sample:
+                for begin, end, first in windows:
+                    total += window_stats(model, sample[begin:end], first, method, pad_id,
+                                          last_k=min(cfg.last_k, length), chunk_size=cfg.chunk_size,
+                                          group=group, device=device, ring_degree=ring_degree)
+                    bar.update(1)
+            nll, count, last_nll, last_count = total.tolist()
+            rows.append({"context_length": length, "samples": len(samples),
+                         "windows": sum(len(ws) for _, ws in per_sample), "tokens": int(count),
+                         "nll_sum": nll, "ppl": math.exp(nll / max(count, 1)),
+                         "last_k": min(cfg.last_k, length), "last_k_tokens": int(last_count),
+                         "last_k_nll_sum": last_nll,
+                         "last_k_ppl": math.exp(last_nll / max(last_count, 1))})
+            bar.set_postfix(length=length, ppl=f"{rows[-1]['ppl']:.3f}")
+    finally:
+        bar.close()
     return rows

@@ -11,6 +11,7 @@ import json
 
 import datasets
 import pytest
+from tqdm.std import tqdm
 
 from tests.unit.data_fixtures import tokenizer_dir, write_jsonl
 from tests.unit.test_data_cli import _run
@@ -88,6 +89,8 @@ def test_prepare_data_bad_values(files, inputs, extra, exc, match, streaming):
         _run(*argv)
     assert "\n" not in str(info.value)
     assert not (files / "out").exists()  # failed before writing anything
+    # no progress bar left open (it would print itself again when the process exits)
+    assert not [bar.desc for bar in tqdm._instances]
 
 
 @pytest.mark.parametrize("tokenizer,exc,match", [
