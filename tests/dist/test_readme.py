@@ -14,8 +14,11 @@ one-process attention).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -100,3 +103,37 @@ def test_bash_blocks_in_order(workdir):
         run = subprocess.run(["bash", "-euo", "pipefail", "-c", prelude + code], cwd=workdir,
                              env=env, capture_output=True, text=True, timeout=900)
         assert run.returncode == 0, f"README.md:{line} failed:\n{code}\n{run.stderr[-4000:]}"
+
+
+def shown_plan_outputs() -> list[tuple[str, str, int]]:
+    """(command, the output line the README shows after it, line number): an
+    `easy-context plan` line followed by a `# longest sequence that fits: ...` comment."""
+    shown = []
+    for lang, code, line, _ in readme_blocks():
+        if lang != "bash":
+            continue
+        lines = code.splitlines()
+        for i, cmd in enumerate(lines):
+            if not cmd.startswith("easy-context plan"):
+                continue
+            for later in lines[i + 1:]:
+                if not later.startswith("#"):
+                    break
+                if later.startswith("# longest sequence that fits:"):
+                    shown.append((cmd, later[2:].strip(), line + 1 + i))
+    return shown
+
+
+@pytest.mark.parametrize("cmd,expected,line", shown_plan_outputs(),
+                         ids=[f"line{line}" for _, _, line in shown_plan_outputs()])
+def test_shown_plan_output_is_current(cmd, expected, line):
+    """The planner's answer the README prints under its command is what the command prints
+    today (it drifted once when the planner changed)."""
+    from easy_context.cli import main
+
+    argv = shlex.split(cmd.split("#", 1)[0])[1:]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    assert expected in out.getvalue().splitlines(), (
+        f"README.md:{line} shows {expected!r}; the command prints:\n{out.getvalue()[-800:]}")
