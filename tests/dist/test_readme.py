@@ -4,7 +4,10 @@
   holds ``path``: a small Hugging Face causal LM folder with its tokenizer (what the README's
   examples call a model folder).
 - ``bash`` blocks run in order in one folder (later blocks use what earlier ones wrote) that
-  holds the same model as ``model/``; ``easy-context`` is this interpreter's CLI.
+  holds the same model as ``model/``; ``easy-context`` is this interpreter's CLI. A section
+  whose heading is followed by ``<!-- readme-test: own folder -->`` says its blocks start
+  from nothing: they run in order in a folder of their own, beside the others (two chains
+  of processes on two cores take less wall time than one after the other).
 - A block right after ``<!-- readme-test: skip: <why> -->`` is not run (only the set-up
   commands, which CI runs itself: .ci/run and tests/dist/test_install.py).
 A block passes when it finishes without an error (bash: ``set -euo pipefail``); the
@@ -54,14 +57,16 @@ def test_every_block_is_run_or_says_why_not():
 def _restore_class_patches() -> None:
     """apply_seq_parallel_monkey_patch(seq_algo, "llama") patches a transformers class for
     the whole process; the pool's ranks outlive the example, so undo it."""
-    import transformers
-
-    for name in dir(transformers):
-        cls = getattr(transformers, name, None)
-        original = isinstance(cls, type) and cls.__dict__.get("_easy_context_original_post_init")
-        if original:
-            cls.post_init = original
-            del cls._easy_context_original_post_init
+    # Only the model modules already imported (a patched class is in one): getattr on every
+    # name of the transformers package would import all of its models (~20 s).
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("transformers.models.") or module is None:
+            continue
+        for cls in list(vars(module).values()):
+            original = isinstance(cls, type) and cls.__dict__.get("_easy_context_original_post_init")
+            if original:
+                cls.post_init = original
+                del cls._easy_context_original_post_init
 
 
 def run_python_block(code: str, model_dir: str, line: int) -> None:
@@ -85,6 +90,23 @@ PYTHON = [(code, line) for lang, code, line, skipped in readme_blocks()
           if lang == "python" and not skipped]
 BASH = [(code, line) for lang, code, line, skipped in readme_blocks()
         if lang == "bash" and not skipped]
+OWN_FOLDER = "<!-- readme-test: own folder -->"
+
+
+def bash_chains() -> dict[str, list[tuple[str, int]]]:
+    """The bash blocks by the folder they run in: "main", or the heading of a section marked
+    as starting from nothing; each list in README order."""
+    text = README.read_text()
+    own = {}  # line where a marked section starts -> its heading
+    for m in re.finditer(r"^(## .+)\n+" + re.escape(OWN_FOLDER), text, re.M):
+        own[text.count("\n", 0, m.start()) + 1] = m.group(1)
+    sections = sorted((text.count("\n", 0, m.start()) + 1, m.group(0))
+                      for m in re.finditer(r"^## .+", text, re.M))
+    chains: dict[str, list[tuple[str, int]]] = {}
+    for code, line in BASH:
+        start, heading = max(((a, h) for a, h in sections if a < line), default=(0, ""))
+        chains.setdefault(own.get(start, "main"), []).append((code, line))
+    return chains
 
 
 @pytest.mark.parametrize("code,line", PYTHON, ids=[f"line{line}" for _, line in PYTHON])
@@ -94,16 +116,41 @@ def test_python_block_on_2_ranks(dist2, workdir, code, line):
 
 @pytest.mark.slow  # every shell example in order: a few short training runs and evals
 def test_bash_blocks_in_order(workdir):
+    from concurrent.futures import ThreadPoolExecutor
+
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
         str(README.parent), os.environ.get("PYTHONPATH")]))}
     # The README's commands call `easy-context`; here it is this interpreter's CLI, so the
     # checkout under test runs whether or not its console script is on PATH.
     prelude = f'easy-context() {{ "{sys.executable}" -m easy_context.cli "$@"; }}\n'
-    for code, line in BASH:
-        run = subprocess.run(["bash", "-euo", "pipefail", "-c", prelude + code], cwd=workdir,
-                             env=env, capture_output=True, text=True, timeout=900)
-        assert run.returncode == 0, f"README.md:{line} failed:\n{code}\n{run.stderr[-4000:]}"
+    chains = bash_chains()
+    assert "main" in chains and sum(map(len, chains.values())) == len(BASH)
 
+    def run_chain(name: str) -> str | None:
+        """The first failure of the chain's blocks, run in order, or None."""
+        cwd = workdir if name == "main" else workdir / re.sub(r"\W+", "-", name).strip("-")
+        cwd.mkdir(exist_ok=True)
+        for code, line in chains[name]:
+            run = subprocess.run(["bash", "-euo", "pipefail", "-c", prelude + code], cwd=cwd,
+                                 env=env, capture_output=True, text=True, timeout=900)
+            if run.returncode != 0:
+                return f"README.md:{line} failed:\n{code}\n{run.stderr[-4000:]}"
+        return None
+
+    with ThreadPoolExecutor(len(chains)) as pool:
+        failures = [f for f in pool.map(run_chain, chains) if f]
+    assert not failures, "\n\n".join(failures)
+
+
+def test_marked_sections_hold_bash_blocks():
+    """A section marked as starting from nothing holds bash blocks (the marker is where the
+    test looks, right under the heading), and the first block of each chain runs first."""
+    text = README.read_text()
+    marked = text.count(OWN_FOLDER)
+    chains = bash_chains()
+    assert len(chains) == 1 + marked, (marked, list(chains))
+    for blocks in chains.values():
+        assert [line for _, line in blocks] == sorted(line for _, line in blocks)
 
 def shown_plan_outputs() -> list[tuple[str, str, int]]:
     """(command, the output line the README shows after it, line number): an
