@@ -63,7 +63,8 @@ def _restore_class_patches() -> None:
         if not name.startswith("transformers.models.") or module is None:
             continue
         for cls in list(vars(module).values()):
-            original = isinstance(cls, type) and cls.__dict__.get("_easy_context_original_post_init")
+            original = (isinstance(cls, type)
+                        and cls.__dict__.get("_easy_context_original_post_init"))
             if original:
                 cls.post_init = original
                 del cls._easy_context_original_post_init
@@ -104,7 +105,7 @@ def bash_chains() -> dict[str, list[tuple[str, int]]]:
                       for m in re.finditer(r"^## .+", text, re.M))
     chains: dict[str, list[tuple[str, int]]] = {}
     for code, line in BASH:
-        start, heading = max(((a, h) for a, h in sections if a < line), default=(0, ""))
+        start, _ = max(((a, h) for a, h in sections if a < line), default=(0, ""))
         chains.setdefault(own.get(start, "main"), []).append((code, line))
     return chains
 
@@ -144,13 +145,14 @@ def test_bash_blocks_in_order(workdir):
 
 def test_marked_sections_hold_bash_blocks():
     """A section marked as starting from nothing holds bash blocks (the marker is where the
-    test looks, right under the heading), and the first block of each chain runs first."""
+    test looks, right under the heading), and each chain keeps the README's order."""
     text = README.read_text()
     marked = text.count(OWN_FOLDER)
     chains = bash_chains()
     assert len(chains) == 1 + marked, (marked, list(chains))
     for blocks in chains.values():
         assert [line for _, line in blocks] == sorted(line for _, line in blocks)
+
 
 def shown_plan_outputs() -> list[tuple[str, str, int]]:
     """(command, the output line the README shows after it, line number): an
