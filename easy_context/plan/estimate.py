@@ -114,15 +114,16 @@ class MemoryEstimate:
         """A text breakdown, GiB per device. Rows marked with the phase they belong to; only
         the larger phase (and within backward, the larger transient) is in the total."""
         bwd = self.backward_phase >= self.step_phase
+        # the backward phase's held terms, then its largest transient (as backward_phase)
+        held = {"gathered_parameters", "gradients_in_backward", "stored_activations"}
         if not bwd:
             peak = {"gradients", "optimizer_step"}
         elif self.loss > self.layer_phase:
-            peak = {"gathered_parameters", "gradients_in_backward", "stored_activations", "loss"}
+            peak = held | {"loss"}
         elif self.mlp_backward >= self.attention_backward + self.attention_buffers:
-            peak = {"gathered_parameters", "gradients_in_backward", "stored_activations", "mlp_backward"}
+            peak = held | {"mlp_backward"}
         else:
-            peak = {"gathered_parameters", "gradients_in_backward", "stored_activations",
-                    "attention_backward", "attention_buffers"}
+            peak = held | {"attention_backward", "attention_buffers"}
         phase = {"gradients": "step", "optimizer_step": "step",
                  "gradients_in_backward": "backward", "stored_activations": "backward",
                  "gathered_parameters": "backward",

@@ -101,11 +101,10 @@ def bash_chains() -> dict[str, list[tuple[str, int]]]:
     own = {}  # line where a marked section starts -> its heading
     for m in re.finditer(r"^(## .+)\n+" + re.escape(OWN_FOLDER), text, re.M):
         own[text.count("\n", 0, m.start()) + 1] = m.group(1)
-    sections = sorted((text.count("\n", 0, m.start()) + 1, m.group(0))
-                      for m in re.finditer(r"^## .+", text, re.M))
+    starts = [text.count("\n", 0, m.start()) + 1 for m in re.finditer(r"^## .+", text, re.M)]
     chains: dict[str, list[tuple[str, int]]] = {}
     for code, line in BASH:
-        start, _ = max(((a, h) for a, h in sections if a < line), default=(0, ""))
+        start = max((a for a in starts if a < line), default=0)
         chains.setdefault(own.get(start, "main"), []).append((code, line))
     return chains
 
@@ -173,8 +172,11 @@ def shown_plan_outputs() -> list[tuple[str, str, int]]:
     return shown
 
 
-@pytest.mark.parametrize("cmd,expected,line", shown_plan_outputs(),
-                         ids=[f"line{line}" for _, _, line in shown_plan_outputs()])
+SHOWN_PLANS = shown_plan_outputs()
+
+
+@pytest.mark.parametrize("cmd,expected,line", SHOWN_PLANS,
+                         ids=[f"line{line}" for _, _, line in SHOWN_PLANS])
 def test_shown_plan_output_is_current(cmd, expected, line):
     """The planner's answer the README prints under its command is what the command prints
     today (it drifted once when the planner changed)."""
