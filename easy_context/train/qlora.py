@@ -15,7 +15,15 @@ for them; the price is memory that does not shrink with more ranks: half a byte 
 where a sharded bf16 base costs 2 / N (the planner's LoRA table shows where each wins).
 
 bitsandbytes quantizes and multiplies on the CPU as well as on CUDA (tested here on CPU with
-0.50.2: training on 1 and 2 gloo ranks; no GPU to test on); the ``qlora`` extra installs it. DeepSpeed's ZeRO-3 would partition these
+0.50.2: training on 1 and 2 gloo ranks; no GPU to test on); the ``qlora`` extra installs it.
+Its CPU backend has two branches that depend on the CPU (not on ``ATEN_CPU_CAPABILITY``):
+dequantization is its C kernel where its native library loads and the same formula in torch
+ops where not (the same weights, bit for bit); and on CPUs with AVX-512 BF16
+(``has_avx512bf16()``) its ``Linear4bit`` repacks the weight for a bf16 kernel in eval mode
+without grad (in_features a multiple of 64 only). ``NF4Linear`` hands ``matmul_4bit`` the plain
+quant state, so it never takes the bf16 kernel: every forward of ours dequantizes to the
+input's dtype, for any layer shape, on every CPU. (A user who puts the exported adapter on a
+transformers 4-bit base on such a CPU gets bitsandbytes' bf16 path and its shape limits.) DeepSpeed's ZeRO-3 would partition these
 tensors like any other, which bitsandbytes' layout does not survive: ``--lora-4bit`` needs
 ``--engine fsdp``.
 

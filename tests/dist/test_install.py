@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.venvs import venv_seeing_this_environment
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -61,13 +63,9 @@ def test_wheel_holds_every_package_file(wheel):
 @pytest.mark.slow  # the quick demo: ~75 s on an idle 2-core machine, a few minutes loaded
 def test_demo_runs_from_the_installed_wheel(wheel, tmp_path):
     venv = tmp_path / "venv"
-    # torch, transformers and datasets come from this environment (installing them would
-    # download gigabytes); the package itself only from the wheel.
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
-                    str(venv)], check=True, timeout=120)
-    python = venv / "bin" / "python"
-    # pip of this environment, run by the venv's interpreter, installs into the venv;
-    # --ignore-installed: never touch the editable install it can see.
+    python = venv_seeing_this_environment(venv)
+    # The package itself only from the wheel; --ignore-installed: never touch the editable
+    # install the venv can see.
     subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed",
                     str(wheel)], check=True, capture_output=True, timeout=300)
     elsewhere = tmp_path / "elsewhere"
@@ -123,3 +121,31 @@ def _check_quick_demo(out: Path) -> None:
     needle = json.loads((out / "eval" / "needle_after.json").read_text())
     assert max(c["context_length"] for c in needle["cells"]) == stages[-1].train["seq_length"]
     assert needle["config"]["rope_parameters"]["rope_theta"] == stages[-1].train["rope_theta"]
+
+
+def test_the_wheel_venv_sees_a_venvs_packages(tmp_path):
+    """The wheel test's venv made from inside a venv (how most people run the README) sees
+    that venv's packages, not only the base Python's (``--system-site-packages`` gave the
+    base's: no torch there in a plain venv): a module installed in the outer venv alone and
+    torch import there, while the inner venv's own site-packages come first."""
+    outer = venv_seeing_this_environment(tmp_path / "outer")  # a venv, like a user's
+    # a package installed in that venv only (the base Python has none of it)
+    outer_site = subprocess.run([str(outer), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                check=True, capture_output=True, text=True).stdout.strip()
+    Path(outer_site, "only_in_the_outer_venv.py").write_text("WHERE = __file__\n")
+    script = ("import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]);"
+              "from tests.venvs import venv_seeing_this_environment as make;"
+              "print(make(Path(sys.argv[2])))")
+    made = subprocess.run([str(outer), "-c", script, str(REPO), str(tmp_path / "inner")],
+                          check=True, capture_output=True, text=True, timeout=300)
+    inner = Path(made.stdout.strip().splitlines()[-1])
+    probe = ("import sys, sysconfig, torch, transformers, only_in_the_outer_venv; "
+             "print(sysconfig.get_paths()['purelib']); print(torch.__file__); "
+             "print('\\n'.join(sys.path))")
+    seen = subprocess.run([str(inner), "-c", probe], cwd=tmp_path, check=True,
+                          capture_output=True, text=True, timeout=300).stdout.splitlines()
+    own, torch_file, path = seen[0], seen[1], seen[2:]
+    assert Path(own).is_relative_to(tmp_path / "inner"), own
+    assert not Path(torch_file).is_relative_to(tmp_path), torch_file  # this environment's torch
+    sites = [p for p in path if p.endswith("-packages")]
+    assert sites[0] == own, sites  # the venv's own packages first

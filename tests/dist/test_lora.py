@@ -29,6 +29,14 @@ from .lora_cases import RANK, check_lora_methods, engine_step_gradients  # noqa:
 from .train_cases import train_run  # noqa: E402
 
 TOL = 1e-5
+# The 4-bit base's step: the same fp32 arithmetic (bitsandbytes dequantizes to fp32 and the
+# product is torch's), but one adapter gradient of it (layer 0's down_proj lora_A, seed 7) is
+# ill-conditioned: in ONE process it moves by 1.4e-5 relative when only MKL's GEMM kernels
+# change (MKL_ENABLE_INSTRUCTIONS=AVX2 against AVX-512). Measured 2 ranks against one process
+# (largest per-parameter error / that parameter's largest gradient), seed 7: 5.8e-5 (this
+# Xeon's AVX-512 kernels, 1 and 2 threads), 9.9e-5 (ATEN_CPU_CAPABILITY=avx2), 1.4e-4
+# (=default); seeds 0-2: 5e-7 to 1.7e-5. A sharding error is of order 1e-2 or more.
+TOL_4BIT = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +61,8 @@ def one_process(dist1, workdir) -> dict:
     return dist1.run(engine_step_gradients, workdir)[0]
 
 
-def _assert_same_step(got: dict, want: dict) -> None:
+def _assert_same_step(got: dict, want: dict, grad_tol: float = TOL) -> None:
+    assert len(got["losses"]) == len(want["losses"]) == 2
     for g, w in zip(got["losses"], want["losses"]):
         assert abs(g - w) <= TOL * abs(w), (got["losses"], want["losses"])
     assert got["trainable"] == want["trainable"]
@@ -61,7 +70,7 @@ def _assert_same_step(got: dict, want: dict) -> None:
     for name, w in want["grads"].items():
         assert w.abs().max() > 0, name  # the second step: A's gradients too
         err = ((got["grads"][name] - w).abs().max() / w.abs().max()).item()
-        assert err <= TOL, (name, err)
+        assert err <= grad_tol, (name, err)
     assert got["frozen_with_grad"] == []
 
 
@@ -211,14 +220,21 @@ def one_process_4bit(dist1, workdir) -> dict:
 
 def test_4bit_base_on_2_ranks_equals_one_process(dist2, workdir, one_process, one_process_4bit):
     got = dist2.run(engine_step_gradients, workdir, lora_4bit=True)[0]
-    _assert_same_step(got, one_process_4bit)
+    _assert_same_step(got, one_process_4bit, grad_tol=TOL_4BIT)
     # the base really is quantized: the loss differs from the full-precision base's
     assert abs(got["losses"][0] - one_process["losses"][0]) > 1e-6
 
 
 def test_4bit_merged_export_equals_transformers_4bit_base_with_the_adapter(dist2, workdir):
     """The merged QLoRA model computes what training computed: transformers' NF4 base
-    (load_in_4bit) with our adapter folder on it, through peft."""
+    (load_in_4bit) with our adapter folder on it, through peft.
+
+    The reference runs in train mode (no dropout anywhere): bitsandbytes' ``Linear4bit``
+    then dequantizes to fp32 as training does, on every CPU. In eval mode without grad, on a
+    CPU with AVX-512 BF16 (``bitsandbytes.functional.has_avx512bf16()``), it would repack
+    its weight for a bf16 kernel instead, which needs in_features a multiple of 64 (this
+    model's 32 fail) and computes in bf16; tests/unit/test_lora.py checks that path where
+    the CPU has it."""
     pytest.importorskip("bitsandbytes")
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -232,8 +248,11 @@ def test_4bit_merged_export_equals_transformers_4bit_base_with_the_adapter(dist2
                                                 dtype=torch.float32)
     ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        before = base(input_ids=ids).logits
-        adapted = PeftModel.from_pretrained(base, out / "final_adapter")(input_ids=ids).logits
+        before = base.train()(input_ids=ids).logits
+        adapted = PeftModel.from_pretrained(base, out / "final_adapter").train()
+        adapted = adapted(input_ids=ids).logits
         merged = AutoModelForCausalLM.from_pretrained(out / "final_model")(input_ids=ids).logits
+    assert not any(getattr(getattr(m.weight, "quant_state", None), "packing_format_for_cpu", False)
+                   for m in base.modules() if hasattr(m, "weight"))  # the fp32 path ran
     assert (adapted - before).abs().max() > 1e-3
     torch.testing.assert_close(merged, adapted, rtol=1e-5, atol=1e-5)

@@ -186,3 +186,72 @@ def test_nf4_linear_computes_with_its_dequantized_weight_and_quantizes_the_decod
     assert not any(".lora_" in n for n in names) and "lm_head" not in names
     with pytest.raises(ValueError, match="weight of shape"):
         layer.quantize_(weight.T)
+
+
+# bitsandbytes (0.50) has two CPU branches a QLoRA user can meet, chosen by the CPU, not by
+# ATEN_CPU_CAPABILITY: (1) with its native library, 4-bit dequantization is its C kernel,
+# without it the same formula in torch ops; (2) on CPUs with AVX-512 BF16
+# (has_avx512bf16(): Sapphire Rapids and later), transformers' Linear4bit in eval mode
+# without grad repacks its weight for a bf16 kernel. NF4Linear (training, and any forward of
+# ours) never repacks: it hands bitsandbytes the plain quant state, so it dequantizes to
+# the input's dtype on every CPU.
+
+@pytest.mark.parametrize("shape", [(24, 40), (64, 128), (33, 37)])  # below one block, whole blocks, odd
+def test_nf4_linear_computes_in_the_input_dtype_on_either_bitsandbytes_cpu_branch(shape):
+    pytest.importorskip("bitsandbytes")
+    from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
+    from bitsandbytes.backends.utils import _get_4bit_code
+
+    from easy_context.train.qlora import BLOCK, NF4Linear
+
+    out_f, in_f = shape
+    torch.manual_seed(0)
+    weight = torch.randn(out_f, in_f)
+    layer = NF4Linear(in_f, out_f, None)
+    layer.quantize_(weight)
+    state = layer.quant_state
+    # (1) the native kernel and the torch-ops formula give the same weights, bit for bit
+    torch_ops = _dequantize_4bit_compute(layer.packed.view(torch.uint8).reshape(-1), state.absmax,
+                                         _get_4bit_code("nf4", layer.packed.device), BLOCK,
+                                         state.shape, torch.float32)
+    assert torch.equal(layer.dequantize(), torch_ops)
+    # (2) eval mode without grad (where Linear4bit would repack on such a CPU) stays on the
+    # fp32 path: matmul_4bit takes the bf16 kernel only for a quant state marked repacked
+    x = torch.randn(2, 5, in_f)
+    with torch.no_grad():
+        y = layer.eval()(x)
+    assert not getattr(layer.quant_state, "packing_format_for_cpu", False)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, x @ torch_ops.T, rtol=1e-5, atol=1e-5)
+
+
+def test_transformers_4bit_eval_path_on_an_avx512_bf16_cpu():
+    """Where the CPU has AVX-512 BF16, transformers' Linear4bit in eval mode computes in bf16
+    on a repacked weight: within bf16 precision of NF4Linear (measured here, 4 seeds: 3.0e-3
+    to 4.7e-3 of the largest output; tolerance 2e-2), and only for in_features a multiple of
+    64 (what our merged-export test's tiny model does not have: it compares in train mode)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    if not bnb.functional.has_avx512bf16():
+        pytest.skip("this CPU has no AVX-512 BF16: bitsandbytes never repacks here")
+    from easy_context.train.qlora import BLOCK, NF4Linear
+
+    def linear4bit(weight):
+        out_f, in_f = weight.shape
+        lin = bnb.nn.Linear4bit(in_f, out_f, bias=False, compute_dtype=torch.float32,
+                                quant_type="nf4", compress_statistics=False)
+        lin.weight = bnb.nn.Params4bit(weight.clone(), requires_grad=False, quant_type="nf4",
+                                       blocksize=BLOCK, compress_statistics=False)._quantize("cpu")
+        return lin.eval()
+
+    torch.manual_seed(0)
+    weight, x = torch.randn(64, 128) * 0.05, torch.randn(3, 5, 128)
+    ours = NF4Linear(128, 64, None)
+    ours.quantize_(weight)
+    lin = linear4bit(weight)
+    with torch.no_grad():
+        got, want = lin(x), ours(x)
+    assert lin.weight.quant_state.packing_format_for_cpu  # the bf16 branch ran
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert 0 < err <= 2e-2, err
+    with torch.no_grad(), pytest.raises(RuntimeError):
+        linear4bit(torch.randn(32, 32))(torch.randn(2, 32))  # in_features below one block
