@@ -42,7 +42,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 from datasets.arrow_writer import ArrowWriter
-from tqdm.auto import tqdm
+from ..utils.progress import progress_bar
 
 from .pack import Packer
 from .chat import IGNORE_INDEX, ChatColumns, ChatTokenizer, load_chat_template, to_conversation
@@ -230,7 +230,7 @@ def prepare_data(cfg: PrepareConfig) -> dict:
               TokenizerPool(doc_tok, cfg.num_proc) as pool):
             # made after the pool forks its workers, so that none of them holds a copy of it;
             # closed on an error too (an open bar prints itself again when the process exits)
-            with tqdm(desc="packing", unit="tok", unit_scale=True) as bar:
+            with progress_bar(desc="packing", unit="tok", unit_scale=True) as bar:
                 for i, (spec, ds) in enumerate(zip(specs, opened)):
                     for batch in _emit(i, spec, ds, cfg, pool, work, per_source):
                         bar.update(int(batch.lengths.sum()))

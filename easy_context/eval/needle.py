@@ -326,11 +326,11 @@ def evaluate_needle(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
                     ring_degree: int | None = None, progress: bool = True) -> dict:
     """Every (context length, depth) cell: its exact-match score (mean over samples), token
     accuracy and per-sample details; plus the average score and the chance level."""
-    from tqdm.auto import tqdm
+    from ..utils.progress import progress_bar
 
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
     lengths, depths = cfg.context_lengths(), cfg.depths()
-    bar = tqdm(total=len(lengths) * len(depths) * cfg.num_samples, desc="needle", unit="prompt",
+    bar = progress_bar(total=len(lengths) * len(depths) * cfg.num_samples, desc="needle", unit="prompt",
                disable=not progress)
     cells = []
     try:  # closed on an error too (an open bar prints itself again at exit)

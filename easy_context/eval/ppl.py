@@ -120,14 +120,14 @@ def evaluate_ppl(model: PreTrainedModel, samples: Sequence[Sequence[int]], cfg: 
                  progress: bool = True) -> list[dict]:
     """One row per context length: tokens scored, NLL sum, perplexity, and the same for the
     last ``cfg.last_k`` tokens of each window."""
-    from tqdm.auto import tqdm
+    from ..utils.progress import progress_bar
 
     if not samples:
         raise ValueError("no samples to evaluate (check --samples and --dataset-min-tokens)")
     plan = [(length, [(s, list(sliding_windows(min(len(s), length) if cfg.truncate else len(s),
                                                 length, cfg.sliding_window)))
                       for s in samples]) for length in cfg.lengths()]
-    bar = tqdm(total=sum(len(ws) for _, per in plan for _, ws in per), desc="ppl",
+    bar = progress_bar(total=sum(len(ws) for _, per in plan for _, ws in per), desc="ppl",
                unit="window", disable=not progress)
     rows = []
     try:  # closed on an error too (an open bar prints itself again at exit)

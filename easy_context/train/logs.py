@@ -7,7 +7,7 @@ import json
 import logging
 from pathlib import Path
 
-from tqdm import tqdm
+from ..utils.progress import progress_bar
 
 log = logging.getLogger("easy_context.train")
 
@@ -36,7 +36,7 @@ class MetricsLogger:
             kept = [line for line in self.path.read_text().splitlines()
                     if line.strip() and json.loads(line)["step"] <= resume_step]
         self.path.write_text("".join(line + "\n" for line in kept))
-        self.bar = tqdm(total=config.max_train_steps, initial=resume_step, desc="train",
+        self.bar = progress_bar(total=config.max_train_steps, initial=resume_step, desc="train",
                         dynamic_ncols=True, mininterval=1.0)
         self.tb = self.wandb = None
         if config.tensorboard:
