@@ -17,7 +17,8 @@ import traceback
 import torch
 
 from easy_context.attention import available_kernels
-from easy_context.attention.kernels import REFERENCE, CPU_FLASH, Kernel
+from easy_context.attention.contract import Kernel
+from easy_context.attention.kernels import CPU_FLASH, REFERENCE
 from easy_context.attention.reference import reference_attention
 
 Tensor = torch.Tensor

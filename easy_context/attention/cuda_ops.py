@@ -30,8 +30,8 @@ import functools
 
 import torch
 
-from .kernels import (Kernel, check_block, default_scale, finite_lse, grouped, heads_first,
-                      reference_backward, reference_forward)
+from .contract import Kernel, check_block, default_scale, finite_lse, grouped, heads_first
+from .kernels import reference_backward, reference_forward
 
 Tensor = torch.Tensor
 HALF = (torch.float16, torch.bfloat16)

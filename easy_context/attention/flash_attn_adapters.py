@@ -39,7 +39,7 @@ from types import ModuleType
 
 import torch
 
-from .kernels import Kernel, check_block, default_scale, finite_lse
+from .contract import Kernel, check_block, default_scale, finite_lse
 
 Tensor = torch.Tensor
 FA2, FA4 = "flash_attn", "flash_attn_4"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import default_scale
+from .contract import default_scale
 
 Tensor = torch.Tensor
 

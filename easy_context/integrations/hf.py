@@ -18,7 +18,6 @@ transformers passes extra keyword arguments through to the attention function.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,6 +26,7 @@ from transformers import AttentionInterface
 
 from ..mesh import SPGroup, group_size, process_group, usp_groups
 from ..parallel import METHODS, get_method
+from ..parallel.settings import SequenceParallelSettings, module_settings, store_settings
 from ..sequence_parallel import sequence_parallel_attention
 
 Tensor = torch.Tensor
@@ -39,16 +39,6 @@ def hf_attention_name(method: str) -> str:
     return get_method(method).name.replace("flash_", "")
 
 
-@dataclass
-class SequenceParallelSettings:
-    """Stored on each attention module by :func:`apply_sequence_parallel` (never serialised)."""
-
-    method: str
-    group: SPGroup | dist.ProcessGroup | None = None
-    ring_degree: int | None = None
-
-
-_SETTINGS_ATTR = "_easy_context_sp"
 
 
 def _unsupported(module: nn.Module, query: Tensor, key: Tensor, dropout: float, kwargs: dict,
@@ -78,7 +68,7 @@ def _make_attention(method: str):
                   attention_mask: Tensor | None, scaling: float | None = None,
                   dropout: float = 0.0, **kwargs):
         # query (B, Hq, S, D), key/value (B, Hkv, S, D), not repeated for GQA.
-        settings = getattr(module, _SETTINGS_ATTR, None) or SequenceParallelSettings(method)
+        settings = module_settings(module) or SequenceParallelSettings(method)
         world = group_size(settings.group)
         reason = _unsupported(module, query, key, dropout, kwargs, world)
         if reason:
@@ -193,7 +183,7 @@ def apply_sequence_parallel(model: nn.Module, method: str, group=None,
         group = usp_groups(group, ring_degree)  # once, not at every forward
     settings = SequenceParallelSettings(m.name, group, ring_degree)
     for module in modules:
-        setattr(module, _SETTINGS_ATTR, settings)
+        store_settings(module, settings)
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     if getattr(decoder, _MASK_HOOK_ATTR, None) is not None:
         getattr(decoder, _MASK_HOOK_ATTR).remove()  # applied again: the new group counts

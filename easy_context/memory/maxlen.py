@@ -188,13 +188,13 @@ def _gathered(layer: nn.Module):
 
 def _check_chunks(model: nn.Module, spec: LayerSpec, heads_per_chunk: int) -> None:
     """Every head chunk must suit the sequence-parallel method the model was switched to."""
-    from ..integrations.hf import SequenceParallelSettings, _SETTINGS_ATTR
     from ..mesh import group_size
     from ..parallel import get_method
+    from ..parallel.settings import module_settings
 
     chunks = head_chunks(spec.heads, spec.kv_heads, heads_per_chunk)  # raises if it splits badly
-    settings = getattr(spec.attn, _SETTINGS_ATTR, None)
-    if not isinstance(settings, SequenceParallelSettings):
+    settings = module_settings(spec.attn)
+    if settings is None:
         return
     world = group_size(settings.group)
     if world == 1:

@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from .. import layouts
 from ..attention.documents import ShardDocuments
-from ..attention.kernels import default_scale, select_kernel
+from ..attention.contract import default_scale
+from ..attention.selection import select_kernel
 from ..mesh import process_group
 from .blocks import backward_block, block_calls, forward_block, group_buffer_choice
 from .comm import all_gather_into, gather_shards, reduce_scatter_into

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..attention.documents import Call, ShardDocuments, whole_block
-from ..attention.kernels import Kernel
+from ..attention.contract import Kernel
 from ..attention.merge import merge_into
 from .comm import gather_shards
 from .head_groups import buffer_budget, kv_heads_per_group

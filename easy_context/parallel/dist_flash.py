@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from ..attention.documents import Call, ShardDocuments
-from ..attention.kernels import Kernel, default_scale, select_kernel
+from ..attention.contract import Kernel, default_scale
+from ..attention.selection import select_kernel
 from ..attention.merge import merge_into
 from ..mesh import process_group
 from .accumulate import GradSum, max_cover, span

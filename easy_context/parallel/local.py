@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.documents import ShardDocuments
-from ..attention.kernels import Kernel, default_scale, select_kernel
+from ..attention.contract import Kernel, default_scale
+from ..attention.selection import select_kernel
 from .blocks import backward_block, block_calls, block_result
 from .function import check_inputs, run_attention
 from .method import Method

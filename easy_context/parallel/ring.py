@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from ..attention.documents import ShardDocuments
-from ..attention.kernels import Kernel, default_scale, select_kernel
+from ..attention.contract import Kernel, default_scale
+from ..attention.selection import select_kernel
 from ..mesh import process_group
 from .accumulate import GradSum, max_cover, span
 from .blocks import (backward_block, block_calls, forward_block, group_buffer_choice,

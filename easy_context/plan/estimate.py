@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 
 from ..parallel import get_method
 from .shapes import ModelShape
+from .states import States, model_states
 
 GIB = 2**30
 ENGINES = ("fsdp", "deepspeed", "replicated")
@@ -149,69 +150,6 @@ class MemoryEstimate:
             lines.append(f"  {'sent per layer (fwd+bwd)':24s} "
                          f"{self.communication_per_layer / GIB:10.2f} GiB")
         return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- model states
-@dataclass(frozen=True)
-class States:
-    params: int
-    grads: int
-    grads_in_backward: int
-    optim: int
-    step: int
-    gathered: int
-    host: int
-
-
-def model_states(shape: ModelShape, world_size: int, engine: str, offload: str,
-                 dtype: str) -> States:
-    """Parameters, gradients and optimizer states per device, and their host share.
-
-    AdamW keeps two fp32 moments (8 B/param). bf16 mixed precision keeps fp32 master weights:
-    - fsdp (FSDP2, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)): sharded fp32
-      params 4/N, fp32 grads 4/N, moments 8/N; offload=params (CPUOffloadPolicy) moves all
-      three to the host. FSDP has no optimizer-only offload.
-    - deepspeed (ZeRO-3, bf16): bf16 params 2/N, bf16 grads 2/N, fp32 master + moments 12/N;
-      offload=optimizer moves the 12/N (and fp32 gradient copies, 4/N) to the host,
-      offload=params also the bf16 params and grads.
-    - replicated (plain data parallelism, one process on CPU): everything on every device;
-      bf16 adds a bf16 working copy (autocast's weight cache) to fp32 params.
-    fp32 training: 4 (params) + 4 (grads) + 8 (moments), no master copy.
-    Gradients appear layer by layer in backward (set_to_none between steps): at its start
-    only the output head's and one layer's exist. DeepSpeed keeps its partitioned gradient
-    buffer between steps, so there all of them count from the start.
-    The AdamW step on the device (torch's foreach implementation) makes one temporary the
-    size of the moments it updates (sqrt of the second moment): 4 B per device-held param.
-    Sharded engines gather the full weights of the layer being computed and of the one being
-    prefetched, and hold that layer's unsharded gradients until they are reduce-scattered:
-    2 x (params + grads) of the largest unit, a decoder layer or the embedding/output head.
-    """
-    p = shape.num_params()
-    head, layer = shape.vocab * shape.hidden, shape.layer_params()
-    if engine == "fsdp" and offload == "optimizer":
-        raise ValueError("FSDP offloads parameters, gradients and optimizer states together "
-                         "(CPUOffloadPolicy): use offload='params', or engine='deepspeed'")
-    if engine == "replicated":
-        if offload != "none":
-            raise ValueError("offload needs a sharding engine (fsdp or deepspeed)")
-        param_b = 4 + (2 if dtype == "bf16" else 0)
-        return States(p * param_b, p * 4, (head + layer) * 4, p * 8, p * 4, 0, 0)
-    n = world_size
-    compute_b = 2 if dtype == "bf16" else 4
-    gathered = 2 * max(layer, head) * 2 * compute_b
-    if dtype == "bf16" and engine == "deepspeed":
-        per = {"params": 2, "grads": 2, "optim": 12}
-    else:
-        per = {"params": 4, "grads": 4, "optim": 8}
-    on_host = {"none": (), "optimizer": ("optim",), "params": ("params", "grads", "optim")}[offload]
-    dev = {k: 0 if k in on_host else -(-p * v // n) for k, v in per.items()}
-    host = sum(-(-p * per[k] // n) for k in on_host)
-    if engine == "deepspeed" and "optim" in on_host:
-        host += -(-p * 4 // n)  # ZeRO-Offload's fp32 gradient copies for the CPU Adam step
-    grads_bwd = dev["grads"] if engine == "deepspeed" else -(-(head + layer) * per["grads"] // n)
-    grads_bwd = min(grads_bwd, dev["grads"])
-    step = 0 if "optim" in on_host else -(-p * 4 // n)
-    return States(dev["params"], dev["grads"], grads_bwd, dev["optim"], step, gathered, host)
 
 
 # --------------------------------------------------------------------------- activations

@@ -30,6 +30,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .shapes import ModelShape
+from .states import States, model_states
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -91,8 +92,6 @@ def quantized_weights_per_layer(shape: ModelShape) -> int:
 def lora_states(shape: ModelShape, spec: LoRASpec, world_size: int, engine: str, offload: str,
                 dtype: str):
     """Model states per device (estimate.States) of a LoRA run; see the module docstring."""
-    from .estimate import States
-
     if engine == "fsdp" and offload == "optimizer":
         raise ValueError("FSDP offloads parameters, gradients and optimizer states together "
                          "(CPUOffloadPolicy): use offload='params', or engine='deepspeed'")
@@ -138,8 +137,6 @@ def lora_states(shape: ModelShape, spec: LoRASpec, world_size: int, engine: str,
 
 def with_lora(est, shape: ModelShape, spec: LoRASpec, chunk_rows: int | None):
     """``est`` (a full fine-tuning MemoryEstimate) for the same step with LoRA."""
-    from .estimate import model_states
-
     if spec.base_4bit and est.engine == "deepspeed":
         raise ValueError("a 4-bit base (QLoRA) runs on the fsdp engine only")
     full = model_states(shape, est.world_size, est.engine, est.offload, est.dtype)

@@ -1,4 +1,5 @@
-"""``easy-context train`` and ``python -m easy_context.train`` (for torchrun / accelerate)."""
+"""``easy-context train``; ``python -m easy_context.train`` (for torchrun / accelerate) is
+__main__.py, which runs it through the CLI."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 
 from .config import add_train_args, config_from_args
 
-__all__ = ["add_train_args", "run_train", "main"]
+__all__ = ["add_train_args", "run_train"]
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -20,13 +21,3 @@ def run_train(args: argparse.Namespace) -> int:
     export_for_children()  # the ranks start with the allocator the planner assumes
     launch(run_training, config.nproc_per_node, config, timeout_minutes=config.pg_timeout_minutes)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m easy_context.train ...`` (what torchrun and accelerate start on each rank):
-    ``easy-context train ...``, with its one-line errors and --debug."""
-    import sys
-
-    from ..cli import main as cli_main
-
-    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])

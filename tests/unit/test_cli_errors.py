@@ -270,7 +270,7 @@ def test_help_lists_debug(capsys):
 def test_under_torchrun_each_process_says_its_rank(paths, capsys, monkeypatch):
     # torchrun starts the command once per rank (python -m easy_context.train): every
     # failing process prints its line, so each line says which rank it comes from.
-    from easy_context.train.cli import main as train_main
+    from easy_context.train.__main__ import main as train_main
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")

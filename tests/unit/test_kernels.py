@@ -1,4 +1,4 @@
-"""The kernel contract (easy_context/attention/kernels.py) on the CPU: every backend that runs
+"""The kernel contract (easy_context/attention/contract.py) on the CPU: every backend that runs
 here against the float64 reference, on the views the methods hand it.
 
 Tolerances, relative to max |reference|: fp32 5e-6 (measured ~3e-7 forward, ~1e-6
@@ -8,8 +8,8 @@ gradients); bf16 3e-2 (one bf16 rounding of out and gradients, ~8e-3 measured).
 import pytest
 import torch
 
-from easy_context.attention.kernels import (CPU_FLASH, REFERENCE, available_kernels,
-                                            select_kernel)
+from easy_context.attention.kernels import CPU_FLASH, REFERENCE
+from easy_context.attention.selection import available_kernels, select_kernel
 
 TOL = {torch.float32: 5e-6, torch.bfloat16: 3e-2}
 
