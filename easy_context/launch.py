@@ -7,7 +7,8 @@
 - a process group already initialised (tests' DistPool, a trainer): ``fn`` just runs.
 - ``nproc_per_node <= 1``: ``fn`` runs in this process without torch.distributed.
 - otherwise: ``nproc_per_node`` ranks are spawned on a free local port; each initialises
-  the process group (nccl when CUDA is available, else gloo), runs ``fn`` and tears down.
+  the process group (:func:`backend_for`: NCCL for CUDA tensors and gloo for host tensors
+  when CUDA is available, else gloo), runs ``fn`` and tears down.
 
 Inside ``fn``, :func:`device` gives the rank's device (``cuda:{local_rank}`` or cpu).
 ``fn`` and its arguments are pickled to the spawned ranks, so ``fn`` must be importable
@@ -48,6 +49,31 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def backend_for(device_type: str) -> str:
+    """The process group's backend for ranks on ``device_type``.
+
+    On CUDA one group with a backend per device type, NCCL for CUDA tensors and gloo for host
+    tensors (what torchtitan does): NCCL carries CUDA tensors only, and host tensors do reach
+    collectives there. FSDP2's ``CPUOffloadPolicy`` leaves gradients on the host, so
+    ``clip_grad_norm_`` all-reduces host tensors, and ``set_model_state_dict(...,
+    broadcast_from_rank0=True)`` broadcasts from where the values are; over NCCL alone both
+    raise "No backend type associated with device type cpu" (pytorch/pytorch#148532).
+    Sub-groups (the mesh's) inherit the same pair."""
+    return "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
+
+
+def check_local_devices(nproc_per_node: int) -> None:
+    """On a CUDA machine, one GPU per local rank: NCCL refuses two ranks on one GPU, and a rank
+    beyond the last GPU fails with "invalid device ordinal" after the others have started."""
+    if not torch.cuda.is_available():
+        return
+    count = torch.cuda.device_count()
+    if nproc_per_node > count:
+        raise ValueError(f"--nproc-per-node {nproc_per_node} asks for more ranks than this "
+                         f"machine has GPUs ({count}): use --nproc-per-node {count} or fewer "
+                         "(one rank per GPU), or set CUDA_VISIBLE_DEVICES to show more GPUs")
+
+
 def init_distributed(timeout_minutes: float = 10) -> torch.device:
     """Initialise the default process group from the environment (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT, LOCAL_RANK, as torchrun sets them) unless it already is.
@@ -57,10 +83,15 @@ def init_distributed(timeout_minutes: float = 10) -> torch.device:
     """
     dev = device()
     if not dist.is_initialized():
-        backend = "nccl" if dev.type == "cuda" else "gloo"
         if dev.type == "cuda":
+            if dev.index >= torch.cuda.device_count():
+                raise ValueError(
+                    f"LOCAL_RANK {dev.index} has no GPU: this machine shows "
+                    f"{torch.cuda.device_count()}. Start at most one rank per GPU "
+                    "(--nproc-per-node, torchrun's --nproc-per-node) or set CUDA_VISIBLE_DEVICES")
             torch.cuda.set_device(dev)
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+        dist.init_process_group(backend_for(dev.type),
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
     return dev
 
 
@@ -101,6 +132,7 @@ def launch(fn: Callable, nproc_per_node: int, *args: Any, timeout_minutes: float
             dist.destroy_process_group()
     if nproc_per_node <= 1:
         return fn(*args)
+    check_local_devices(nproc_per_node)  # before any rank starts
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     # When a rank fails, torch logs a warning per peer it terminates; the RankError raised

@@ -15,7 +15,7 @@ import torch
 
 from tests.train_fixtures import kill_and_resume, tiny_dataset_dir, tiny_model_dir
 
-from .train_cases import train_error, train_run
+from .train_cases import strict_train_run, train_error, train_run
 
 METHODS = ["ring_attn", "zigzag_ring_attn", "dist_flash_attn", "ulysses_attn", "usp_attn",
            "allgather_attn"]
@@ -152,3 +152,27 @@ def test_killed_run_resumes_exactly(dist2, workdir, tmp_path):
     assert len(got) == total
     # Bitwise: with --deterministic (on GPUs it takes that; CPU kernels are deterministic).
     assert got == want
+
+
+STRICT = [dict(offload="none"), dict(offload="params"),
+          dict(offload="params", checkpointing="offload", lora_rank=4),
+          dict(engine="deepspeed", offload="optimizer"), dict(engine="deepspeed", offload="params")]
+
+
+@pytest.mark.parametrize("setup", STRICT, ids=lambda s: "-".join(map(str, s.values())))
+def test_every_collective_suits_its_group_with_each_offload_setting(dist2, workdir, reference,
+                                                                      setup):
+    """Every collective of a 2-rank run (loading, steps with gradient clipping, checkpoint,
+    export) has its tensors on a device type its group has a backend for: on GPUs that is
+    what keeps NCCL from raising (launch.backend_for). The check is live (it counted the
+    run's collectives); on this CPU host and device are one type, so benchmarks/gpu_check.py
+    runs the same over CUDA. The loss is the one-process run's whatever the offload."""
+    if setup.get("engine") == "deepspeed":
+        pytest.importorskip("deepspeed")
+    if "lora_rank" in setup:
+        pytest.importorskip("peft")
+    name = "strict_" + "_".join(map(str, setup.values()))
+    got = dist2.run(strict_train_run, workdir, name, grad_clip=1.0, save_every=2, **setup)
+    assert sum(got[0]["counts"].values()) > 0 and sum(got[1]["counts"].values()) > 0
+    if "lora_rank" not in setup:
+        _assert_same_trajectory(_losses(got[0]["metrics"]), _losses(reference["b1"]))

@@ -31,3 +31,13 @@ def train_error(workdir: str, **overrides) -> str:
     except Exception as e:  # noqa: BLE001 - the test asserts on the message
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def strict_train_run(workdir: str, name: str, **overrides) -> dict:
+    """``train_run`` with every collective checked (easy_context/utils/strict_collectives.py):
+    rank 0's metrics and the collectives each op name ran, summed over this rank."""
+    from easy_context.utils.strict_collectives import StrictCollectives
+
+    with StrictCollectives() as seen:
+        metrics = train_run(workdir, name, **overrides)
+    return {"metrics": metrics, "counts": dict(seen.counts)}
