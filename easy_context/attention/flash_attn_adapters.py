@@ -139,7 +139,7 @@ def installed_flash_attn_kernels() -> tuple[Kernel, ...]:
     """Adapters for the flash-attn packages installed here, flash-attn-4 first. A package
     that fails to import (no GPU build, a broken install) is left out, not fatal."""
     found = []
-    if _version("flash-attn-4") is not None:
+    if fa4_version() is not None:
         try:
             found.append(adapter_4(importlib.import_module("flash_attn.cute.interface")))
         except Exception:  # noqa: BLE001 - any import failure means: not usable here
@@ -159,8 +159,48 @@ def installed_flash_attn() -> Kernel | None:
     return kernels[0] if kernels else None
 
 
-def usable(name: str, q: Tensor, capability: tuple[int, int] | None = None) -> bool:
-    """Whether the adapter ``name`` runs blocks like ``q`` (CUDA, fp16/bf16, head dim)."""
+def fa4_version() -> str | None:
+    """The installed flash-attn-4 version (its first betas were named flash-attn4)."""
+    return _version("flash-attn-4") or _version("flash-attn4")
+
+
+def _fa4_at_least(version: str | None, release: str) -> bool:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return version is not None and Version(version) >= Version(release)
+    except InvalidVersion:
+        return False
+
+
+def fa4_runs(d: int, capability: tuple[int, int], version: str | None,
+             deterministic_backward: bool = False) -> bool:
+    """Whether flash-attn-4 ``version`` runs forward AND backward at head dim ``d`` (q, k and
+    v alike) on ``capability``, as its sources say (flash_attn/cute/interface.py and
+    flash_bwd_sm90.py / flash_bwd_sm100.py at the fa4-v4.0.0.betaN tags; no GPU ran this):
+
+    - Hopper (sm90): the backward ran head dim 128 only before 4.0.0b5 (its tests xfail 64,
+      and deterministic backward asserted off); from b5 its tuned tiles are 64, 96, 128 and
+      192, deterministic allowed; above 192 still xfailed ("SM90 not supported yet").
+    - Blackwell (sm100, sm110): backward up to 128, 256 from b11 (sm100) / b15 (sm110).
+    - anything else (sm120 skips the head-dim checks and refuses deterministic): not used.
+    """
+    major = capability[0]
+    if major == 9:
+        if not _fa4_at_least(version, "4.0.0b5"):
+            return d == 128 and not deterministic_backward
+        return d in (64, 96, 128, 192)
+    if major in (10, 11):
+        if d <= 128 and d % 8 == 0:
+            return True
+        return d == 256 and _fa4_at_least(version, "4.0.0b11" if major == 10 else "4.0.0b15")
+    return False
+
+
+def usable(name: str, q: Tensor, capability: tuple[int, int] | None = None,
+           version: str | None = None) -> bool:
+    """Whether the adapter ``name`` runs blocks like ``q`` (CUDA, fp16/bf16, head dim;
+    flash-attn-4: its ``version``, default the installed one)."""
     if q.device.type != "cuda" and capability is None:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -171,15 +211,7 @@ def usable(name: str, q: Tensor, capability: tuple[int, int] | None = None) -> b
     d = q.size(-1)
     if d % 8:
         return False
-    if name == FA4:  # Hopper: 8..256; Blackwell: up to 128, or 256 (its dedicated kernel)
-        major = capability[0]
-        return (major == 9 and d <= 256) or (major in (10, 11) and (d <= 128 or d == 256))
+    if name == FA4:
+        return fa4_runs(d, capability, fa4_version() if version is None else version,
+                        deterministic())
     return capability >= (8, 0) and d <= 256
-
-
-def flash_attn_for(q: Tensor) -> Kernel | None:
-    """The first installed flash-attn adapter that runs ``q``'s blocks, or None."""
-    for kernel in installed_flash_attn_kernels():
-        if usable(kernel.name, q):
-            return kernel
-    return None

@@ -1,9 +1,10 @@
 """Activation checkpointing per decoder layer, three kinds.
 
 - ``full``: keep only each layer's input; recompute the layer in backward.
-- ``offload``: as full, and the kept inputs wait in CPU memory (pinned when they come from
-  an accelerator) instead of device memory: at 1M tokens they are L x S x hidden, which is
-  most of what full keeps.
+- ``offload``: as full, and the kept inputs wait in CPU memory instead of device memory: at
+  1M tokens they are L x S x hidden, which is most of what full keeps. They go out and come
+  back on a side CUDA stream, the previous layer's prefetched while one runs backward, in
+  exact-size pinned buffers (offload.HostCheckpoints).
 - ``attention``: as full, but the recompute reuses each layer's attention output and lse
   (easy_context.attention.saving), so backward does not run attention, nor its
   communication, twice.
@@ -22,24 +23,16 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..attention.saving import saving_context
+from .offload import HostCheckpoints
 
 KINDS = ("none", "full", "offload", "attention")
 
 
-def pin_offloaded(*args) -> bool:
-    """Whether host copies of these activations should be pinned: when they live on an
-    accelerator. A pageable copy is staged and synchronous; a pinned one is a direct DMA. On
-    the CPU there is nothing to copy across (and pinning needs an accelerator)."""
-    tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
-    return tensor is not None and tensor.device.type not in ("cpu", "meta")
-
-
-def _offloaded_checkpoint(function, *args, **kwargs):
-    # Reentrant checkpointing saves the layer inputs with save_for_backward, which
-    # save_on_cpu intercepts: the inputs then live in host memory until the recompute.
-    # Pinning is decided here, from the activations, at every call: when checkpointing is
-    # applied the model may not have reached its GPU yet.
-    with torch.autograd.graph.save_on_cpu(pin_memory=pin_offloaded(*args)):
+def _offloaded_checkpoint(storage: HostCheckpoints, index: int, function, *args, **kwargs):
+    # Reentrant checkpointing saves the layer inputs with save_for_backward (and nothing
+    # else: it runs the layer without grad), which the storage's hooks intercept: the inputs
+    # then live in host memory until the recompute.
+    with storage.hooks(index):
         return checkpoint(function, *args, use_reentrant=True, **kwargs)
 
 
@@ -54,11 +47,14 @@ def apply_activation_checkpointing(model: nn.Module, kind: str) -> nn.Module:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if kind == "full":
         return model
-    if kind == "attention":
-        func = functools.partial(checkpoint, use_reentrant=False, context_fn=saving_context)
-    else:
-        func = _offloaded_checkpoint
     layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
-    for layer in layers:
-        layer._gradient_checkpointing_func = func
+    storage = HostCheckpoints(len(layers)) if kind == "offload" else None
+    for index, layer in enumerate(layers):
+        if kind == "attention":
+            layer._gradient_checkpointing_func = functools.partial(
+                checkpoint, use_reentrant=False, context_fn=saving_context)
+        else:
+            layer._gradient_checkpointing_func = functools.partial(
+                _offloaded_checkpoint, storage, index)
+    model._ec_host_checkpoints = storage  # what holds the offloaded inputs (tests, benchmarks)
     return model

@@ -10,7 +10,11 @@ buffer), against all of them with ``DeviceStorage``. When offloading, the last l
 tensors are needed first, right after the loss, so they stay on the device.
 
 On a CPU the same code runs without streams (the "host" copy is a plain copy in the same
-memory, which saves nothing there; the planner never picks it on a CPU).
+memory, which saves nothing there; the planner never picks it on a CPU). Host buffers come
+from a ``PinnedPool`` (pinned.py): exact sizes, page-locked on CUDA, reused every step, so
+host memory holds what the planner counts (the caching host allocator would round each up to
+a power of two). ``HostCheckpoints`` is the same storage for ``--checkpointing offload``'s
+per-tensor saved inputs.
 
 A layer input that is cheaper to compute than to keep (the first layer's: the embedding of the
 token ids) is kept as a recipe, a function that computes it again when backward needs it.
@@ -31,6 +35,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+
+from .pinned import PinnedPool
 
 Tensor = torch.Tensor
 
@@ -73,6 +79,20 @@ class LayerStorage:
         self.entries: dict[int, object] = {}
         self.forwards: dict[int, Callable | None] = {}
         self._stream = None
+        self.pool: PinnedPool | None = None
+
+    def _host_buffer(self, t: Tensor) -> Tensor:
+        if self.pool is None:
+            self.pool = PinnedPool(pin=t.device.type == "cuda")
+        return self.pool.take(t.shape, t.dtype)
+
+    def _release(self, entry: "_Entry") -> None:
+        """Hand an entry's host buffers back once its device copy is issued: the next copy
+        into them (a later forward's) runs on the same side stream, after this one."""
+        if self.pool is not None and self.offload:
+            for h in {id(h): h for h in entry.host}.values():
+                self.pool.give(h)
+        entry.host = []
 
     # ---------------------------------------------------------------- streams
     def _side_stream(self, device: torch.device):
@@ -88,7 +108,12 @@ class LayerStorage:
         dev = tensors[0].device
         stream = self._side_stream(dev)
         if stream is None:
-            return [t.detach().clone() for t in tensors], None
+            host = []
+            for t in tensors:
+                buf = self._host_buffer(t)
+                buf.copy_(t.detach())
+                host.append(buf)
+            return host, None
         stream.wait_stream(torch.cuda.current_stream(dev))  # the tensors are computed
         seen: dict[tuple, Tensor] = {}
         host = []
@@ -96,7 +121,7 @@ class LayerStorage:
             for t in tensors:
                 key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
                 if key not in seen:  # one copy of tensors that alias (a group's out and its record)
-                    seen[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                    seen[key] = self._host_buffer(t)
                     seen[key].copy_(t, non_blocking=True)
                     t.record_stream(stream)  # not reused by the allocator before the copy ends
                 host.append(seen[key])
@@ -126,6 +151,7 @@ class LayerStorage:
     def _fetch_now(self, entry: _Entry) -> list[Tensor]:
         """A device copy of an entry's tensors, ready on the current stream (not prefetched)."""
         self._to_device(entry)
+        self._release(entry)
         tensors, entry.arriving = entry.arriving, None
         if entry.arrived is not None:
             current = torch.cuda.current_stream(entry.device)
@@ -173,6 +199,7 @@ class LayerStorage:
             tensors = self._fetch_now(entry)
         else:
             tensors = entry.arriving
+            self._release(entry)
             if entry.arrived is not None:
                 current = torch.cuda.current_stream(entry.device)
                 current.wait_event(entry.arrived)
@@ -198,3 +225,52 @@ class LayerStorage:
                 host, ready = self._to_host([x])
                 self.entries[i + 1] = _Entry(host, x.device, ready)
         return [x]
+
+
+class HostCheckpoints:
+    """``--checkpointing offload``'s storage for the tensors each layer's (reentrant)
+    checkpoint saves, its inputs: copied to exact-size pinned host buffers on a side stream
+    as they are saved (the copy overlaps the next layer's forward; ``save_on_cpu`` copies
+    synchronously, one stall a layer), and in backward, when layer l's come back, layer
+    l-1's start copying to the device on that stream while l runs backward. The last layer's
+    stay on the device (they are needed first). Used through :meth:`hooks`."""
+
+    def __init__(self, layers: int):
+        self.layers = layers
+        self.copies = LayerStorage(layers)  # the side stream, the pool and the copies
+        self.entries: dict[int, list[_Entry]] = {}
+
+    def hooks(self, index: int) -> torch.autograd.graph.saved_tensors_hooks:
+        """Saved-tensor hooks for layer ``index``'s checkpoint call."""
+        return torch.autograd.graph.saved_tensors_hooks(
+            lambda t: self._pack(index, t), self._unpack)
+
+    def _pack(self, index: int, t: Tensor):
+        if index == 0 and not self.entries.get(0):
+            self.entries = {}  # a new forward pass
+        if index == self.layers - 1 or not t.numel():
+            return (index, t)  # kept where it is
+        host, ready = self.copies._to_host([t])
+        self.entries.setdefault(index, []).append(_Entry(host, t.device, ready))
+        return (index, len(self.entries[index]) - 1)
+
+    def _unpack(self, handle) -> Tensor:
+        index, slot = handle
+        if isinstance(slot, Tensor):  # kept on the device
+            t = slot
+        else:
+            entry = self.entries[index][slot]
+            if entry.arriving is None:  # not prefetched (the layer after it kept nothing)
+                (t,) = self.copies._fetch_now(entry)
+            else:
+                (t,) = entry.arriving
+                self.copies._release(entry)
+                if entry.arrived is not None:
+                    current = torch.cuda.current_stream(entry.device)
+                    current.wait_event(entry.arrived)
+                    t.record_stream(current)
+                entry.arriving = None
+        for previous in self.entries.get(index - 1, ()):
+            if previous.arriving is None and previous.host:
+                self.copies._to_device(previous)  # overlaps this layer's backward
+        return t

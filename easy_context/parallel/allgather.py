@@ -136,10 +136,12 @@ def allgather_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = T
     pg = process_group(group)
     world = dist.get_world_size(pg)
     dims = AttentionDims(q.size(2), k.size(2), q.size(3))
+    kernel = select_kernel(q)
     per_group = group_buffer_choice(
-        lambda g: allgather_buffers(dims, q.size(1), q.element_size(), world, None, g), q, k)
+        lambda g: allgather_buffers(dims, q.size(1), q.element_size(), world, None, g), q, k,
+        kernel, (q.size(1), world * k.size(1)))
     algo = GroupAlgorithm(allgather_forward, allgather_backward, pg, bool(causal), scale,
-                          select_kernel(q), gather_documents(document_ids, pg, world), per_group)
+                          kernel, gather_documents(document_ids, pg, world), per_group)
     return run_attention(algo, q, k, v)
 
 
@@ -176,4 +178,5 @@ METHOD = Method(
     summary="K/V gathered once per layer (Llama-3 style), zigzag query shards",
     use_when="few KV heads (GQA): one gather moves little", aliases=("allgather",),
     unsuitable=allgather_unsuitable, group_buffers=allgather_buffers,
+    kernel_call=lambda dims, s, world, rd: (s, s * world, dims),
     comm_bytes=allgather_comm)

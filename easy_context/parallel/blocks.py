@@ -13,6 +13,7 @@ import torch
 from ..attention.documents import Call, ShardDocuments, whole_block
 from ..attention.contract import Kernel
 from ..attention.merge import merge_into
+from ..attention.workspace import block_workspace
 from .comm import gather_shards
 from .head_groups import buffer_budget, kv_heads_per_group
 
@@ -118,6 +119,13 @@ def block_calls(docs: ShardDocuments | None, q_shard: int, q_rows: slice, kv_sha
     return docs.calls(q_shard, q_rows, kv_shard, kv_rows, causal)
 
 
-def group_buffer_choice(group_bytes, q: Tensor, k: Tensor) -> int:
-    """KV heads per group for blocks like q, k under the device's buffer budget."""
-    return kv_heads_per_group(group_bytes, k.size(2), buffer_budget(q.device))
+def group_buffer_choice(group_bytes, q: Tensor, k: Tensor, kernel: Kernel,
+                        rows: tuple[int, int]) -> int:
+    """KV heads per group for blocks like q, k under the device's buffer budget: the
+    method's buffers for the group (``group_bytes(g)``) plus ``kernel``'s backward workspace
+    for a call on ``rows`` = (query rows, key rows) with the group's heads (the planner counts
+    the same: Method.kv_heads_per_group)."""
+    workspace = block_workspace(kernel, q)
+    per_kv = q.size(2) // k.size(2)
+    return kv_heads_per_group(lambda g: group_bytes(g) + workspace(*rows, g * per_kv, g),
+                              k.size(2), buffer_budget(q.device))

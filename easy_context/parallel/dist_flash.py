@@ -297,10 +297,12 @@ def dist_flash_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = 
     pg = process_group(group)
     world = dist.get_world_size(pg)
     dims = AttentionDims(q.size(2), k.size(2), q.size(3))
+    kernel = select_kernel(q)
     per_group = group_buffer_choice(
-        lambda g: dist_flash_buffers(dims, q.size(1), q.element_size(), world, None, g), q, k)
+        lambda g: dist_flash_buffers(dims, q.size(1), q.element_size(), world, None, g), q, k,
+        kernel, (q.size(1), k.size(1)))
     algo = GroupAlgorithm(dist_flash_forward, dist_flash_backward, pg, bool(causal), scale,
-                          select_kernel(q), shard_documents(document_ids, pg), per_group)
+                          kernel, shard_documents(document_ids, pg), per_group)
     return run_attention(algo, q, k, v)
 
 

@@ -62,9 +62,15 @@ def attention_buffer_budget(nbytes: int) -> Iterator[None]:
 
 
 def kv_heads_per_group(group_bytes: Callable[[int], int], kv_heads: int, budget: int) -> int:
-    """The most KV heads g (1 <= g <= kv_heads) with ``group_bytes(g) <= budget``, then evened
-    out over the groups that needs (8 heads at most 3 a group: 3 groups of 3, 3, 2)."""
-    fit = next((g for g in range(kv_heads, 0, -1) if group_bytes(g) <= budget), 1)
+    """The most KV heads g (1 <= g <= kv_heads) with ``group_bytes(g) <= budget`` (where none
+    fits, the g that needs least), then evened out over the groups that needs (8 heads at
+    most 3 a group: 3 groups of 3, 3, 2)."""
+    fit = next((g for g in range(kv_heads, 0, -1) if group_bytes(g) <= budget), None)
+    if fit is None:
+        # nothing fits: the group that needs least. Mostly one KV head, but not always: a
+        # deterministic flash-attn backward makes its dq accumulator once per split, and
+        # fewer heads a call mean more splits (attention/workspace.py)
+        fit = min(range(kv_heads, 0, -1), key=group_bytes)
     groups = -(-kv_heads // fit)
     return -(-kv_heads // groups)
 

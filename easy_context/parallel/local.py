@@ -16,7 +16,7 @@ import torch
 from ..attention.documents import ShardDocuments
 from ..attention.contract import Kernel, default_scale
 from ..attention.selection import select_kernel
-from .blocks import backward_block, block_calls, block_result
+from .blocks import backward_block, block_calls, block_result, group_buffer_choice
 from .function import check_inputs, run_attention
 from .method import Method
 
@@ -57,7 +57,10 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
     check_inputs(q, k, v, document_ids)
     scale = default_scale(q.size(-1)) if softmax_scale is None else softmax_scale
     docs = None if document_ids is None else ShardDocuments.from_ids(document_ids.unsqueeze(0))
-    algo = LocalAlgorithm(bool(causal), scale, select_kernel(q, kernel), k.size(2), docs)
+    chosen = select_kernel(q, kernel)
+    # heads a group at a time when the kernel's backward workspace would pass the budget
+    per_group = group_buffer_choice(lambda g: 0, q, k, chosen, (q.size(1), k.size(1)))
+    algo = LocalAlgorithm(bool(causal), scale, chosen, per_group, docs)
     return run_attention(algo, q, k, v)
 
 

@@ -57,10 +57,11 @@ def no_comm(dims: AttentionDims, s: int, a: int, world: int, ring_degree: int | 
     return 0
 
 
-def grouped_kv_heads(dims: AttentionDims, world: int, ring_degree: int | None) -> int:
-    """The KV heads a method's per-group passes split into groups (usp's ring sees only its
-    Ulysses share of them, see usp.py); all of them for the others."""
-    return dims.kv_heads
+def shard_call(dims: AttentionDims, s: int, world: int,
+               ring_degree: int | None) -> tuple[int, int, AttentionDims]:
+    """A block method's largest kernel call: a shard's queries against a shard's keys, all the
+    model's heads (head groups take some of its KV heads)."""
+    return s, s, dims
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,11 @@ class Method:
     """(dims, s local tokens, a bytes per element, world, ring_degree, kv_heads) -> bytes of
     the buffers alive in one layer's backward when it runs ``kv_heads`` KV heads at a time
     (head_groups.py); linear in kv_heads for the block methods, constant for the others."""
-    grouped_heads: Callable[[AttentionDims, int, int | None], int] = grouped_kv_heads
-    """(dims, world, ring_degree) -> how many KV heads its per-group passes divide."""
+    kernel_call: Callable[[AttentionDims, int, int, int | None],
+                          tuple[int, int, AttentionDims]] = shard_call
+    """(dims, s, world, ring_degree) -> (query rows, key rows, heads) of one layer's largest
+    attention kernel call with every head at once: what its backward's workspace
+    (attention/workspace.py) grows with; its passes divide those KV heads into groups."""
     comm_bytes: Callable[[AttentionDims, int, int, int, int | None], int] = no_comm
     """(dims, s, a, world, ring_degree) -> bytes one rank sends per layer, forward and
     backward (recomputation under checkpointing not counted)."""
@@ -118,24 +122,47 @@ class Method:
         self.check_fn(heads, kv_heads, world, ring_degree)
 
     def kv_heads_per_group(self, dims: AttentionDims, s: int, a: int, world: int,
-                           ring_degree: int | None = None, budget: int | None = None) -> int:
+                           ring_degree: int | None = None, budget: int | None = None,
+                           workspace: Callable[..., int] | None = None) -> int:
         """KV heads per pass under ``budget`` bytes (default: the GPU budget), as the method
         picks them at run time (head_groups.kv_heads_per_group): the budget bounds the part
-        of the buffers that grows with the group (usp's Ulysses buffers do not)."""
+        of the buffers that grows with the group (usp's Ulysses buffers do not) plus the
+        kernel's backward workspace for the group's heads, ``workspace(sq, sk, hq, hkv, d,
+        a)`` (attention/workspace.py; None: not counted)."""
         from .head_groups import BUDGETS, kv_heads_per_group
 
         budget = BUDGETS["cuda"] if budget is None else budget
         fixed = self.group_buffers(dims, s, a, world, ring_degree, 0)
+        call_heads = self.kernel_call(dims, s, world, ring_degree)[2]
         return kv_heads_per_group(
-            lambda g: self.group_buffers(dims, s, a, world, ring_degree, g) - fixed,
-            self.grouped_heads(dims, world, ring_degree), budget)
+            lambda g: (self.group_buffers(dims, s, a, world, ring_degree, g) - fixed
+                       + self.workspace(dims, s, a, world, ring_degree, g, workspace)),
+            call_heads.kv_heads, budget)
+
+    def workspace(self, dims: AttentionDims, s: int, a: int, world: int,
+                  ring_degree: int | None, kv_heads: int,
+                  workspace: Callable[..., int] | None) -> int:
+        """The kernel's backward workspace for a call on ``kv_heads`` of the call's KV heads."""
+        if workspace is None:
+            return 0
+        sq, sk, call = self.kernel_call(dims, s, world, ring_degree)
+        g = min(kv_heads, call.kv_heads)
+        return workspace(sq, sk, g * (call.heads // call.kv_heads), g, call.head_dim, a)
 
     def buffers(self, dims: AttentionDims, s: int, a: int, world: int,
-                ring_degree: int | None = None, budget: int | None = None) -> int:
+                ring_degree: int | None = None, budget: int | None = None,
+                workspace: Callable[..., int] | None = None) -> int:
         """Bytes of the buffers alive in one layer's backward, with the group size the
         method picks under ``budget`` (default: the GPU budget, head_groups.BUDGETS)."""
-        g = self.kv_heads_per_group(dims, s, a, world, ring_degree, budget)
+        g = self.kv_heads_per_group(dims, s, a, world, ring_degree, budget, workspace)
         return self.group_buffers(dims, s, a, world, ring_degree, g)
+
+    def call_workspace(self, dims: AttentionDims, s: int, a: int, world: int,
+                       ring_degree: int | None = None, budget: int | None = None,
+                       workspace: Callable[..., int] | None = None) -> int:
+        """The kernel's backward workspace of one call with the group size picked."""
+        g = self.kv_heads_per_group(dims, s, a, world, ring_degree, budget, workspace)
+        return self.workspace(dims, s, a, world, ring_degree, g, workspace)
 
     def required_multiple(self, world: int, ring_degree: int | None = None) -> int:
         """What the sequence length must be divisible by over ``world`` ranks."""

@@ -219,9 +219,11 @@ def run_ring(q, k, v, group, causal, softmax_scale, schedule: Schedule,
     pg = process_group(group)
     world = dist.get_world_size(pg)
     dims = AttentionDims(q.size(2), k.size(2), q.size(3))
+    kernel = select_kernel(q)
     per_group = group_buffer_choice(
-        lambda g: ring_buffers(dims, q.size(1), q.element_size(), world, None, g), q, k)
-    algo = GroupAlgorithm(ring_forward, ring_backward, pg, bool(causal), scale, select_kernel(q),
+        lambda g: ring_buffers(dims, q.size(1), q.element_size(), world, None, g), q, k, kernel,
+        (q.size(1), k.size(1)))
+    algo = GroupAlgorithm(ring_forward, ring_backward, pg, bool(causal), scale, kernel,
                           shard_documents(document_ids, pg), per_group, (("schedule", schedule),))
     return run_attention(algo, q, k, v)
 

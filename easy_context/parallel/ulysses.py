@@ -202,6 +202,17 @@ def replicas(kv_heads: int, ranks: int) -> int:
     return 1 if kv_heads % ranks == 0 else max(1, ranks // kv_heads)
 
 
+def head_shard(dims: AttentionDims, ranks: int) -> AttentionDims:
+    """The heads each rank holds after the all-to-all over ``ranks``."""
+    hq, hkv, hd = dims
+    return AttentionDims(hq // ranks, max(1, hkv * replicas(hkv, ranks) // ranks), hd)
+
+
+def ulysses_kernel_call(dims: AttentionDims, s: int, world: int, ring_degree: int | None):
+    """Local attention on the whole sequence for the rank's share of the heads."""
+    return s * world, s * world, head_shard(dims, world)
+
+
 def ulysses_saved_per_token(dims: AttentionDims, a: int, ranks: int) -> int:
     """Saved per local token over ``ranks`` Ulysses ranks: the received head-sharded q, k, v
     (KV heads replicated when fewer than the ranks), the output in both layouts, the lse."""
@@ -234,4 +245,5 @@ METHOD = Method(
     check_fn=lambda heads, kv, world, rd: check_heads("ulysses_attn", heads, kv, world),
     saved_per_token=lambda dims, a, world, rd: ulysses_saved_per_token(dims, a, world),
     group_buffers=lambda dims, s, a, world, rd, kv_heads=1: ulysses_buffers(dims, s, a, world),
+    kernel_call=ulysses_kernel_call,
     comm_bytes=lambda dims, s, a, world, rd: ulysses_comm(dims, s, a, world))

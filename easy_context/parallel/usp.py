@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ..mesh import SPGroup, usp_groups
 from .method import AttentionDims, Method, check_ring_degree
 from .ring import ring_buffers, ring_comm
-from .ulysses import (kv_replication, replicas, ulysses_apply, ulysses_attn, ulysses_buffers,
+from .ulysses import (head_shard, kv_replication, ulysses_apply, ulysses_attn, ulysses_buffers,
                       ulysses_comm, ulysses_saved_per_token)
 from .zigzag import zigzag_ring_attn
 
@@ -97,12 +97,14 @@ def usp_saved_per_token(dims: AttentionDims, a: int, world: int, ring_degree: in
 
 def _ring_dims(dims: AttentionDims, u: int) -> AttentionDims:
     """The heads the ring sees after the Ulysses all-to-all over u ranks."""
-    hq, hkv, hd = dims
-    return AttentionDims(hq // u, max(1, hkv * replicas(hkv, u) // u), hd)
+    return head_shard(dims, u)
 
 
-def usp_grouped_heads(dims: AttentionDims, world: int, ring_degree: int | None) -> int:
-    return _ring_dims(dims, _degrees(world, ring_degree)[1]).kv_heads
+def usp_kernel_call(dims: AttentionDims, s: int, world: int, ring_degree: int | None):
+    """The ring's (or, at ring degree 1, one rank's) calls on the U x s tokens and the heads
+    each rank holds after the all-to-all."""
+    u = _degrees(world, ring_degree)[1]
+    return u * s, u * s, _ring_dims(dims, u)
 
 
 def usp_buffers(dims: AttentionDims, s: int, a: int, world: int, ring_degree: int | None,
@@ -128,5 +130,5 @@ METHOD = Method(
     use_when="more ranks than heads: Ulysses speed beyond the head count",
     aliases=("usp",), needs_ring_degree=True, check_fn=check_usp, unsuitable=usp_unsuitable,
     ring_degrees=usp_ring_degrees, saved_per_token=usp_saved_per_token,
-    group_buffers=usp_buffers, grouped_heads=usp_grouped_heads,
+    group_buffers=usp_buffers, kernel_call=usp_kernel_call,
     comm_bytes=usp_comm)

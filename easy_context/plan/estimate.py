@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from ..parallel import get_method
 from .shapes import ModelShape
 from .states import States, model_states
+from ..attention.workspace import DEFAULT_SMS, backward_workspace, planned_family
 
 GIB = 2**30
 ENGINES = ("fsdp", "deepspeed", "replicated")
@@ -74,6 +75,9 @@ class MemoryEstimate:
     runtime: int
     host_bytes: int  # CPU memory per device for offloaded states / checkpoints (not in total)
     communication_per_layer: int = 0  # bytes a device sends per layer, fwd + bwd (not memory)
+    # the kernel's backward workspace of one call (attention/workspace.py: flash-attn's float32
+    # dq_accum, GQA's expanded dK/dV, deterministic splits), with the head groups chosen
+    attention_workspace: int = 0
     # max-length mode (easy_context.memory.maxlen; plan/fused.py): None = the untiled layer
     mlp_tile: int | None = None
     heads_per_chunk: int | None = None
@@ -81,12 +85,19 @@ class MemoryEstimate:
 
     COMPONENTS = ("parameters", "gradients", "gradients_in_backward", "optimizer",
                   "optimizer_step", "gathered_parameters", "stored_activations", "mlp_backward",
-                  "attention_backward", "attention_buffers", "loss", "runtime")
+                  "attention_backward", "attention_buffers", "attention_workspace", "loss",
+                  "runtime")
 
     @property
     def layer_phase(self) -> int:
         """The last layer's backward: the larger of its MLP and attention halves."""
-        return max(self.mlp_backward, self.attention_backward + self.attention_buffers)
+        return max(self.mlp_backward, self.attention_layer)
+
+    @property
+    def attention_layer(self) -> int:
+        """The last layer's attention half: its gradients, the method's buffers and one
+        kernel call's workspace."""
+        return self.attention_backward + self.attention_buffers + self.attention_workspace
 
     @property
     def backward_phase(self) -> int:
@@ -121,15 +132,16 @@ class MemoryEstimate:
             peak = {"gradients", "optimizer_step"}
         elif self.loss > self.layer_phase:
             peak = held | {"loss"}
-        elif self.mlp_backward >= self.attention_backward + self.attention_buffers:
+        elif self.mlp_backward >= self.attention_layer:
             peak = held | {"mlp_backward"}
         else:
-            peak = held | {"attention_backward", "attention_buffers"}
+            peak = held | {"attention_backward", "attention_buffers", "attention_workspace"}
         phase = {"gradients": "step", "optimizer_step": "step",
                  "gradients_in_backward": "backward", "stored_activations": "backward",
                  "gathered_parameters": "backward",
                  "mlp_backward": "backward, layer", "attention_backward": "backward, layer",
-                 "attention_buffers": "backward, layer", "loss": "backward, loss"}
+                 "attention_buffers": "backward, layer", "attention_workspace": "backward, layer",
+                 "loss": "backward, loss"}
         lines = [f"{self.model}: L={self.seq_len:,} on {self.world_size} device(s), "
                  f"{self.method}, {self.engine}, offload={self.offload}, "
                  f"checkpointing={self.checkpointing}, {self.dtype}  (per device)"]
@@ -187,19 +199,46 @@ def backward_transients(shape: ModelShape, a: int) -> tuple[int, int]:
             residual + hq * hd * a + 2 * (hq + 2 * hkv) * hd * a)
 
 
+def kernel_workspace(device: str, a: int, kernel: str | None = None,
+                     deterministic: bool = False, sms: int = DEFAULT_SMS):
+    """The planner's ``workspace(sq, sk, hq, hkv, d, a)`` for one batch row: the backward
+    workspace of the kernel family the device runs (attention/workspace.py), or None where
+    it is not counted (the CPU's flash op)."""
+    family = planned_family(device, "bf16" if a == 2 else "fp32", kernel)
+    if family is None:
+        return None
+    return lambda sq, sk, hq, hkv, d, a: backward_workspace(
+        family, 1, sq, sk, hq, hkv, d, a, deterministic=deterministic, sms=sms)
+
+
 def attention_buffers(shape: ModelShape, s: int, a: int, method: str, world_size: int,
-                      ring_degree: int | None = None, device: str = "gpu") -> int:
+                      ring_degree: int | None = None, device: str = "gpu",
+                      workspace=None) -> int:
     """The method's communication buffers alive in one layer's backward, bytes, for s local
     tokens (its description's ``buffers``; each method's module says what they are), with
     the KV-head groups it forms under the device's buffer budget
-    (easy_context.parallel.head_groups). One device (N = 1): none."""
+    (easy_context.parallel.head_groups), counting the kernel's ``workspace`` in that budget
+    as the methods do at run time. One device (N = 1): none."""
     if world_size == 1:
         return 0
+    return get_method(method).buffers(shape.attention_dims(), s, a, world_size, ring_degree,
+                                      budget=_budget(device), workspace=workspace)
+
+
+def attention_workspace(shape: ModelShape, s: int, a: int, method: str, world_size: int,
+                        ring_degree: int | None = None, device: str = "gpu",
+                        workspace=None) -> int:
+    """One backward kernel call's workspace, bytes, with the head groups the method picks
+    (one device: the local call on the whole sequence)."""
+    m = get_method("local" if world_size == 1 else method)
+    return m.call_workspace(shape.attention_dims(), s, a, world_size, ring_degree,
+                            budget=_budget(device), workspace=workspace)
+
+
+def _budget(device: str) -> int:
     from ..parallel.head_groups import BUDGETS
 
-    budget = BUDGETS["cpu" if device == "cpu" else "cuda"]
-    return get_method(method).buffers(shape.attention_dims(), s, a, world_size, ring_degree,
-                                      budget=budget)
+    return BUDGETS["cpu" if device == "cpu" else "cuda"]
 
 
 def communication_per_layer(shape: ModelShape, s: int, a: int, method: str, world_size: int,
@@ -286,7 +325,8 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
                     ring_degree: int | None = None, runtime_bytes: int | None = None,
                     device: str = "gpu", mlp_tile: int | None = None,
                     heads_per_chunk: int | None = None, keep_every: int = 1,
-                    lora=None) -> MemoryEstimate:
+                    lora=None, kernel: str | None = None, deterministic: bool = False,
+                    sms: int = DEFAULT_SMS) -> MemoryEstimate:
     """Predicted peak memory per device of one training step (see the module docstring).
 
     method: a key of easy_context.METHODS, or "local" on one device. loss_chunk: "auto" (what
@@ -296,6 +336,10 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
     mlp_tile / heads_per_chunk / keep_every: max-length mode's fused layers (either given turns
     it on; the other defaults to the whole sequence / all heads), plan/fused.py.
     lora: a easy_context.plan.lora.LoRASpec for a LoRA run (frozen base, adapters trained).
+    kernel / deterministic / sms: the attention kernel family whose backward workspace is
+    counted (attention/workspace.py; default: flash-attn 2 / torch's flash op for bf16 on a
+    GPU, the efficient op for fp32, none on a CPU), deterministic backward (--deterministic:
+    flash-attn's dq_accum once per split) and the GPU's SM count.
     """
     for value, allowed, what in ((engine, ENGINES, "engine"), (offload, OFFLOADS, "offload"),
                                  (checkpointing, CHECKPOINTING, "checkpointing"),
@@ -306,7 +350,8 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
         raise ValueError(f"seq_len {seq_len} is not divisible by world_size {world_size}")
     a = 2 if dtype == "bf16" else 4
     s = seq_len // world_size
-    st = model_states(model_shape, world_size, engine, offload, dtype)
+    st = model_states(model_shape, world_size, engine, offload, dtype, device)
+    workspace = kernel_workspace(device, a, kernel, deterministic, sms)
     loss = loss_bytes(model_shape, s, a, _chunk_rows(loss_chunk, model_shape))
     fused = mlp_tile is not None or heads_per_chunk is not None
     if fused:
@@ -315,15 +360,19 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
         mlp_tile = s if mlp_tile is None else mlp_tile
         heads_per_chunk = model_shape.heads if heads_per_chunk is None else heads_per_chunk
         ft = fused_terms(model_shape, s, a, method, world_size, checkpointing, mlp_tile,
-                         heads_per_chunk, ring_degree, keep_every)
+                         heads_per_chunk, ring_degree, keep_every, workspace=workspace,
+                         budget=_budget(device))
         stored, mlp_w, attn_w, act_host = ft.stored + ft.head, ft.mlp_half, ft.attention_half, ft.host
         # The loss keeps the un-normed last hidden states and its backward writes their
         # gradient over them (tiled_loss.py): the one s x H tensor loss_bytes counts.
-        buffers = ft.buffers
+        buffers, call_workspace = ft.buffers, ft.workspace
     else:
         stored, mlp_w, attn_w, act_host = activations(model_shape, s, a, method, world_size,
                                                       checkpointing, ring_degree)
-        buffers = attention_buffers(model_shape, s, a, method, world_size, ring_degree, device)
+        buffers = attention_buffers(model_shape, s, a, method, world_size, ring_degree, device,
+                                    workspace)
+        call_workspace = attention_workspace(model_shape, s, a, method, world_size,
+                                             ring_degree, device, workspace)
     if runtime_bytes is None:
         runtime_bytes = CPU_RUNTIME_BYTES if device == "cpu" else GPU_RUNTIME_BYTES
     est = MemoryEstimate(
@@ -332,7 +381,8 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
         parameters=st.params, gradients=st.grads, gradients_in_backward=st.grads_in_backward,
         optimizer=st.optim, optimizer_step=st.step, gathered_parameters=st.gathered,
         stored_activations=stored, mlp_backward=mlp_w, attention_backward=attn_w,
-        attention_buffers=buffers, loss=loss, runtime=runtime_bytes,
+        attention_buffers=buffers, attention_workspace=call_workspace, loss=loss,
+        runtime=runtime_bytes,
         host_bytes=st.host + act_host,
         communication_per_layer=communication_per_layer(model_shape, s, a, method, world_size,
                                                         ring_degree),
@@ -341,7 +391,7 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
     if lora is not None:
         from .lora import with_lora
 
-        est = with_lora(est, model_shape, lora, _chunk_rows(loss_chunk, model_shape))
+        est = with_lora(est, model_shape, lora, _chunk_rows(loss_chunk, model_shape), device)
     return est
 
 

@@ -50,6 +50,7 @@ class FusedTerms:
     buffers: int  # the method's communication buffers for one head group
     host: int  # layer inputs in host memory
     head: int  # per-sequence tensors kept besides the layers (none: RoPE tables recomputed)
+    workspace: int = 0  # one attention kernel call's backward workspace (attention/workspace.py)
 
 
 def _method(method: str, world: int):
@@ -86,7 +87,8 @@ def group_per_token(shape: ModelShape, a: int, method: str, world: int,
 
 def fused_terms(shape: ModelShape, s: int, a: int, method: str, world: int,
                 checkpointing: str, mlp_tile: int, heads_per_chunk: int,
-                ring_degree: int | None = None, keep_every: int = 1) -> FusedTerms:
+                ring_degree: int | None = None, keep_every: int = 1, workspace=None,
+                budget: int | None = None) -> FusedTerms:
     """The fused layer's memory for s local tokens (see the module docstring)."""
     h, i, n = shape.hidden, shape.intermediate, shape.layers
     x = h * a
@@ -114,7 +116,9 @@ def fused_terms(shape: ModelShape, s: int, a: int, method: str, world: int,
         regen += results * s
     dims = group_dims(shape, heads_per_chunk)
     m = _method(method, world)
-    buffers = 0 if world == 1 else m.buffers(dims, s, a, world, ring_degree)
+    buffers = 0 if world == 1 else m.buffers(dims, s, a, world, ring_degree, budget, workspace)
+    # one kernel call's backward workspace, for the chunk's heads in the method's groups
+    call = m.call_workspace(dims, s, a, world, ring_degree, budget, workspace)
     base = s * (x + results + x)  # dy, every group's results (recomputed or kept), dh
     if keep_attention:
         base -= s * results  # counted in stored for the layer being differentiated
@@ -124,7 +128,7 @@ def fused_terms(shape: ModelShape, s: int, a: int, method: str, world: int,
     regen += s * 2 * shape.hd * a
     return FusedTerms(stored=stored, mlp_half=regen + base + tile + grads,
                       attention_half=regen + base + s * (x + q) + grads, buffers=buffers,
-                      host=host, head=0)
+                      host=host, head=0, workspace=call)
 
 
 def kept_inputs(layers: int, keep_every: int, first_free: bool) -> tuple[int, int]:

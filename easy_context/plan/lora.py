@@ -29,8 +29,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .shapes import ModelShape
-from .states import States, model_states
+from .shapes import ModelShape, linear_dims
+from .states import States, model_states, pinned_rounding
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -64,13 +64,6 @@ def parse_targets(text: str | None) -> tuple[str, ...]:
     return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
-def linear_dims(shape: ModelShape) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each linear module of a decoder layer."""
-    h, q, kv, i = shape.hidden, shape.heads * shape.hd, shape.kv_heads * shape.hd, shape.intermediate
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-
-
 def adapter_params_per_layer(shape: ModelShape, spec: LoRASpec) -> int:
     dims = linear_dims(shape)
     return sum(spec.rank * (dims[t][0] + dims[t][1]) for t in spec.targets)
@@ -90,7 +83,7 @@ def quantized_weights_per_layer(shape: ModelShape) -> int:
 
 
 def lora_states(shape: ModelShape, spec: LoRASpec, world_size: int, engine: str, offload: str,
-                dtype: str):
+                dtype: str, device: str = "gpu"):
     """Model states per device (estimate.States) of a LoRA run; see the module docstring."""
     if engine == "fsdp" and offload == "optimizer":
         raise ValueError("FSDP offloads parameters, gradients and optimizer states together "
@@ -123,6 +116,9 @@ def lora_states(shape: ModelShape, spec: LoRASpec, world_size: int, engine: str,
     host = sum(sharded[k] for k in on_host)
     if engine == "deepspeed" and "optim" in on_host:
         host += -(-t * 4 // n)  # ZeRO-Offload's fp32 gradient copies for the CPU Adam step
+    if engine == "fsdp" and offload == "params" and device != "cpu":
+        # the pinned shards of the frozen base, each rounded up (states.pinned_rounding)
+        host += pinned_rounding(shape, n, base_b, without_linears=spec.base_4bit)
     grads_bwd = dev["grads"] if engine == "deepspeed" else min(
         dev["grads"], -(-t_layer * per["grads"] // n))
     step = 0 if "optim" in on_host else -(-t * 4 // n)
@@ -135,12 +131,13 @@ def lora_states(shape: ModelShape, spec: LoRASpec, world_size: int, engine: str,
     return States(dev["params"], dev["grads"], grads_bwd, dev["optim"], step, gathered, host)
 
 
-def with_lora(est, shape: ModelShape, spec: LoRASpec, chunk_rows: int | None):
+def with_lora(est, shape: ModelShape, spec: LoRASpec, chunk_rows: int | None,
+              device: str = "gpu"):
     """``est`` (a full fine-tuning MemoryEstimate) for the same step with LoRA."""
     if spec.base_4bit and est.engine == "deepspeed":
         raise ValueError("a 4-bit base (QLoRA) runs on the fsdp engine only")
-    full = model_states(shape, est.world_size, est.engine, est.offload, est.dtype)
-    st = lora_states(shape, spec, est.world_size, est.engine, est.offload, est.dtype)
+    full = model_states(shape, est.world_size, est.engine, est.offload, est.dtype, device)
+    st = lora_states(shape, spec, est.world_size, est.engine, est.offload, est.dtype, device)
     a = 2 if est.dtype == "bf16" else 4
     s = est.seq_len // est.world_size
     # Added: A x of each adapted module, per token, saved for B's gradient. Removed: the

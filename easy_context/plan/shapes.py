@@ -62,6 +62,13 @@ class ModelShape:
         return self.layers * self.layer_params() + self.embedding_params() + self.hidden  # final norm
 
 
+
+def linear_dims(shape: ModelShape) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each linear module of a decoder layer."""
+    h, q, kv, i = shape.hidden, shape.heads * shape.hd, shape.kv_heads * shape.hd, shape.intermediate
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
 def _s(name, hidden, layers, heads, kv_heads, intermediate, vocab, tied=False, **kw) -> ModelShape:
     return ModelShape(name, hidden, layers, heads, kv_heads, intermediate, vocab, tied, **kw)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .shapes import ModelShape
+from .shapes import ModelShape, linear_dims
 
 
 @dataclass(frozen=True)
@@ -19,8 +19,38 @@ class States:
     host: int
 
 
+def parameter_shapes(shape: ModelShape) -> list[tuple[int, int]]:
+    """(rows, columns) of every parameter tensor (norms: (hidden, 1)), as FSDP2 shards them
+    (along rows)."""
+    h = shape.hidden
+    layer = [(out, inp) for inp, out in linear_dims(shape).values()] + [(h, 1), (h, 1)]
+    if shape.qkv_bias:
+        layer += [(shape.heads * shape.hd, 1)] + [(shape.kv_heads * shape.hd, 1)] * 2
+    embeddings = [(shape.vocab, h)] * (1 if shape.tied_embeddings else 2)
+    return layer * shape.layers + embeddings + [(h, 1)]
+
+
+def pinned_rounding(shape: ModelShape, world_size: int, bytes_per: int = 4,
+                    without_linears: bool = False) -> int:
+    """Host bytes torch's caching host allocator adds to one copy of FSDP2's pinned shards
+    (``CPUOffloadPolicy(pin_memory=True)``: each parameter's shard a block of its own, rounded
+    up to a power of two; memory/pinned.py). ``without_linears``: the decoder layers' linear
+    weights are not FSDP parameters (a 4-bit base)."""
+    from ..memory.pinned import caching_allocator_bytes
+
+    shapes = parameter_shapes(shape)
+    if without_linears:
+        linears = {(out, inp) for inp, out in linear_dims(shape).values()}
+        shapes = [rc for rc in shapes if rc not in linears or rc[1] == 1]
+    extra = 0
+    for rows, cols in shapes:
+        nbytes = -(-rows // world_size) * cols * bytes_per
+        extra += caching_allocator_bytes(nbytes) - nbytes
+    return extra
+
+
 def model_states(shape: ModelShape, world_size: int, engine: str, offload: str,
-                 dtype: str) -> States:
+                 dtype: str, device: str = "gpu") -> States:
     """Parameters, gradients and optimizer states per device, and their host share.
 
     AdamW keeps two fp32 moments (8 B/param). bf16 mixed precision keeps fp32 master weights:
@@ -41,6 +71,9 @@ def model_states(shape: ModelShape, world_size: int, engine: str, offload: str,
     Sharded engines gather the full weights of the layer being computed and of the one being
     prefetched, and hold that layer's unsharded gradients until they are reduce-scattered:
     2 x (params + grads) of the largest unit, a decoder layer or the embedding/output head.
+    FSDP's offloaded parameters and gradients on a GPU are pinned, one block per parameter
+    shard through torch's caching host allocator, which rounds each up to a power of two:
+    the host share counts that rounding (pinned_rounding). The moments are not pinned.
     """
     p = shape.num_params()
     head, layer = shape.vocab * shape.hidden, shape.layer_params()
@@ -64,6 +97,8 @@ def model_states(shape: ModelShape, world_size: int, engine: str, offload: str,
     host = sum(-(-p * per[k] // n) for k in on_host)
     if engine == "deepspeed" and "optim" in on_host:
         host += -(-p * 4 // n)  # ZeRO-Offload's fp32 gradient copies for the CPU Adam step
+    if engine == "fsdp" and offload == "params" and device != "cpu":
+        host += 2 * pinned_rounding(shape, n)  # the pinned fp32 params and gradients
     grads_bwd = dev["grads"] if engine == "deepspeed" else -(-(head + layer) * per["grads"] // n)
     grads_bwd = min(grads_bwd, dev["grads"])
     step = 0 if "optim" in on_host else -(-p * 4 // n)

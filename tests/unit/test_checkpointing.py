@@ -1,76 +1,122 @@
-"""Offloaded activation checkpointing pins its host copies exactly when the activations live on
-an accelerator, decided at each call from the activations themselves.
+"""``--checkpointing offload``: the layer inputs each checkpoint saves go to exact-size host
+buffers (memory/pinned.py), the previous layer's come back while one runs backward
+(memory/offload.py HostCheckpoints), and the gradients are plain full checkpointing's.
 
-The trainer turns checkpointing on before the model moves to its GPU, so a decision taken
-then (from the parameters' device) was always "CPU, don't pin": copies were pageable and
-synchronous. No GPU here: a fake CUDA tensor (FakeTensorMode: metadata only) stands in for
-the activations, and recorders stand in for ``save_on_cpu`` and the checkpoint itself.
+No GPU here: the copies run as plain CPU copies (the same code without streams), and a
+stand-in for ``torch.cuda.cudart()`` checks what the pool registers on CUDA.
 """
 
 from __future__ import annotations
 
-import contextlib
-
+import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
-from easy_context.memory import checkpointing
-from easy_context.memory.checkpointing import apply_activation_checkpointing, pin_offloaded
+from easy_context.memory.checkpointing import apply_activation_checkpointing
+from easy_context.memory.pinned import PinnedPool, caching_allocator_bytes
 from tests.train_fixtures import TINY
 
 
-@contextlib.contextmanager
-def _recording_save_on_cpu(monkeypatch, delegate: bool):
-    """Records the pin_memory of every save_on_cpu; ``delegate``: and really offloads."""
-    calls: list[bool] = []
-    real = torch.autograd.graph.save_on_cpu
-
-    def save_on_cpu(pin_memory=False, **kw):
-        calls.append(pin_memory)
-        return real(pin_memory=pin_memory, **kw) if delegate else contextlib.nullcontext()
-
-    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", save_on_cpu)
-    yield calls
-
-
-def test_pin_follows_the_activations_device():
-    assert not pin_offloaded(torch.ones(2))
-    assert not pin_offloaded("not a tensor", torch.ones(2, device="meta"))
-    with FakeTensorMode():
-        on_gpu = torch.empty(2, 3, device="cuda")
-    assert pin_offloaded(on_gpu, torch.ones(1))
-    assert not pin_offloaded()
-
-
-def test_offloaded_checkpoint_decides_at_call_time(monkeypatch):
-    """The same checkpoint function pins for GPU activations and not for CPU ones."""
-    ran = []
-    monkeypatch.setattr(checkpointing, "checkpoint",
-                        lambda fn, *args, use_reentrant: ran.append(use_reentrant) or fn(*args))
-    with _recording_save_on_cpu(monkeypatch, delegate=False) as pins:
-        checkpointing._offloaded_checkpoint(lambda x: x * 2, torch.ones(3))
-        with FakeTensorMode():
-            checkpointing._offloaded_checkpoint(lambda x: x * 2, torch.empty(3, device="cuda"))
-    assert pins == [False, True]
-    assert ran == [True, True]  # reentrant: the layer inputs go through save_on_cpu
-
-
-def test_offload_on_cpu_trains_like_full(monkeypatch):
-    """Real CPU run: offload is applied to a model on the CPU, saves unpinned copies, and
-    gives the gradients of plain full checkpointing."""
+def _model(kind: str, layers: int = 4):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("llama", **TINY)
+    config = AutoConfig.for_model("llama", **{**TINY, "num_hidden_layers": layers})
+    torch.manual_seed(0)
+    return apply_activation_checkpointing(AutoModelForCausalLM.from_config(config), kind).train()
+
+
+def test_offload_trains_like_full_and_holds_each_input_once(monkeypatch):
+    layers, seq = 4, 24
+    ids = torch.arange(seq).unsqueeze(0) % TINY["vocab_size"]
     grads = {}
     for kind in ("full", "offload"):
-        torch.manual_seed(0)
-        model = apply_activation_checkpointing(AutoModelForCausalLM.from_config(config), kind)
-        model.train()
-        ids = torch.arange(16).unsqueeze(0) % TINY["vocab_size"]
-        with _recording_save_on_cpu(monkeypatch, delegate=True) as pins:
-            model(input_ids=ids, labels=ids).loss.backward()
+        model = _model(kind, layers)
         if kind == "offload":
-            assert pins == [False] * TINY["num_hidden_layers"]
+            storage = model._ec_host_checkpoints
+            seen = []
+            real_fetch, real_prefetch = storage.copies._fetch_now, storage.copies._to_device
+            monkeypatch.setattr(storage.copies, "_fetch_now",
+                                lambda e: seen.append("fetch") or real_fetch(e))
+            monkeypatch.setattr(storage.copies, "_to_device",
+                                lambda e: seen.append("prefetch") or real_prefetch(e))
+        for _ in range(2):  # a second step reuses the first step's host buffers
+            model.zero_grad()
+            model(input_ids=ids, labels=ids).loss.backward()
         grads[kind] = [p.grad.clone() for p in model.parameters()]
     for a, b in zip(grads["full"], grads["offload"]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # the last layer's input stays on the device; the others' (1, seq, hidden) fp32 inputs
+    # are held once, exactly, across both steps
+    assert storage.copies.pool.bytes == (layers - 1) * seq * TINY["hidden_size"] * 4
+    # in backward no layer waits for a copy it asks for: each offloaded layer's input was
+    # on its way back while the layer after it ran backward (the last kept on the device)
+    assert seen == ["prefetch"] * (2 * (layers - 1)), seen
+
+
+def test_the_pool_holds_exact_bytes_where_the_caching_allocator_rounds_up():
+    pool = PinnedPool(pin=False)
+    shapes = [(3 * 2**18 + 4,)] * 3 + [(5, 7)]  # 3 MiB + 16 bytes each, fp32
+    bufs = [pool.take(s, torch.float32) for s in shapes]
+    exact = sum(b.numel() * 4 for b in bufs)
+    assert pool.bytes == exact
+    rounded = sum(caching_allocator_bytes(b.numel() * 4) for b in bufs)
+    assert rounded == 3 * 2**22 + 256 and rounded > 1.3 * exact  # 3 MiB + 16 -> 4 MiB
+    for b in bufs:
+        pool.give(b)
+    again = [pool.take(s, torch.float32) for s in shapes]  # the next step: the same buffers
+    assert {id(b) for b in again} == {id(b) for b in bufs} and pool.bytes == exact
+    assert caching_allocator_bytes(2**20) == 2**20 and caching_allocator_bytes(2**20 + 1) == 2**21
+    assert caching_allocator_bytes(0) == 0 and caching_allocator_bytes(1) == 1
+
+
+class _Cudart:
+    def __init__(self, fail: int = 0):
+        self.fail, self.registered = fail, {}
+
+    def cudaHostRegister(self, ptr, size, flags):  # noqa: N802 - CUDA's name
+        if self.fail:
+            return self.fail
+        self.registered[ptr] = (size, flags)
+        return 0
+
+    def cudaHostUnregister(self, ptr):  # noqa: N802
+        del self.registered[ptr]
+        return 0
+
+
+def test_on_cuda_the_pool_page_locks_exactly_what_it_holds(monkeypatch):
+    cudart = _Cudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    pool = PinnedPool(pin=True)
+    buf = pool.take((3, 1000), torch.bfloat16)
+    assert cudart.registered == {buf.data_ptr(): (6000, 0)}  # not 8192
+    pool.give(buf)
+    assert pool.take((3, 1000), torch.bfloat16) is buf and len(cudart.registered) == 1
+    pool.close()
+    assert cudart.registered == {} and pool.bytes == 0
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _Cudart(fail=2))
+    with pytest.raises(RuntimeError, match="cudaHostRegister of 400 bytes failed"):
+        PinnedPool(pin=True).take((100,), torch.float32)
+
+
+def test_the_planner_counts_the_rounding_of_fsdps_pinned_shards():
+    """FSDP2's CPUOffloadPolicy pins each parameter's shard (and gradient) through the
+    caching host allocator: the planner's host share on a GPU holds each rounded up."""
+    from easy_context.plan.shapes import ModelShape
+    from easy_context.plan.states import model_states
+
+    shape = ModelShape("tiny", hidden=96, layers=1, heads=4, kv_heads=2, intermediate=160,
+                       vocab=300, head_dim=24)
+    # (rows, cols) by hand: q, k, v, o, gate, up, down, two norms; embedding, head; final norm
+    params = [(96, 96), (48, 96), (48, 96), (96, 96), (160, 96), (160, 96), (96, 160),
+              (96, 1), (96, 1), (300, 96), (300, 96), (96, 1)]
+    assert sum(r * c for r, c in params) == shape.num_params()
+
+    def pow2(n):
+        return 1 << (n - 1).bit_length()
+    shards = [(r // 2) * c * 4 for r, c in params]  # 2 ranks, fp32
+    extra = sum(pow2(b) - b for b in shards)
+    gpu = model_states(shape, 2, "fsdp", "params", "bf16", "gpu").host
+    cpu = model_states(shape, 2, "fsdp", "params", "bf16", "cpu").host  # not pinned there
+    assert gpu - cpu == 2 * extra  # parameters and gradients
+    assert model_states(shape, 2, "deepspeed", "params", "bf16", "gpu").host == \
+        model_states(shape, 2, "deepspeed", "params", "bf16", "cpu").host

@@ -106,9 +106,82 @@ def test_flash_attn_4_first_on_hopper_flash_attn_2_on_ampere(installed):
 
 @pytest.mark.parametrize("name,d,capability,ok", [
     ("flash_attn", 256, (8, 0), True), ("flash_attn", 264, (8, 0), False),
-    ("flash_attn", 60, (8, 0), False), ("flash_attn_4", 256, (9, 0), True),
-    ("flash_attn_4", 192, (10, 0), False), ("flash_attn_4", 256, (10, 0), True),
-    ("flash_attn_4", 128, (12, 0), False)])
+    ("flash_attn", 60, (8, 0), False), ("flash_attn_4", 128, (9, 0), True),
+    ("flash_attn_4", 256, (9, 0), False), ("flash_attn_4", 192, (10, 0), False),
+    ("flash_attn_4", 256, (10, 0), True), ("flash_attn_4", 128, (12, 0), False)])
 def test_usable_head_dims(name, d, capability, ok):
-    assert fa.usable(name, torch.empty(1, 8, 4, d, dtype=torch.float16), capability) is ok
-    assert not fa.usable(name, torch.empty(1, 8, 4, d, dtype=torch.float32), capability)
+    version = "4.0.0b27"  # the newest beta read (fa4-v4.0.0.beta27)
+    assert fa.usable(name, torch.empty(1, 8, 4, d, dtype=torch.float16), capability, version) is ok
+    assert not fa.usable(name, torch.empty(1, 8, 4, d, dtype=torch.float32), capability, version)
+
+
+@pytest.mark.parametrize("d,capability,version,deterministic,ok", [
+    (128, (9, 0), "4.0.0b4", False, True), (64, (9, 0), "4.0.0b4", False, False),
+    (128, (9, 0), "4.0.0b4", True, False),  # sm90 deterministic backward from b5
+    (64, (9, 0), "4.0.0b5", False, True), (96, (9, 0), "4.0.0b5", True, True),
+    (192, (9, 0), "4.0.0b5", False, True), (256, (9, 0), "4.0.0b27", False, False),
+    (80, (9, 0), "4.0.0b27", False, False), (128, (9, 0), None, False, True),
+    (256, (10, 0), "4.0.0b10", False, False), (256, (10, 0), "4.0.0b11", False, True),
+    (256, (11, 0), "4.0.0b11", False, False), (256, (11, 0), "4.0.0b15", False, True),
+    (64, (10, 0), "4.0.0b1", False, True), (128, (12, 0), "4.0.0b27", False, False)])
+def test_flash_attn_4_by_version_and_head_dim(d, capability, version, deterministic, ok):
+    assert fa.fa4_runs(d, capability, version, deterministic) is ok
+
+
+def _kernel(name, calls, fail=None):
+    """A reference kernel that records its calls and raises ``fail`` while it is set."""
+    from easy_context.attention.contract import Kernel
+    from easy_context.attention.kernels import REFERENCE
+
+    def wrap(direction):
+        def run(*args, **kwargs):
+            calls.append(f"{name}_{direction}")
+            if fail and fail.get(direction):
+                raise fail[direction]
+            return getattr(REFERENCE, direction)(*args, **kwargs)
+        return run
+    return Kernel(name, wrap("forward"), wrap("backward"))
+
+
+def test_a_kernel_that_fails_its_first_call_is_dropped_once_with_a_log_line(caplog):
+    from easy_context.attention import selection
+
+    calls = []
+    broken = _kernel("flash_attn_4", calls, {"backward": RuntimeError("hdim 256 not supported")})
+    fallback = _kernel("flash_attn", calls)
+    key = ("test", 0, torch.float16, 256)
+    kernel = selection.first_that_runs((broken, fallback), key)
+    q = torch.randn(1, 8, 2, 16)
+    out, lse = kernel.forward(q, q, q, True, None)
+    with caplog.at_level("WARNING", logger="easy_context.attention.selection"):
+        grads = kernel.backward(q, q, q, q, out, lse, True, None)
+        kernel.backward(q, q, q, q, out, lse, True, None)
+        kernel.forward(q, q, q, True, None)
+    want = fallback.backward(q, q, q, q, out, lse, True, None)
+    for g, w in zip(grads, want):
+        torch.testing.assert_close(g, w)
+    assert calls[:3] == ["flash_attn_4_forward", "flash_attn_4_backward", "flash_attn_backward"]
+    assert calls[3:5] == ["flash_attn_backward", "flash_attn_forward"]  # never tried again
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "flash_attn_4 failed on its first backward call" in caplog.records[0].message
+    assert "using flash_attn from now on" in caplog.records[0].message
+
+
+def test_a_kernel_that_ran_keeps_its_errors():
+    from easy_context.attention import selection
+
+    calls, fail = [], {}
+    works = _kernel("flash_attn_4", calls, fail)
+    kernel = selection.first_that_runs((works, _kernel("flash_attn", calls)),
+                                       ("test", 1, torch.float16, 64))
+    q = torch.randn(1, 8, 2, 16)
+    out, lse = kernel.forward(q, q, q, True, None)
+    kernel.backward(q, q, q, q, out, lse, True, None)
+    fail["forward"] = RuntimeError("a real error")
+    with pytest.raises(RuntimeError, match="a real error"):
+        kernel.forward(q, q, q, True, None)
+    fail["forward"] = torch.OutOfMemoryError("out of memory")
+    oom = selection.first_that_runs((_kernel("x", calls, fail), _kernel("y", calls)),
+                                    ("test", 2, torch.float16, 64))
+    with pytest.raises(torch.OutOfMemoryError):
+        oom.forward(q, q, q, True, None)
