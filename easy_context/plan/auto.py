@@ -48,6 +48,7 @@ class Setup:
     mlp_tile: int | None = None  # None: the untiled layers
     heads_per_chunk: int | None = None
     keep_every: int = 1
+    deterministic: bool = False  # --deterministic: counted in the kernel workspace, not searched
 
     @property
     def fused(self) -> bool:
@@ -57,7 +58,7 @@ class Setup:
         return dict(engine=self.engine, offload=self.offload, checkpointing=self.checkpointing,
                     dtype=dtype, loss_chunk="auto", ring_degree=self.ring_degree,
                     mlp_tile=self.mlp_tile, heads_per_chunk=self.heads_per_chunk,
-                    keep_every=self.keep_every)
+                    keep_every=self.keep_every, deterministic=self.deterministic)
 
     def speed_key(self, shape: ModelShape) -> tuple:
         from ..parallel import get_method
@@ -75,7 +76,8 @@ class Setup:
                  f"--checkpointing {self.checkpointing}", f"--mixed-precision {dtype}",
                  f"--mlp-tile {self.mlp_tile if self.fused else 'off'}",
                  f"--head-chunk {self.heads_per_chunk if self.fused else 'off'}",
-                 f"--keep-every {self.keep_every}" if self.keep_every > 1 else ""]
+                 f"--keep-every {self.keep_every}" if self.keep_every > 1 else "",
+                 "--deterministic" if self.deterministic else ""]
         return " ".join(f for f in flags if f)
 
 
@@ -233,11 +235,14 @@ def run_auto(args, shape, budget: int) -> int:
     lines, result = [head], {"model": shape.name, "devices": n, "budget_gib": budget / GIB,
                             "host_gib": args.host_memory}
     plans = []
+    bases = [replace(b, deterministic=bool(getattr(args, "deterministic", False)))
+             for b in _bases(shape, n)]
     if args.seq_len:
-        plans.append(("for", plan_for_length(shape, args.seq_len, n, budget, host, args.dtype)))
+        plans.append(("for", plan_for_length(shape, args.seq_len, n, budget, host, args.dtype,
+                                             bases=bases)))
     if args.max_seq_len or not args.seq_len:
         plans.append(("longest", plan_longest(shape, n, budget, host, args.dtype,
-                                              args.granularity)))
+                                              args.granularity, bases=bases)))
     for kind, plan in plans:
         if plan.setup is None:
             lines.append(f"{'setup for ' + format(plan.seq_len, ',') + ' tokens' if kind == 'for' else 'longest'}: "

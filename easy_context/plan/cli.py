@@ -51,6 +51,12 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-memory", type=float, default=None,
                    help="GiB of host RAM per device for offloaded states and checkpoints "
                         "(--auto; default: not limited)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="plan for train --deterministic (flash-attn's deterministic backward "
+                   "keeps its float32 dq accumulator once per split: up to SMs / heads copies)")
+    p.add_argument("--kernel", choices=("flash2", "efficient", "flash4"), default=None,
+                   help="attention kernel family whose backward workspace is counted "
+                   "(default: flash2 for bf16, efficient for fp32)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--lora-rank", type=int, default=None,
                    help="plan a LoRA run: rank-R adapters on a frozen base (no gradients or "
@@ -73,7 +79,8 @@ def _kw(args) -> dict:
         lora = LoRASpec(args.lora_rank, parse_targets(args.lora_targets), args.lora_4bit)
     return dict(engine=args.engine, offload=args.offload, checkpointing=args.checkpointing,
                 dtype=args.dtype, loss_chunk="auto" if args.loss_chunk is None else (args.loss_chunk or None),
-                lora=lora)
+                lora=lora, deterministic=bool(getattr(args, "deterministic", False)),
+                kernel=getattr(args, "kernel", None))
 
 
 def check_plan_args(args: argparse.Namespace) -> None:

@@ -78,8 +78,10 @@ def resolve_auto_memory(config: TrainConfig, world: int, device: torch.device) -
 
     shape = _shape(config)
     dev_bytes, host_bytes = budgets(device)
+    bases = [dataclasses.replace(b, deterministic=config.deterministic)
+             for b in _setups_here(shape, world, device)]
     plan = plan_for_length(shape, config.seq_length, world, dev_bytes, host_bytes,
-                           config.mixed_precision, bases=_setups_here(shape, world, device))
+                           config.mixed_precision, bases=bases)
     if plan.setup is None:
         raise ValueError(f"--auto-memory: {plan.reason} ({dev_bytes / GIB:.1f} GiB per device); "
                          f"`easy-context plan --auto --model {config.model} --devices {world}` "

@@ -115,3 +115,19 @@ def test_planner_counts_the_workspace_per_kernel_and_deterministic_setting():
     assert fa4.attention_workspace != plain.attention_workspace
     with pytest.raises(ValueError, match="unknown kernel family"):
         estimate_memory(shape, 8 * S, 8, "zigzag_ring_attn", kernel="nope", **kw)
+
+
+def test_plan_cli_and_auto_memory_plan_for_deterministic_backward(capsys):
+    from easy_context.cli import main
+    from easy_context.plan.auto import Setup
+
+    argv = ["plan", "--model", "Llama-3-8B", "--devices", "8", "--seq-len", "1048576",
+            "--method", "zigzag_ring_attn"]
+    rows = {}
+    for extra in ([], ["--deterministic"], ["--kernel", "flash4"]):
+        assert main(argv + extra) == 0
+        line = next(l for l in capsys.readouterr().out.splitlines() if "attention workspace" in l)
+        rows[" ".join(extra)] = float(line.split()[2])
+    assert rows["--deterministic"] > 8 > rows[""] > 0 and rows["--kernel flash4"] != rows[""]
+    setup = Setup("zigzag_ring_attn", None, "fsdp", "none", "full", deterministic=True)
+    assert setup.kw("bf16")["deterministic"] and "--deterministic" in setup.train_flags(8192, 8)
