@@ -5,8 +5,9 @@ under the causal mask, not to later ones): token i sees token j iff id[i] == id[
 j <= i). Ids come from position ids that restart at 0 at each document start
 (:func:`document_ids_from_positions`: 0, 1, 2, ... along the sequence).
 
-No mask is ever built. The ids of every shard are turned, on the host and once per attention
-call, into *runs* (maximal stretches of rows with one id), and every block a method computes
+No mask is ever built. The ids of every shard are turned, on the host and once per
+micro-batch (:func:`once_per_ids`: every layer and every recompute is handed the same ids
+tensor), into *runs* (maximal stretches of rows with one id), and every block a method computes
 is cut into one kernel call per pair of runs with the same id: a run of query rows against a
 run of key rows is either entirely visible (full attention), or, on a causal diagonal block
 where both are the same tokens, a causal square. Rows of a block whose document has no key
@@ -21,6 +22,7 @@ partials from several calls of one block; they are summed in float32).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -65,6 +67,31 @@ class Call:
     q: slice
     kv: slice
     causal: bool
+
+
+def once_per_ids(ids: Tensor, key: tuple, build: Callable[[], object]):
+    """``build()`` for these ``ids`` and ``key`` (the method's view: shards of a group, the
+    gathered sequence, one rank; its runs, or the gathered ids), computed once and kept on
+    the ids tensor itself.
+
+    A model hands the same ``document_ids`` tensor to every layer's attention and to every
+    recompute of a micro-batch, so the all-gather of the ids, their host copy and the scan for
+    runs happen once per micro-batch instead of once per attention call (benchmarks/
+    documents_per_call.py). The next micro-batch is a new tensor; an in-place change of this
+    one (its version counter) builds again. Every rank of a group caches alike (the same calls
+    on the same ids), so a collective in ``build`` runs on all of them or on none."""
+    version, cache = getattr(ids, "_ec_document_runs", (None, None))
+    if version != ids._version:
+        cache = {}
+        ids._ec_document_runs = (ids._version, cache)
+    if key not in cache:
+        cache[key] = build()
+    return cache[key]
+
+
+def group_key(group) -> object:
+    """A process group's identity for :func:`once_per_ids` (None: the default group)."""
+    return None if group is None else (getattr(group, "group_name", None) or id(group))
 
 
 def whole_block(causal: bool) -> list[Call]:

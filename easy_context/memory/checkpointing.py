@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 

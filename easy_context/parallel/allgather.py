@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .. import layouts
-from ..attention.documents import ShardDocuments
+from ..attention.documents import ShardDocuments, group_key, once_per_ids
 from ..attention.contract import default_scale
 from ..attention.selection import select_kernel
 from ..mesh import process_group
@@ -70,9 +70,13 @@ def gather_documents(doc: Tensor | None, group, world: int) -> ShardDocuments | 
     """Runs of two shards: 0 = this rank's queries, 1 = the whole sequence in order."""
     if doc is None:
         return None
-    gathered = gather_shards(doc, group)  # (N, B, s)
-    whole = layouts.unshard(gathered.movedim(0, 1).flatten(1, 2), "zigzag", world, dim=1)
-    return ShardDocuments.from_ids([doc, whole])
+
+    def build():
+        gathered = gather_shards(doc, group)  # (N, B, s)
+        whole = layouts.unshard(gathered.movedim(0, 1).flatten(1, 2), "zigzag", world, dim=1)
+        return ShardDocuments.from_ids([doc, whole])
+
+    return once_per_ids(doc, ("gathered", group_key(group), world), build)
 
 
 def _block_calls(rank, world, s, causal, docs):

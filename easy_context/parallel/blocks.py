@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.documents import Call, ShardDocuments, whole_block
+from ..attention.documents import Call, ShardDocuments, group_key, once_per_ids, whole_block
 from ..attention.contract import Kernel
 from ..attention.merge import merge_into
 from ..attention.workspace import block_workspace
@@ -105,10 +105,11 @@ def backward_block(kernel: Kernel, calls: list[Call], dout: Tensor, q: Tensor, k
 
 def shard_documents(doc: Tensor | None, group) -> ShardDocuments | None:
     """The document runs of every rank's shard of ``group`` (one all-gather of the ids and one
-    host copy, once per attention call), or None without documents."""
+    host copy, once per micro-batch: documents.once_per_ids), or None without documents."""
     if doc is None:
         return None
-    return ShardDocuments.from_ids(gather_shards(doc, group))
+    return once_per_ids(doc, ("shards", group_key(group)),
+                        lambda: ShardDocuments.from_ids(gather_shards(doc, group)))
 
 
 def block_calls(docs: ShardDocuments | None, q_shard: int, q_rows: slice, kv_shard: int,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention.documents import ShardDocuments
+from ..attention.documents import ShardDocuments, once_per_ids
 from ..attention.contract import Kernel, default_scale
 from ..attention.selection import select_kernel
 from .blocks import backward_block, block_calls, block_result, group_buffer_choice
@@ -56,7 +56,8 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
     """
     check_inputs(q, k, v, document_ids)
     scale = default_scale(q.size(-1)) if softmax_scale is None else softmax_scale
-    docs = None if document_ids is None else ShardDocuments.from_ids(document_ids.unsqueeze(0))
+    docs = None if document_ids is None else once_per_ids(
+        document_ids, ("local",), lambda: ShardDocuments.from_ids(document_ids.unsqueeze(0)))
     chosen = select_kernel(q, kernel)
     # heads a group at a time when the kernel's backward workspace would pass the budget
     per_group = group_buffer_choice(lambda g: 0, q, k, chosen, (q.size(1), k.size(1)))

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..mesh import process_group
+from ..attention.documents import group_key, once_per_ids
 from .comm import Exchange, gather_shards
 from .function import check_inputs
 from .local import local_attention
@@ -159,7 +160,10 @@ def gather_documents(doc: Tensor | None, group, world: int) -> Tensor | None:
     sequence (what each rank holds after the all-to-all towards heads)."""
     if doc is None or world == 1:
         return doc
-    return gather_shards(doc, group).movedim(0, 1).flatten(1, 2)
+    # one gathered tensor per micro-batch, so that what runs on it (local attention, usp's
+    # ring) finds its runs computed once too (documents.once_per_ids)
+    return once_per_ids(doc, ("ulysses", group_key(group), world),
+                        lambda: gather_shards(doc, group).movedim(0, 1).flatten(1, 2))
 
 
 def ulysses_apply(q: Tensor, k: Tensor, v: Tensor, group, inner: Callable[..., Tensor],

@@ -154,3 +154,39 @@ def _nothing():
     import contextlib
 
     return contextlib.nullcontext()
+
+
+def count_document_scans(method: str, ring_degree: int | None = None, layers: int = 3) -> dict:
+    """Run ``method`` as ``layers`` layers of one micro-batch would (the same ids tensor each
+    time, forward and backward), then once with new ids and once after an in-place change;
+    count the host scans of the ids (ShardDocuments.from_ids: each comes with the ids'
+    all-gather where the method gathers them)."""
+    from easy_context.attention import documents
+    from easy_context.sequence_parallel import shard_sequence
+
+    counts = {"scans": 0}
+    real_from_ids = documents.ShardDocuments.from_ids
+
+    def from_ids(ids):
+        counts["scans"] += 1
+        return real_from_ids(ids)
+
+    documents.ShardDocuments.from_ids = staticmethod(from_ids)
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(1, 16 * world, h, 8) for h in (4, 2, 2))
+        ids = torch.repeat_interleave(torch.arange(4), 4 * world).unsqueeze(0)
+        local = [shard_sequence(t, method, rank, world, ring_degree=ring_degree).requires_grad_()
+                 for t in (q, k, v)]
+        doc = shard_sequence(ids, method, rank, world, ring_degree=ring_degree)
+        kw = {"document_ids": doc, "ring_degree": ring_degree}
+        for _ in range(layers):
+            ec.sequence_parallel_attention(*local, method, **kw).sum().backward()
+        per_batch = dict(counts)
+        ec.sequence_parallel_attention(*local, method, **{**kw, "document_ids": doc.clone()}).sum().backward()
+        doc.add_(0)  # an in-place change: the ids might differ now
+        ec.sequence_parallel_attention(*local, method, **kw).sum().backward()
+    finally:
+        documents.ShardDocuments.from_ids = real_from_ids
+    return {"per_batch": per_batch, "total": counts}

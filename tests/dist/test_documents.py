@@ -14,7 +14,7 @@ import easy_context as ec
 from easy_context.attention.documents import ShardDocuments, document_ids_from_positions
 from easy_context.parallel.local import local_attention
 
-from .attention_cases import check_documents
+from .attention_cases import check_documents, count_document_scans
 
 TOL = 1e-5
 METHODS = sorted(ec.METHODS)
@@ -107,3 +107,12 @@ def test_float_ids_are_refused():
     q = torch.randn(1, 4, 2, 8)
     with pytest.raises(ValueError, match="integers"):
         local_attention(q, q, q, document_ids=torch.zeros(1, 4))
+
+
+@pytest.mark.parametrize("method,ring_degree", CASES[2])
+def test_the_ids_are_scanned_once_per_micro_batch(dist2, method, ring_degree):
+    """Every layer (and recompute) of a micro-batch gets the same ids tensor: one host scan
+    (and all-gather) for all of them; new ids or an in-place change scan again."""
+    for report in dist2.run(count_document_scans, method, ring_degree):
+        assert report["per_batch"]["scans"] == 1, report
+        assert report["total"]["scans"] == 3, report
