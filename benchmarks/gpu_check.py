@@ -14,6 +14,11 @@ Sections (each item records its error instead of stopping the run):
 3. train (gpu_check_train.py): one step of a Llama-3-8B-shaped model (2 layers, bf16) at
    128K, 256K and 512K tokens: peak memory against the planner, tokens/s, MFU; attention
    TFLOP/s at 32K against torch's scaled_dot_product_attention.
+4. engine (gpu_check_engine.py): one step of the trainer's model and engine at one rank,
+   started as ``easy-context train`` starts it (NCCL + gloo group) under the strict
+   collective check, for each engine, offload setting, checkpointing kind, LoRA, QLoRA and
+   max-length mode (with and without offloaded inputs): a tiny model, and with the full run
+   a 2-layer model of Llama-3-8B's widths at 16K tokens.
 Writes benchmarks/results/gpu_check.json (with --cpu: gpu_check_cpu.json). Imports nothing
 that the lent GPU machine lacks (no datasets, deepspeed or flash-attn needed).
 """
@@ -187,8 +192,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu", action="store_true", help="run on the CPU (CI: with --tiny)")
     p.add_argument("--tiny", action="store_true", help="small shapes: the same code in seconds")
-    p.add_argument("--sections", default="kernels,methods,train",
-                   help="comma-separated: kernels, methods, train")
+    p.add_argument("--sections", default="kernels,methods,train,engine",
+                   help="comma-separated: kernels, methods, train, engine")
     p.add_argument("--budget-s", type=float, default=450,
                    help="stop starting training lengths after this many seconds")
     p.add_argument("--output", default=None)
@@ -263,6 +268,19 @@ def main(argv=None) -> int:
             log(f"train: max-length mode L={length} done")
         report["sections"]["train"] = sec
         report["seconds"]["train"] = round(time.time() - t0, 1)
+        save()
+    if "engine" in sections:
+        from benchmarks import gpu_check_engine
+
+        t0 = time.time()
+        sec = {"tiny": gpu_check_engine.run(device, True, log)}
+        if not args.tiny and device.type == "cuda":
+            if time.time() - t_start > args.budget_s:
+                sec["full_width"] = {"skipped": f"time budget {args.budget_s} s"}
+            else:
+                sec["full_width"] = gpu_check_engine.run(device, False, log)
+        report["sections"]["engine"] = sec
+        report["seconds"]["engine"] = round(time.time() - t0, 1)
     save()
     print(json.dumps({"elapsed_s": report["elapsed_s"], "seconds": report["seconds"],
                       "output": str(output)}))
