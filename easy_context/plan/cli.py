@@ -67,7 +67,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-4bit", action="store_true",
                    help="with --lora-rank: a 4-bit NF4 base (QLoRA; --engine fsdp)")
     p.add_argument("--report", choices=("claims", "table"), default=None,
-                   help="write the seed-claims check or the README 'How far can I go?' table")
+                   help="write the seed-claims check or the 'How far can I go?' tables of the "
+                   "planner guide (docs/guides/planner.md)")
     p.add_argument("--output", default=None, help="file for --report (default: stdout)")
 
 

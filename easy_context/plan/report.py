@@ -1,4 +1,4 @@
-"""Markdown reports from the planner: the seed's headline claims on paper, and the README's
+"""Markdown reports from the planner: the seed's headline claims on paper, and the planner guide's
 "How far can I go?" table. Generated, never hand-edited:
 
     easy-context plan --report claims --output benchmarks/results/plan_claims.md
@@ -220,7 +220,7 @@ LORA_TABLE_SETUPS = (
 
 
 def lora_how_far_markdown() -> str:
-    """The README's LoRA table: as how_far_markdown, for LoRA runs (`plan --lora-rank`)."""
+    """The planner guide's LoRA table: as how_far_markdown, for LoRA runs (`plan --lora-rank`)."""
     from .lora import LoRASpec
 
     budget = int(A100 * USABLE)

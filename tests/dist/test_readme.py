@@ -1,15 +1,18 @@
-"""Every code block of the README runs as written, so the examples cannot drift from the code.
+"""Every code block of the README and of the documentation site (docs/, in the order of
+mkdocs.yml's navigation) runs as written, so the examples cannot drift from the code.
 
 - ``python`` blocks run on 2 gloo ranks (the session's pool), each in a fresh namespace that
   holds ``path``: a small Hugging Face causal LM folder with its tokenizer (what the README's
   examples call a model folder).
-- ``bash`` blocks run in order in one folder (later blocks use what earlier ones wrote) that
-  holds the same model as ``model/``; ``easy-context`` is this interpreter's CLI. A section
-  whose heading is followed by ``<!-- readme-test: own folder -->`` says its blocks start
-  from nothing: they run in order in a folder of their own, beside the others (two chains
-  of processes on two cores take less wall time than one after the other).
-- A block right after ``<!-- readme-test: skip: <why> -->`` is not run (only the set-up
-  commands, which CI runs itself: .ci/run and tests/dist/test_install.py).
+- ``bash`` blocks run in order in one folder (later blocks use what earlier ones wrote, page
+  after page) that holds the same model as ``model/``; ``easy-context`` is this
+  interpreter's CLI. A section whose heading is followed by ``<!-- readme-test: own folder
+  -->`` says its blocks start from nothing: they run in order in a folder of their own,
+  beside the others (two chains of processes on two cores take less wall time than one
+  after the other).
+- A block right after ``<!-- readme-test: skip: <why> -->`` is not run: the set-up commands
+  (CI runs them itself: .ci/run and tests/dist/test_install.py), the 8-GPU recipe run, and
+  the site build (tests/unit/test_docs_site.py).
 A block passes when it finishes without an error (bash: ``set -euo pipefail``); the
 examples assert what they show where that is cheap (e.g. sequence-parallel output equals
 one-process attention).
@@ -28,30 +31,50 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+REPO = Path(__file__).resolve().parents[2]
+README = REPO / "README.md"
 SKIP = re.compile(r"<!-- readme-test: skip: [^>]+-->\s*$")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+MAX_SKIPPED = 3  # the set-up commands, the 8-GPU recipe run, the site build
 
 
-def readme_blocks() -> list[tuple[str, str, int, bool]]:
-    """(language, code, line number, skipped) for every fenced block of the README."""
-    text = README.read_text()
+def doc_files() -> list[Path]:
+    """The README, then every page of the site in its navigation order."""
+    import yaml
+
+    def pages(nav):
+        for item in nav:
+            value = next(iter(item.values())) if isinstance(item, dict) else item
+            yield from (pages(value) if isinstance(value, list) else [value])
+
+    nav = yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"]
+    return [README] + [REPO / "docs" / page for page in pages(nav)]
+
+
+def _name(path: Path) -> str:
+    return str(path.relative_to(REPO))
+
+
+def readme_blocks() -> list[tuple[str, str, str, int, bool]]:
+    """(file, language, code, line number, skipped) for every fenced block of every file."""
     blocks = []
-    for m in FENCE.finditer(text):
-        before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
-        line = text.count("\n", 0, m.start()) + 1
-        blocks.append((m.group(1), m.group(2), line, bool(SKIP.search(before))))
+    for path in doc_files():
+        text = path.read_text()
+        for m in FENCE.finditer(text):
+            before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+            line = text.count("\n", 0, m.start()) + 1
+            blocks.append((_name(path), m.group(1), m.group(2), line, bool(SKIP.search(before))))
     return blocks
 
 
 def test_every_block_is_run_or_says_why_not():
     blocks = readme_blocks()
-    assert blocks
-    for lang, code, line, skipped in blocks:
+    assert {f for f, *_ in blocks} >= {"README.md", "docs/guides/attention.md"}
+    for file, lang, code, line, skipped in blocks:
         # text blocks are not code (the layout tree); every other block is run
-        assert lang in ("python", "bash", "text"), f"README line {line}: ```{lang}"
-    skipped = [line for _, _, line, s in blocks if s]
-    assert len(skipped) == 1, f"only the set-up commands may be skipped, not lines {skipped}"
+        assert lang in ("python", "bash", "text"), f"{file}:{line}: ```{lang}"
+    skipped = [f"{f}:{line}" for f, _, _, line, s in blocks if s]
+    assert len(skipped) <= MAX_SKIPPED, f"blocks not run, each with a reason: {skipped}"
 
 
 def _restore_class_patches() -> None:
@@ -70,10 +93,10 @@ def _restore_class_patches() -> None:
                 del cls._easy_context_original_post_init
 
 
-def run_python_block(code: str, model_dir: str, line: int) -> None:
-    namespace = {"__name__": f"readme_line_{line}", "path": model_dir}
+def run_python_block(code: str, model_dir: str, where: str) -> None:
+    namespace = {"__name__": re.sub(r"\W", "_", where), "path": model_dir}
     try:
-        exec(compile(code, f"README.md:{line}", "exec"), namespace)
+        exec(compile(code, where, "exec"), namespace)
     finally:
         _restore_class_patches()
 
@@ -87,31 +110,34 @@ def workdir(tmp_path_factory) -> Path:
     return work
 
 
-PYTHON = [(code, line) for lang, code, line, skipped in readme_blocks()
+PYTHON = [(code, f"{file}:{line}") for file, lang, code, line, skipped in readme_blocks()
           if lang == "python" and not skipped]
-BASH = [(code, line) for lang, code, line, skipped in readme_blocks()
+BASH = [(file, code, line) for file, lang, code, line, skipped in readme_blocks()
         if lang == "bash" and not skipped]
 OWN_FOLDER = "<!-- readme-test: own folder -->"
+HEADING = r"^#{1,2} .+"  # a page's title or a section
 
 
 def bash_chains() -> dict[str, list[tuple[str, int]]]:
-    """The bash blocks by the folder they run in: "main", or the heading of a section marked
-    as starting from nothing; each list in README order."""
-    text = README.read_text()
-    own = {}  # line where a marked section starts -> its heading
-    for m in re.finditer(r"^(## .+)\n+" + re.escape(OWN_FOLDER), text, re.M):
-        own[text.count("\n", 0, m.start()) + 1] = m.group(1)
-    starts = [text.count("\n", 0, m.start()) + 1 for m in re.finditer(r"^## .+", text, re.M)]
+    """The bash blocks by the folder they run in: "main", or "file: heading" of a section
+    marked as starting from nothing; each list in file and line order."""
+    own, starts = {}, {}  # (file, line where a section starts) -> heading; file -> starts
+    for path in doc_files():
+        text, name = path.read_text(), _name(path)
+        for m in re.finditer(r"^(#{1,2} .+)\n+" + re.escape(OWN_FOLDER), text, re.M):
+            own[(name, text.count("\n", 0, m.start()) + 1)] = f"{name}: {m.group(1)}"
+        starts[name] = [text.count("\n", 0, m.start()) + 1
+                        for m in re.finditer(HEADING, text, re.M)]
     chains: dict[str, list[tuple[str, int]]] = {}
-    for code, line in BASH:
-        start = max((a for a in starts if a < line), default=0)
-        chains.setdefault(own.get(start, "main"), []).append((code, line))
+    for file, code, line in BASH:
+        start = max((a for a in starts[file] if a < line), default=0)
+        chains.setdefault(own.get((file, start), "main"), []).append((code, f"{file}:{line}"))
     return chains
 
 
-@pytest.mark.parametrize("code,line", PYTHON, ids=[f"line{line}" for _, line in PYTHON])
-def test_python_block_on_2_ranks(dist2, workdir, code, line):
-    dist2.run(run_python_block, code, str(workdir / "model"), line)
+@pytest.mark.parametrize("code,where", PYTHON, ids=[where for _, where in PYTHON])
+def test_python_block_on_2_ranks(dist2, workdir, code, where):
+    dist2.run(run_python_block, code, str(workdir / "model"), where)
 
 
 @pytest.mark.slow  # every shell example in order: a few short training runs and evals
@@ -130,11 +156,11 @@ def test_bash_blocks_in_order(workdir):
         """The first failure of the chain's blocks, run in order, or None."""
         cwd = workdir if name == "main" else workdir / re.sub(r"\W+", "-", name).strip("-")
         cwd.mkdir(exist_ok=True)
-        for code, line in chains[name]:
+        for code, where in chains[name]:
             run = subprocess.run(["bash", "-euo", "pipefail", "-c", prelude + code], cwd=cwd,
                                  env=env, capture_output=True, text=True, timeout=900)
             if run.returncode != 0:
-                return f"README.md:{line} failed:\n{code}\n{run.stderr[-4000:]}"
+                return f"{where} failed:\n{code}\n{run.stderr[-4000:]}"
         return None
 
     with ThreadPoolExecutor(len(chains)) as pool:
@@ -144,42 +170,47 @@ def test_bash_blocks_in_order(workdir):
 
 def test_marked_sections_hold_bash_blocks():
     """A section marked as starting from nothing holds bash blocks (the marker is where the
-    test looks, right under the heading), and each chain keeps the README's order."""
-    text = README.read_text()
-    marked = text.count(OWN_FOLDER)
+    test looks, right under the heading), and each chain keeps the files' order."""
+    marked = sum(p.read_text().count(OWN_FOLDER) for p in doc_files())
     chains = bash_chains()
-    assert len(chains) == 1 + marked, (marked, list(chains))
+    assert marked >= 1 and len(chains) == 1 + marked, (marked, list(chains))
+    order = {_name(p): i for i, p in enumerate(doc_files())}
     for blocks in chains.values():
-        assert [line for _, line in blocks] == sorted(line for _, line in blocks)
+        keys = [(order[w.rsplit(":", 1)[0]], int(w.rsplit(":", 1)[1])) for _, w in blocks]
+        assert keys == sorted(keys)
 
 
-def shown_plan_outputs() -> list[tuple[str, str, int]]:
-    """(command, the output line the README shows after it, line number): an
-    `easy-context plan` line followed by a `# longest sequence that fits: ...` comment."""
+def shown_plan_outputs() -> list[tuple[str, str, str]]:
+    """(command, the output line shown after it, file:line): an `easy-context plan` command
+    (continued with backslashes) followed by a `# longest sequence that fits: ...` comment."""
     shown = []
-    for lang, code, line, _ in readme_blocks():
+    for file, lang, code, line, _ in readme_blocks():
         if lang != "bash":
             continue
         lines = code.splitlines()
         for i, cmd in enumerate(lines):
             if not cmd.startswith("easy-context plan"):
                 continue
-            for later in lines[i + 1:]:
+            j = i
+            while lines[j].endswith("\\"):
+                j += 1
+                cmd = cmd[:-1] + " " + lines[j].strip()
+            for later in lines[j + 1:]:
                 if not later.startswith("#"):
                     break
                 if later.startswith("# longest sequence that fits:"):
-                    shown.append((cmd, later[2:].strip(), line + 1 + i))
+                    shown.append((cmd, later[2:].strip(), f"{file}:{line + 1 + i}"))
     return shown
 
 
 SHOWN_PLANS = shown_plan_outputs()
 
 
-@pytest.mark.parametrize("cmd,expected,line", SHOWN_PLANS,
-                         ids=[f"line{line}" for _, _, line in SHOWN_PLANS])
-def test_shown_plan_output_is_current(cmd, expected, line):
-    """The planner's answer the README prints under its command is what the command prints
-    today (it drifted once when the planner changed)."""
+@pytest.mark.parametrize("cmd,expected,where", SHOWN_PLANS,
+                         ids=[where for _, _, where in SHOWN_PLANS])
+def test_shown_plan_output_is_current(cmd, expected, where):
+    """The planner's answer shown under its command is what the command prints today (it
+    drifted once when the planner changed)."""
     from easy_context.cli import main
 
     argv = shlex.split(cmd.split("#", 1)[0])[1:]
@@ -187,4 +218,4 @@ def test_shown_plan_output_is_current(cmd, expected, line):
     with contextlib.redirect_stdout(out):
         assert main(argv) == 0
     assert expected in out.getvalue().splitlines(), (
-        f"README.md:{line} shows {expected!r}; the command prints:\n{out.getvalue()[-800:]}")
+        f"{where} shows {expected!r}; the command prints:\n{out.getvalue()[-800:]}")

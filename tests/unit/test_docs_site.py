@@ -1,0 +1,40 @@
+"""The documentation site builds with every warning an error (``mkdocs build --strict``: a
+broken link or anchor, a page left out of the navigation, an API name that does not resolve),
+and its API reference holds the public names. Its code blocks run in tests/dist/test_readme.py."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import easy_context
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_site_builds_strict_with_the_public_api(tmp_path):
+    site = tmp_path / "site"
+    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
+                          str(site)], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={"NO_MKDOCS_2_WARNING": "1", "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "WARNING" not in run.stderr, run.stderr[-3000:]
+    api = re.sub(r"<[^>]+>", " ", (site / "api" / "index.html").read_text())
+    missing = [name for name in easy_context.__all__ if name not in api]
+    assert not missing, f"public names not in the API reference: {missing}"
+    for page in (REPO / "docs").rglob("*.md"):  # every page rendered
+        rel = page.relative_to(REPO / "docs").with_suffix("")
+        out = site / (rel.parent if rel.name == "index" else rel) / "index.html"
+        assert out.is_file(), page
+
+
+def test_the_planner_guide_shows_the_generated_tables():
+    """docs/guides/planner.md quotes benchmarks/results/plan_table.md whole (regenerate both
+    with `easy-context plan --report table --output benchmarks/results/plan_table.md`)."""
+    rows = [l for l in (REPO / "benchmarks" / "results" / "plan_table.md").read_text().splitlines()
+            if l.startswith("|")]
+    page = [l for l in (REPO / "docs" / "guides" / "planner.md").read_text().splitlines()
+            if l.startswith("|")]
+    assert len(rows) > 40 and page[:len(rows)] == rows
