@@ -2,7 +2,8 @@
 
 These transients exist only inside one backward call, but they are large and grow with the
 query heads of the call, so the head groups (parallel/head_groups.py) and the planner count
-them (read from the kernels' sources; no GPU ran these formulas here):
+them. The flash-attn 2 figures follow its ``flash_api.cpp`` ``mha_bwd``; the others are
+estimates of the same kind; no GPU has measured any of them here:
 
 - flash-attn 2 (``flash_api.cpp`` ``mha_bwd``) and torch's CUDA flash op, its copy: a float32
   ``dq_accum`` (B, Sq rounded up to 128, Hq, D rounded up to 32; 256 above 192) and the
@@ -14,9 +15,10 @@ them (read from the kernels' sources; no GPU ran these formulas here):
 - torch's memory-efficient op (cuda_ops.py): its float32 gradient-of-q accumulator
   (B, Sq, Hq, D); with GQA cuda_ops.py repeats K and V to the query heads and sums the
   kernel's (B, Sk, Hq, D) dK and dV back: four such tensors in the input dtype.
-- flash-attn-4: a float32 ``dq_accum`` (B, Hq, Sq rounded up to 128, D rounded up to 64), the
-  float32 lse and dpsum rows; with GQA float32 dK/dV accumulators (B, Hkv, Sk rounded, D
-  rounded) each.
+- flash-attn-4 (an estimate: its backward accumulates dq in float32, and dK/dV too with
+  GQA; the rounding here is assumed): ``dq_accum`` (B, Hq, Sq rounded up to 128, D rounded up
+  to 64), the float32 lse and dpsum rows, and with GQA dK/dV accumulators (B, Hkv, Sk
+  rounded, D rounded).
 - the reference kernel (float64, or where no fused kernel runs): its (B, Hq, Sq, Sk) scores,
   probabilities and their gradients, three such tensors in its working dtype.
 - torch's CPU flash op: per-thread tiles only; not counted.

@@ -239,6 +239,7 @@ class HostCheckpoints:
         self.layers = layers
         self.copies = LayerStorage(layers)  # the side stream, the pool and the copies
         self.entries: dict[int, list[_Entry]] = {}
+        self._last = -1  # the layer that packed last: a lower one starts a new forward pass
 
     def hooks(self, index: int) -> torch.autograd.graph.saved_tensors_hooks:
         """Saved-tensor hooks for layer ``index``'s checkpoint call."""
@@ -246,8 +247,9 @@ class HostCheckpoints:
             lambda t: self._pack(index, t), self._unpack)
 
     def _pack(self, index: int, t: Tensor):
-        if index == 0 and not self.entries.get(0):
-            self.entries = {}  # a new forward pass
+        if index < self._last:
+            self.entries = {}  # a new forward pass (the last one's were all taken back)
+        self._last = index
         if index == self.layers - 1 or not t.numel():
             return (index, t)  # kept where it is
         host, ready = self.copies._to_host([t])

@@ -44,6 +44,7 @@ def test_offload_trains_like_full_and_holds_each_input_once(monkeypatch):
         grads[kind] = [p.grad.clone() for p in model.parameters()]
     for a, b in zip(grads["full"], grads["offload"]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert sum(len(v) for v in storage.entries.values()) == layers - 1  # this step's only
     # the last layer's input stays on the device; the others' (1, seq, hidden) fp32 inputs
     # are held once, exactly, across both steps
     assert storage.copies.pool.bytes == (layers - 1) * seq * TINY["hidden_size"] * 4
