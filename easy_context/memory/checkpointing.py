@@ -11,7 +11,8 @@
 
 Hugging Face decoder layers are ``GradientCheckpointingLayer``s: each calls its
 ``_gradient_checkpointing_func`` when ``gradient_checkpointing`` is on, so one
-``gradient_checkpointing_enable`` plus a per-layer function covers every family.
+``activation_checkpointing_enable`` (``gradient_checkpointing_enable`` before transformers 5.2x)
+plus a per-layer function covers every family.
 """
 
 from __future__ import annotations
@@ -43,7 +44,11 @@ def apply_activation_checkpointing(model: nn.Module, kind: str) -> nn.Module:
         return model
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(model).__name__} does not support gradient checkpointing")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if kind == "full":
         return model
     layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
