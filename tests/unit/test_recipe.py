@@ -134,6 +134,7 @@ def test_resume_skips_finished_stages_and_continues_an_interrupted_one(tmp_path,
     # Steps 1-2 are the lines written before the interruption (a restart would rewrite them
     # with new timings); steps 3-4 are recomputed from the checkpoint and match the first run.
     assert resumed[:2] == two_metrics[:2]
+    assert len(resumed) == len(two_metrics) == 4  # the resumed stage wrote its steps 3-4
     for old, new in zip(two_metrics[2:], resumed[2:]):
         old, new = json.loads(old), json.loads(new)
         assert new["step"] == old["step"]
