@@ -42,3 +42,20 @@ def test_a_cuda_rank_creates_the_two_backend_group(two_gpus, monkeypatch):
     with pytest.raises(ValueError, match="LOCAL_RANK 2 has no GPU: this machine shows 2"):
         launch.init_distributed()
     assert made == ["cuda:nccl,cpu:gloo"]
+
+
+def test_deepspeed_is_told_the_device_backend_of_the_two_backend_group(monkeypatch):
+    """DeepSpeed records the backend's name and compares it with "nccl": on CUDA it gets
+    "nccl", not the group's "cuda:nccl,cpu:gloo"."""
+    deepspeed = pytest.importorskip("deepspeed")
+    from easy_context.train.engines import deepspeed as engine
+
+    told = []
+    monkeypatch.setattr(engine.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(engine.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(engine.dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda dist_backend, **kw: told.append(dist_backend))
+    for group_backend, want in (("cuda:nccl,cpu:gloo", "nccl"), ("gloo", "gloo")):
+        monkeypatch.setattr(engine.dist, "get_backend", lambda group=None, b=group_backend: b)
+        engine._start_deepspeed_comm()
+        assert told[-1] == want

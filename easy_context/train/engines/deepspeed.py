@@ -175,8 +175,12 @@ def _start_deepspeed_comm() -> None:
     for key, value in (("RANK", dist.get_rank()), ("WORLD_SIZE", dist.get_world_size()),
                        ("LOCAL_RANK", dist.get_rank())):
         os.environ.setdefault(key, str(value))
-    # Uses the process group the trainer initialised (gloo or nccl); no new one.
-    deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+    # Uses the process group the trainer initialised; no new one. On CUDA that group has a
+    # backend per device type ("cuda:nccl,cpu:gloo", launch.backend_for): DeepSpeed only
+    # records the name, and compares it with "nccl", so it is told the device's backend.
+    backend = str(dist.get_backend())
+    deepspeed.init_distributed(dist_backend="nccl" if "nccl" in backend else backend,
+                               auto_mpi_discovery=False)
 
 
 def zero_init(config: TrainConfig, model_config, device: torch.device):
