@@ -51,6 +51,8 @@ def test_deepspeed_is_told_the_device_backend_of_the_two_backend_group(monkeypat
     from easy_context.train.engines import deepspeed as engine
 
     told = []
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # it sets them: put back what was there
+        monkeypatch.setenv(key, "0" if key != "WORLD_SIZE" else "1")
     monkeypatch.setattr(engine.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(engine.dist, "get_rank", lambda: 0)
     monkeypatch.setattr(engine.dist, "get_world_size", lambda: 1)
