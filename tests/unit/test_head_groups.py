@@ -41,6 +41,16 @@ def test_gpu_groups_for_llama_shapes(method):
     assert 4 <= g < 32 and -(-32 // g) <= 8
     assert m.buffers(LLAMA2_7B, s, 2, 8) == m.group_buffers(LLAMA2_7B, s, 2, 8, None, g)
     assert m.buffers(LLAMA2_7B, s, 2, 8) <= BUDGETS["cuda"]
+    # with flash-attn 2's backward workspace in the budget too (what the GPU run counts)
+    from easy_context.plan.estimate import kernel_workspace
+
+    ws = kernel_workspace("gpu", 2)
+    g3 = m.kv_heads_per_group(LLAMA3_8B, s, 2, 8, workspace=ws)
+    assert g3 < m.kv_heads_per_group(LLAMA3_8B, s, 2, 8)
+    assert (m.buffers(LLAMA3_8B, s, 2, 8, workspace=ws)
+            + m.call_workspace(LLAMA3_8B, s, 2, 8, workspace=ws)) <= BUDGETS["cuda"]
+    if method != "dist_flash_attn":
+        assert g3 == 3  # 3 + 3 + 2 KV heads: three passes
 
 
 def test_cpu_groups_one_head_from_a_few_thousand_tokens():
