@@ -87,8 +87,9 @@ class LayerStorage:
         return self.pool.take(t.shape, t.dtype)
 
     def _release(self, entry: "_Entry") -> None:
-        """Hand an entry's host buffers back once its device copy is issued: the next copy
-        into them (a later forward's) runs on the same side stream, after this one."""
+        """Hand the host buffers of an entry taken back for good (not one the nested
+        recompute fetches to regenerate from, which stays) back to the pool once its device
+        copy is issued: the next copy into them runs on the same side stream, after this one."""
         if self.pool is not None and self.offload:
             for h in {id(h): h for h in entry.host}.values():
                 self.pool.give(h)
@@ -151,7 +152,6 @@ class LayerStorage:
     def _fetch_now(self, entry: _Entry) -> list[Tensor]:
         """A device copy of an entry's tensors, ready on the current stream (not prefetched)."""
         self._to_device(entry)
-        self._release(entry)
         tensors, entry.arriving = entry.arriving, None
         if entry.arrived is not None:
             current = torch.cuda.current_stream(entry.device)
@@ -197,6 +197,7 @@ class LayerStorage:
             tensors = [entry()]
         elif entry.arriving is None:  # not prefetched: the first one
             tensors = self._fetch_now(entry)
+            self._release(entry)  # popped: its host copy is done with
         else:
             tensors = entry.arriving
             self._release(entry)
@@ -264,6 +265,7 @@ class HostCheckpoints:
             entry = self.entries[index][slot]
             if entry.arriving is None:  # not prefetched (the layer after it kept nothing)
                 (t,) = self.copies._fetch_now(entry)
+                self.copies._release(entry)
             else:
                 (t,) = entry.arriving
                 self.copies._release(entry)

@@ -88,6 +88,13 @@ def test_layer_storage_offload_and_nested_recompute():
             # the last layer's input stays where it is; the others come back as copies
             assert (x.data_ptr() == xs[i].data_ptr()) == (i == layers - 1)
         assert not st.entries
+        if keep_every == 1:  # exact host bytes, and the next pass reuses the same buffers
+            held = st.pool.bytes
+            assert held == (layers - 1) * 6 * 4
+            handles = [st.pack([xs[i]], i, forward[i]) for i in range(layers)]
+            for i in reversed(range(layers)):
+                st.unpack(handles[i])
+            assert st.pool.bytes == held
     # without offload (the nested recompute alone) the last layer follows keep_every too
     for keep_every in (2, 3, 5):
         st = LayerStorage(layers, offload=False, keep_every=keep_every)
