@@ -123,7 +123,10 @@ def bash_chains() -> dict[str, list[tuple[str, int]]]:
     marked as starting from nothing; each list in file and line order."""
     own, starts = {}, {}  # (file, line where a section starts) -> heading; file -> starts
     for path in doc_files():
-        text, name = path.read_text(), _name(path)
+        # headings outside code blocks only (a shell comment starts with "# " too); the
+        # blocks' lines are kept as empty lines, so line numbers stay the file's
+        text = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), path.read_text())
+        name = _name(path)
         for m in re.finditer(r"^(#{1,2} .+)\n+" + re.escape(OWN_FOLDER), text, re.M):
             own[(name, text.count("\n", 0, m.start()) + 1)] = f"{name}: {m.group(1)}"
         starts[name] = [text.count("\n", 0, m.start()) + 1
@@ -174,6 +177,12 @@ def test_marked_sections_hold_bash_blocks():
     marked = sum(p.read_text().count(OWN_FOLDER) for p in doc_files())
     chains = bash_chains()
     assert marked >= 1 and len(chains) == 1 + marked, (marked, list(chains))
+    for path in doc_files():  # a page marked under its title: all its blocks in its chain
+        text = path.read_text()
+        if re.match(r"# .+\n+" + re.escape(OWN_FOLDER), text):
+            mine = [w for f, _, w in ((f, c, f"{f}:{n}") for f, c, n in BASH) if f == _name(path)]
+            title = f"{_name(path)}: {text.splitlines()[0]}"
+            assert [w for _, w in chains[title]] == mine, (title, mine)
     order = {_name(p): i for i, p in enumerate(doc_files())}
     for blocks in chains.values():
         keys = [(order[w.rsplit(":", 1)[0]], int(w.rsplit(":", 1)[1])) for _, w in blocks]
