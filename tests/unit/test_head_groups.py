@@ -60,9 +60,8 @@ def test_cpu_groups_one_head_from_a_few_thousand_tokens():
     assert m.kv_heads_per_group(dims, 64, 2, 2, budget=BUDGETS["cpu"]) == 8
 
 
-def test_runtime_and_planner_pick_the_same_groups(monkeypatch):
-    """The ring engine asks head_groups with the method's own formula and the tensors'
-    sizes: the group it builds is the planner's."""
+def ring_group_at_run_time(monkeypatch, q, k, budget: int) -> int:
+    """The KV heads per pass the ring engine picks for q, k (2 ranks) under ``budget``."""
     import easy_context.parallel.ring as ring
 
     seen = {}
@@ -73,11 +72,17 @@ def test_runtime_and_planner_pick_the_same_groups(monkeypatch):
 
     monkeypatch.setattr(ring, "run_attention", spy)
     monkeypatch.setattr(ring.dist, "get_world_size", lambda group=None: 2)
+    with attention_buffer_budget(budget), pytest.raises(RuntimeError, match="stop"):
+        ring.run_ring(q, k, k, None, True, None, ring.contiguous_schedule)
+    return seen["per_group"]
+
+
+def test_runtime_and_planner_pick_the_same_groups(monkeypatch):
+    """The ring engine asks head_groups with the method's own formula and the tensors'
+    sizes: the group it builds is the planner's."""
     q = torch.randn(1, 4096, 8, 64, dtype=torch.bfloat16)
     k = torch.randn(1, 4096, 4, 64, dtype=torch.bfloat16)
     for budget in (0, 3 * 2**20, 2**30):
-        with attention_buffer_budget(budget), pytest.raises(RuntimeError, match="stop"):
-            ring.run_ring(q, k, k, None, True, None, ring.contiguous_schedule)
         want = ec.METHODS["ring_attn"].kv_heads_per_group(AttentionDims(8, 4, 64), 4096, 2, 2,
                                                           budget=budget)
-        assert seen["per_group"] == want
+        assert ring_group_at_run_time(monkeypatch, q, k, budget) == want

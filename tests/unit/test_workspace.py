@@ -16,6 +16,8 @@ from easy_context.parallel.head_groups import attention_buffer_budget, kv_heads_
 from easy_context.plan.estimate import estimate_memory, kernel_workspace
 from easy_context.plan.shapes import load_shape
 
+from .test_head_groups import ring_group_at_run_time
+
 GIB = 2**30
 S = 128 * 1024  # tokens per rank
 
@@ -59,32 +61,19 @@ def test_runtime_groups_count_the_kernel_workspace(monkeypatch):
     stand-in on CPU tensors), and the planner picks the same group with the same family."""
     import easy_context.parallel.ring as ring
 
-    seen = {}
-
-    def spy(algo, *tensors):
-        seen["per_group"] = algo.kv_heads_per_group
-        raise RuntimeError("stop")
-
-    monkeypatch.setattr(ring, "run_attention", spy)
-    monkeypatch.setattr(ring.dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(ring, "select_kernel", lambda q: _named("flash_attn"))
     q = torch.randn(1, 4096, 8, 64, dtype=torch.bfloat16)
     k = torch.randn(1, 4096, 4, 64, dtype=torch.bfloat16)
-    m = ec.METHODS["ring_attn"]
-    dims = AttentionDims(8, 4, 64)
+    m, dims = ec.METHODS["ring_attn"], AttentionDims(8, 4, 64)
     for budget in (12 * 2**20, 26 * 2**20, 2**30):
-        with attention_buffer_budget(budget), pytest.raises(RuntimeError, match="stop"):
-            ring.run_ring(q, k, k, None, True, None, ring.contiguous_schedule)
         want = m.kv_heads_per_group(dims, 4096, 2, 2, budget=budget,
                                     workspace=kernel_workspace("gpu", 2))
-        assert seen["per_group"] == want
-        without = m.kv_heads_per_group(dims, 4096, 2, 2, budget=budget)
-        assert want <= without
-    assert seen["per_group"] == 4  # a gigabyte holds them all
+        assert ring_group_at_run_time(monkeypatch, q, k, budget) == want
+        assert want <= m.kv_heads_per_group(dims, 4096, 2, 2, budget=budget)
+    assert ring_group_at_run_time(monkeypatch, q, k, 2**30) == 4  # a gigabyte holds them all
     # 26 MiB: four KV heads of ring buffers (6.3 MB each) fit, two with the workspace (4.2 MB)
-    with attention_buffer_budget(26 * 2**20), pytest.raises(RuntimeError, match="stop"):
-        ring.run_ring(q, k, k, None, True, None, ring.contiguous_schedule)
-    assert seen["per_group"] == 2 < m.kv_heads_per_group(dims, 4096, 2, 2, budget=26 * 2**20) == 4
+    assert ring_group_at_run_time(monkeypatch, q, k, 26 * 2**20) == 2
+    assert m.kv_heads_per_group(dims, 4096, 2, 2, budget=26 * 2**20) == 4
 
 
 def test_local_attention_runs_head_groups_when_the_workspace_passes_the_budget():
