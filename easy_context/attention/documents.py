@@ -80,10 +80,12 @@ def once_per_ids(ids: Tensor, key: tuple, build: Callable[[], object]):
     documents_per_call.py). The next micro-batch is a new tensor; an in-place change of this
     one (its version counter) builds again. Every rank of a group caches alike (the same calls
     on the same ids), so a collective in ``build`` runs on all of them or on none."""
+    # inference tensors (the evals run under inference_mode) keep no version counter
+    current = "inference" if ids.is_inference() else ids._version
     version, cache = getattr(ids, "_ec_document_runs", (None, None))
-    if version != ids._version:
+    if version != current:
         cache = {}
-        ids._ec_document_runs = (ids._version, cache)
+        ids._ec_document_runs = (current, cache)
     if key not in cache:
         cache[key] = build()
     return cache[key]

@@ -187,6 +187,11 @@ def count_document_scans(method: str, ring_degree: int | None = None, layers: in
         ec.sequence_parallel_attention(*local, method, **{**kw, "document_ids": doc.clone()}).sum().backward()
         doc.add_(0)  # an in-place change: the ids might differ now
         ec.sequence_parallel_attention(*local, method, **kw).sum().backward()
+        with torch.inference_mode():  # as the evals run: ids without a version counter
+            frozen = doc.clone()
+            for _ in range(2):
+                ec.sequence_parallel_attention(*(t.detach() for t in local), method,
+                                               **{**kw, "document_ids": frozen})
     finally:
         documents.ShardDocuments.from_ids = real_from_ids
     return {"per_batch": per_batch, "total": counts}
