@@ -149,9 +149,11 @@ class LayerStorage:
             entry.arrived = torch.cuda.Event()
             entry.arrived.record(stream)
 
-    def _fetch_now(self, entry: _Entry) -> list[Tensor]:
-        """A device copy of an entry's tensors, ready on the current stream (not prefetched)."""
-        self._to_device(entry)
+    def _take(self, entry: _Entry) -> list[Tensor]:
+        """The device copy of an entry's tensors, ready on the current stream: the prefetched
+        one, else copied now."""
+        if entry.arriving is None:
+            self._to_device(entry)
         tensors, entry.arriving = entry.arriving, None
         if entry.arrived is not None:
             current = torch.cuda.current_stream(entry.device)
@@ -195,17 +197,9 @@ class LayerStorage:
             tensors = entry
         elif callable(entry):  # a recipe
             tensors = [entry()]
-        elif entry.arriving is None:  # not prefetched: the first one
-            tensors = self._fetch_now(entry)
+        else:  # prefetched, or (the first one) copied now
+            tensors = self._take(entry)
             self._release(entry)  # popped: its host copy is done with
-        else:
-            tensors = entry.arriving
-            self._release(entry)
-            if entry.arrived is not None:
-                current = torch.cuda.current_stream(entry.device)
-                current.wait_event(entry.arrived)
-                for t in tensors:
-                    t.record_stream(current)
         self.forwards.pop(index, None)
         previous = self.entries.get(index - 1)
         if isinstance(previous, _Entry) and previous.arriving is None:
@@ -217,7 +211,7 @@ class LayerStorage:
         keep the inputs they produce on the host, return layer index's (on the device)."""
         first = index - index % self.keep_every
         kept = self.entries[first]
-        x = kept() if callable(kept) else self._fetch_now(kept)[0]
+        x = kept() if callable(kept) else self._take(kept)[0]
         for i in range(first, index):
             # the layer whose backward comes next keeps the attention it computes on the way
             # (on the device: offloading is for when the device is the limit, so not then)
@@ -263,17 +257,8 @@ class HostCheckpoints:
             t = slot
         else:
             entry = self.entries[index][slot]
-            if entry.arriving is None:  # not prefetched (the layer after it kept nothing)
-                (t,) = self.copies._fetch_now(entry)
-                self.copies._release(entry)
-            else:
-                (t,) = entry.arriving
-                self.copies._release(entry)
-                if entry.arrived is not None:
-                    current = torch.cuda.current_stream(entry.device)
-                    current.wait_event(entry.arrived)
-                    t.record_stream(current)
-                entry.arriving = None
+            (t,) = self.copies._take(entry)  # prefetched, unless the layer after kept it
+            self.copies._release(entry)
         for previous in self.entries.get(index - 1, ()):
             if previous.arriving is None and previous.host:
                 self.copies._to_device(previous)  # overlaps this layer's backward

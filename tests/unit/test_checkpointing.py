@@ -33,11 +33,12 @@ def test_offload_trains_like_full_and_holds_each_input_once(monkeypatch):
         if kind == "offload":
             storage = model._ec_host_checkpoints
             seen = []
-            real_fetch, real_prefetch = storage.copies._fetch_now, storage.copies._to_device
-            monkeypatch.setattr(storage.copies, "_fetch_now",
-                                lambda e: seen.append("fetch") or real_fetch(e))
+            real_take, real_copy = storage.copies._take, storage.copies._to_device
+            # a take of an entry with no copy on its way is a copy the layer waits for
+            monkeypatch.setattr(storage.copies, "_take", lambda e: seen.append(
+                "fetch" if e.arriving is None else "arrived") or real_take(e))
             monkeypatch.setattr(storage.copies, "_to_device",
-                                lambda e: seen.append("prefetch") or real_prefetch(e))
+                                lambda e: seen.append("prefetch") or real_copy(e))
         for _ in range(2):  # a second step reuses the first step's host buffers
             model.zero_grad()
             model(input_ids=ids, labels=ids).loss.backward()
@@ -50,7 +51,7 @@ def test_offload_trains_like_full_and_holds_each_input_once(monkeypatch):
     assert storage.copies.pool.bytes == (layers - 1) * seq * TINY["hidden_size"] * 4
     # in backward no layer waits for a copy it asks for: each offloaded layer's input was
     # on its way back while the layer after it ran backward (the last kept on the device)
-    assert seen == ["prefetch"] * (2 * (layers - 1)), seen
+    assert seen == ["prefetch", "arrived"] * (2 * (layers - 1)), seen
 
 
 def test_the_pool_holds_exact_bytes_where_the_caching_allocator_rounds_up():
