@@ -159,8 +159,10 @@ def installed_flash_attn() -> Kernel | None:
     return kernels[0] if kernels else None
 
 
+@functools.lru_cache(maxsize=None)
 def fa4_version() -> str | None:
-    """The installed flash-attn-4 version (its first betas were named flash-attn4)."""
+    """The installed flash-attn-4 version (its first betas were named flash-attn4); read once,
+    as ``usable`` asks for it on every CUDA attention call."""
     return _version("flash-attn-4") or _version("flash-attn4")
 
 

@@ -73,10 +73,12 @@ def installed(monkeypatch):
         if fa4:
             monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", standins.flash_attn_4())
         fa.installed_flash_attn_kernels.cache_clear()
+        fa.fa4_version.cache_clear()
         return fa.installed_flash_attn_kernels()
 
     yield install
     fa.installed_flash_attn_kernels.cache_clear()
+    fa.fa4_version.cache_clear()
 
 
 @pytest.mark.parametrize("version,ops", [("2.6.3", "fa26"), ("2.7.4.post1", "fa27"),
