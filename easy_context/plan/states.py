@@ -19,11 +19,12 @@ class States:
     host: int
 
 
-def parameter_shapes(shape: ModelShape) -> list[tuple[int, int]]:
+def parameter_shapes(shape: ModelShape, linears: bool = True) -> list[tuple[int, int]]:
     """(rows, columns) of every parameter tensor (norms: (hidden, 1)), as FSDP2 shards them
-    (along rows)."""
+    (along rows); ``linears=False`` leaves out the decoder layers' linear weights."""
     h = shape.hidden
-    layer = [(out, inp) for inp, out in linear_dims(shape).values()] + [(h, 1), (h, 1)]
+    layer = [(out, inp) for inp, out in linear_dims(shape).values()] if linears else []
+    layer += [(h, 1), (h, 1)]
     if shape.qkv_bias:
         layer += [(shape.heads * shape.hd, 1)] + [(shape.kv_heads * shape.hd, 1)] * 2
     embeddings = [(shape.vocab, h)] * (1 if shape.tied_embeddings else 2)
@@ -38,12 +39,8 @@ def pinned_rounding(shape: ModelShape, world_size: int, bytes_per: int = 4,
     weights are not FSDP parameters (a 4-bit base)."""
     from ..memory.pinned import caching_allocator_bytes
 
-    shapes = parameter_shapes(shape)
-    if without_linears:
-        linears = {(out, inp) for inp, out in linear_dims(shape).values()}
-        shapes = [rc for rc in shapes if rc not in linears or rc[1] == 1]
     extra = 0
-    for rows, cols in shapes:
+    for rows, cols in parameter_shapes(shape, linears=not without_linears):
         nbytes = -(-rows // world_size) * cols * bytes_per
         extra += caching_allocator_bytes(nbytes) - nbytes
     return extra
