@@ -137,3 +137,20 @@ def pad_to_multiple(input_ids: torch.Tensor, target_ids: torch.Tensor | None, mu
         view[dim] = extra
         position_ids = torch.cat([position_ids, last + steps.view(view)], dim=dim)
     return _pad(input_ids, pad_id), _pad(target_ids, ignore_index), position_ids
+
+
+def segments(layout: str, rank: int, world_size: int, length: int,
+             ring_degree: int | None = None) -> tuple[tuple[int, int, int], ...]:
+    """Where rank ``rank``'s shard of ``length`` rows sits in the sequence: stretches of
+    consecutive positions as (first row, one past the last row, position of the first row).
+    What sliding windows and chunks are planned from (attention/documents.py)."""
+    _check_degrees(layout, world_size, ring_degree)
+    if layout == "whole" or world_size == 1:
+        return ((0, length, 0),)
+    if layout == "contiguous":
+        return ((0, length, rank * length),)
+    if layout == "zigzag":
+        c = length // 2
+        return ((0, c, rank * c), (c, length, (2 * world_size - 1 - rank) * c))
+    raise ValueError("usp shards are planned as the Ulysses-gathered zigzag shards of the ring "
+                     "(parallel/usp.py); ask for the zigzag segments of the ring rank")

@@ -14,6 +14,7 @@ from .mesh import SPGroup, group_size
 from .parallel import get_method
 from .parallel.function import check_inputs
 from .parallel.local import local_attention
+from .attention.variants import variant_of
 
 Tensor = torch.Tensor
 
@@ -64,7 +65,10 @@ def sequence_parallel_attention(q: Tensor, k: Tensor, v: Tensor, method: str,
                                 group=None, causal: bool = True,
                                 softmax_scale: float | None = None,
                                 ring_degree: int | None = None,
-                                document_ids: Tensor | None = None) -> Tensor:
+                                document_ids: Tensor | None = None,
+                                sliding_window: int | None = None,
+                                chunk_size: int | None = None, softcap: float | None = None,
+                                sinks: Tensor | None = None) -> Tensor:
     """Exact attention over a sequence sharded across ``group`` (None: the world; or an
     easy_context.mesh.SPGroup).
 
@@ -75,8 +79,16 @@ def sequence_parallel_attention(q: Tensor, k: Tensor, v: Tensor, method: str,
     j <= i when causal). Every method supports it, with no mask (attention/documents.py);
     ids that increase along the sequence (document_ids_from_positions) need the fewest
     kernel calls.
+
+    What a model's layer adds, exactly, in every method (forward and backward):
+    ``sliding_window`` (transformers' meaning: token i sees j iff i - j < sliding_window),
+    ``chunk_size`` (Llama 4's chunked attention: iff i // chunk_size == j // chunk_size),
+    ``softcap`` (scores -> softcap * tanh(scores / softcap)), ``sinks`` (Hq,) learned logits
+    that join every softmax (GPT-OSS). v may have its own head dim (multi-head latent
+    attention); the output then has v's.
     """
     m = get_method(method)
+    variant = variant_of(sliding_window, chunk_size, softcap)
     if document_ids is not None and not m.documents:
         raise ValueError(f"{m.name} does not support packed documents (document_ids) yet; use "
                          "another method, or pack one document per sequence")
@@ -84,10 +96,11 @@ def sequence_parallel_attention(q: Tensor, k: Tensor, v: Tensor, method: str,
     if world == 1:
         # One rank holds the whole sequence: plain attention (no ring, no all-to-all).
         return local_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                               document_ids=document_ids)
-    check_inputs(q, k, v, document_ids)
+                               document_ids=document_ids, variant=variant, sinks=sinks)
+    check_inputs(q, k, v, document_ids, sinks)
     if ring_degree is None and m.needs_ring_degree and isinstance(group, SPGroup):
         ring_degree = group.ring_degree
     m.check(q.size(2), k.size(2), world, ring_degree)
+    extra = {} if variant is None and sinks is None else {"variant": variant, "sinks": sinks}
     return m.attention(q, k, v, group=group, causal=causal, softmax_scale=softmax_scale,
-                       document_ids=document_ids, ring_degree=ring_degree)
+                       document_ids=document_ids, ring_degree=ring_degree, **extra)

@@ -8,7 +8,7 @@ gradients it returns are exactly the block's share of the full-attention gradien
 The contract every backend meets (tested on CPU for all of them, see tests/unit/test_kernels*):
     q:   (B, Sq, Hq, D)          k, v: (B, Sk, Hkv, D), Hq % Hkv == 0 (GQA, never repeated
          by the caller); any strides with a contiguous last dim (head-group and row views)
-    forward(q, k, v, causal, scale)  -> out (B, Sq, Hq, D) in q's dtype,
+    forward(q, k, v, causal, scale)  -> out (B, Sq, Hq, Dv) in q's dtype,
                                         lse (B, Hq, Sq) float32, natural log
     backward(dout, q, k, v, out, lse, causal, scale) -> dq, dk, dv shaped like q, k, v
 ``causal=True`` is only ever handed a *square* block (Sq == Sk, the same tokens on both
@@ -16,6 +16,16 @@ sides): there the top-left alignment of torch's ops and the bottom-right alignme
 flash-attn agree, so no backend's convention matters. Kernels refuse anything else.
 No kernel takes a mask: packed documents are cut into sub-blocks that are each either full
 or causal-square (easy_context.attention.documents), so no (Sq, Sk) tensor ever exists.
+
+What models add beyond that (attention/variants.py turns any kernel into one that does all
+of it, exactly, with what the kernel lacks done around it):
+- ``window=(left, right)``, flash-attn's sliding window, bottom-right aligned: query i sees
+  key j iff i + Sk - Sq - left <= j <= i + Sk - Sq + right (-1: unbounded); with ``causal``
+  False. Callers (documents.py) trim a call first, so that a bounded side is >= 0 and every
+  query sees a key.
+- ``softcap=c``: scores s -> c * tanh(s / c) before the softmax (Gemma 2).
+- v's head dim Dv may differ from q's and k's (multi-head latent attention: 192 and 128).
+A kernel says which of these it does itself (:class:`Kernel` flags).
 """
 
 from __future__ import annotations
@@ -37,14 +47,25 @@ class Kernel:
     name: str
     forward: Callable[..., tuple[Tensor, Tensor]]
     backward: Callable[..., tuple[Tensor, Tensor, Tensor]]
+    windows: bool = False
+    """takes ``window=(left, right)`` itself"""
+    softcap: bool = False
+    """takes ``softcap=`` itself"""
+    value_dim: bool = False
+    """runs a v head dim different from q's"""
 
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
-def check_block(q: Tensor, k: Tensor, causal: bool) -> None:
-    """The one shape rule of the contract: causal blocks are square (see the module doc)."""
+def check_block(q: Tensor, k: Tensor, causal: bool,
+                window: tuple[int, int] | None = None) -> None:
+    """The shape rules of the contract: causal blocks are square, a window comes without
+    ``causal`` (see the module doc)."""
+    if window is not None and causal:
+        raise ValueError("a windowed call says its whole band in window=(left, right); "
+                         "pass causal=False with it")
     if causal and q.size(1) != k.size(1):
         raise ValueError(f"a causal block must be square (the same tokens on both sides); got "
                          f"{q.size(1)} query rows and {k.size(1)} key rows")

@@ -17,6 +17,14 @@ non-decreasing along the sequence, each id is one run per shard and a block need
 call per document in it. Ids that return to an earlier value (the same id in two separate
 stretches) are exact too: every pair of same-id runs gets its call (then a row can receive
 partials from several calls of one block; they are summed in float32).
+
+Sliding windows and chunked attention (:class:`Geometry`) are planned the same way, from
+where each shard's rows sit in the sequence (its layout's segments): a pair of runs is cut
+at every jump of the sequence index and at every chunk boundary, and each piece is trimmed
+to the queries and keys that see something. A piece no query sees is no call (a block of
+such pieces costs nothing: ring.py skips its step); one wholly inside the window is a full
+call or a causal square; one the window cuts is one call with flash-attn's window
+(``Call.window``), which kernels without a window tile (bands.py).
 """
 
 from __future__ import annotations
@@ -29,6 +37,22 @@ import torch
 Tensor = torch.Tensor
 ALL = slice(None)
 Run = tuple[int, int, int]  # (document id, first row, one past the last row)
+Segment = tuple[int, int, int]  # (first row, one past the last row, sequence index of the first)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Which keys a layer lets a query see by position, and where the rows of each shard sit.
+
+    ``segments[shard]``: the shard's rows as stretches of consecutive sequence positions
+    (layouts.segments). ``window``: the sliding window (transformers' ``sliding_window``):
+    query i sees key j iff i - j < window. ``chunk``: chunked attention (Llama 4's
+    ``attention_chunk_size``): iff i // chunk == j // chunk. Both on top of ``causal``."""
+
+    segments: tuple[tuple[Segment, ...], ...]
+    causal: bool
+    window: int | None = None
+    chunk: int | None = None
 
 
 def document_ids_from_positions(position_ids: Tensor) -> Tensor:
@@ -67,6 +91,8 @@ class Call:
     q: slice
     kv: slice
     causal: bool
+    window: tuple[int, int] | None = None
+    """flash-attn's (left, right), bottom-right aligned, on the call's rows (causal False)."""
 
 
 def once_per_ids(ids: Tensor, key: tuple, build: Callable[[], object]):
@@ -113,11 +139,14 @@ class ShardDocuments:
     runs: tuple[tuple[tuple[Run, ...], ...], ...]
     lengths: tuple[int, ...]
     repeated: bool = False
-    """Some id forms two separate runs within one shard's row (ids not non-decreasing)."""
+    """A query row may be in several calls of one block: some id forms two separate runs
+    within one shard's row (ids not non-decreasing), or a geometry cuts rows into pieces."""
+    geometry: Geometry | None = None
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def from_ids(cls, ids: Tensor | list[Tensor]) -> "ShardDocuments":
+    def from_ids(cls, ids: Tensor | list[Tensor],
+                 geometry: Geometry | None = None) -> "ShardDocuments":
         """``ids``: a (shards, B, S) integer tensor, or a list of (B, S_i) ones (shards of
         different lengths); any device, copied to the host once."""
         shards = list(ids.unbind(0)) if isinstance(ids, Tensor) else list(ids)
@@ -126,7 +155,13 @@ class ShardDocuments:
         runs = tuple(tuple(runs_of(row) for row in t.detach().to("cpu").tolist())
                      for t in shards)
         repeated = any(len({r[0] for r in row}) < len(row) for shard in runs for row in shard)
-        return cls(runs, tuple(t.size(1) for t in shards), repeated)
+        return cls(runs, tuple(t.size(1) for t in shards), repeated or geometry is not None,
+                   geometry)
+
+    @classmethod
+    def plain(cls, lengths: tuple[int, ...], geometry: Geometry) -> "ShardDocuments":
+        """One document per sequence: only ``geometry`` decides what is seen."""
+        return cls(tuple(((( 0, 0, n),),) for n in lengths), tuple(lengths), True, geometry)
 
     def calls(self, q_shard: int, q_rows: slice, kv_shard: int, kv_rows: slice,
               causal: bool) -> list[Call]:
@@ -141,6 +176,8 @@ class ShardDocuments:
 
     def _plan(self, q_shard, q_span, kv_shard, kv_span, causal) -> list[Call]:
         (q0, q1), (k0, k1) = q_span, kv_span
+        if self.geometry is not None:
+            return self._plan_geometry(q_shard, q_span, kv_shard, kv_span)
         per_row = [_pairs(_clip(qr, q0, q1), _clip(kr, k0, k1), causal)
                    for qr, kr in zip(self.runs[q_shard], self.runs[kv_shard])]
         if all(p == per_row[0] for p in per_row):  # every batch row alike: one batched call
@@ -151,6 +188,84 @@ class ShardDocuments:
         return [Call(batch, ALL, ALL, c) if (qs, ks, c) == whole else
                 Call(batch, slice(*qs), slice(*ks), c)
                 for batch, pairs in rows for qs, ks, c in pairs]
+
+
+    def _plan_geometry(self, q_shard, q_span, kv_shard, kv_span) -> list[Call]:
+        g = self.geometry
+        qs = [_units(_clip(r, *q_span), g.segments[q_shard], q_span[0], g.chunk)
+              for r in self.runs[q_shard]]
+        ks = [_units(_clip(r, *kv_span), g.segments[kv_shard], kv_span[0], g.chunk)
+              for r in self.runs[kv_shard]]
+        if len(ks) == 1 and len(qs) > 1:  # plain keys meet every batch row alike
+            ks = ks * len(qs)
+        if len(qs) == 1 and len(ks) > 1:
+            qs = qs * len(ks)
+        per_row = [tuple(band for qu in q_units for ku in k_units if qu[0] == ku[0]
+                         if (band := _band(qu, ku, g.causal, g.window)) is not None)
+                   for q_units, k_units in zip(qs, ks)]
+        if all(p == per_row[0] for p in per_row):
+            rows = [(ALL, per_row[0])]
+        else:
+            rows = [(slice(b, b + 1), p) for b, p in enumerate(per_row)]
+        whole = ((0, q_span[1] - q_span[0]), (0, kv_span[1] - kv_span[0]))
+        return [Call(batch, ALL if (qr, kr) == whole else slice(*qr),
+                     ALL if (qr, kr) == whole else slice(*kr), c, w)
+                for batch, bands in rows for qr, kr, c, w in bands]
+
+
+Unit = tuple[tuple, int, int, int]  # ((document id, chunk), first row, stop, sequence index)
+
+
+def _units(runs: list[Run], segments: tuple[Segment, ...], offset: int,
+           chunk: int | None) -> list[Unit]:
+    """Block-relative runs cut where the sequence index jumps (segments, in shard rows) and
+    at chunk boundaries; each piece with the sequence index of its first row."""
+    out = []
+    for d, a, b in runs:
+        for s0, s1, start in segments:
+            lo, hi = max(a + offset, s0), min(b + offset, s1)
+            while lo < hi:
+                index = start + lo - s0
+                piece = hi - lo if chunk is None else min(hi - lo, chunk - index % chunk)
+                out.append(((d, None if chunk is None else index // chunk), lo - offset,
+                            lo - offset + piece, index))
+                lo += piece
+    return out
+
+
+def _band(qu: Unit, ku: Unit, causal: bool, window: int | None):
+    """((q rows), (kv rows), causal, window) of the call between two units, None if no query
+    sees a key. Visible: 0 <= i - j (causal) and i - j <= window - 1, on sequence indices."""
+    _, qa, qb, qi = qu
+    _, ka, kb, ki = ku
+    dmin = 0 if causal else None
+    dmax = None if window is None else window - 1
+    q_first, q_last, k_first, k_last = qi, qi + qb - qa - 1, ki, ki + kb - ka - 1
+    if dmax is not None:
+        k_first = max(k_first, q_first - dmax)
+    if dmin is not None:
+        k_last = min(k_last, q_last - dmin)
+    if k_first > k_last:
+        return None
+    if dmin is not None:
+        q_first = max(q_first, k_first + dmin)
+    if dmax is not None:
+        q_last = min(q_last, k_last + dmax)
+    if q_first > q_last:
+        return None
+    rows = (qa + q_first - qi, qa + q_last - qi + 1)
+    keys = (ka + k_first - ki, ka + k_last - ki + 1)
+    nq, nk = q_last - q_first + 1, k_last - k_first + 1
+    if ((dmin is None or q_first - k_last >= dmin)
+            and (dmax is None or q_last - k_first <= dmax)):
+        return rows, keys, False, None  # every query sees every key
+    if q_first == k_first and nq == nk and dmin == 0 and (dmax is None or nq - 1 <= dmax):
+        return rows, keys, True, None  # the same tokens on both sides
+    # flash-attn's window on the call: j - i in [nk - nq - left, nk - nq + right]
+    off, diag = nk - nq, q_first - k_first
+    right = -1 if dmin is None else diag - dmin - off
+    left = -1 if dmax is None else off - diag + dmax
+    return rows, keys, False, (left, right)
 
 
 def _bounds(rows: slice, length: int) -> tuple[int, int]:

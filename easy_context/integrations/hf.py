@@ -41,44 +41,49 @@ def hf_attention_name(method: str) -> str:
 
 
 
-def _unsupported(module: nn.Module, query: Tensor, key: Tensor, dropout: float, kwargs: dict,
-                 world: int) -> str | None:
+def _unsupported(module: nn.Module, query: Tensor, key: Tensor, dropout: float,
+                 kwargs: dict) -> str | None:
     """Why this attention call cannot run sequence-parallel, or None."""
     if query.size(2) != key.size(2):
         return ("queries and keys differ in length (a KV cache: decoding); sequence-parallel "
                 "attention runs on whole sequences, so generate in one process with "
                 "attn_implementation='sdpa'")
-    window = kwargs.get("sliding_window")
-    if window is not None and window < query.size(2) * world:
-        return (f"layer {getattr(module, 'layer_idx', '?')} uses sliding-window attention "
-                f"(window {window} < sequence {query.size(2) * world}); set "
-                "config.sliding_window=None (and config.use_sliding_window=False) to train "
-                "with full attention")
-    if kwargs.get("softcap") is not None:
-        return "attention logit soft-capping (softcap) is not supported by the block kernels"
-    if kwargs.get("s_aux") is not None:
-        return "attention sinks (s_aux) are not supported by the block kernels"
     if dropout and dropout > 0:
         return f"attention dropout ({dropout}) is not supported; set config.attention_dropout=0"
     return None
+
+
+def layer_chunk(module: nn.Module) -> int | None:
+    """The chunk size of a chunked-attention layer (Llama 4: ``layer_types[i] ==
+    "chunked_attention"``, ``attention_chunk_size``), None for the others. transformers hands
+    it to no attention function (the mask carries it), so it is read from the config."""
+    config = getattr(module, "config", None)
+    types = getattr(config, "layer_types", None) or []
+    index = getattr(module, "layer_idx", None)
+    if index is None or index >= len(types) or types[index] != "chunked_attention":
+        return None
+    return getattr(config, "attention_chunk_size", None)
 
 
 def _make_attention(method: str):
     def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                   attention_mask: Tensor | None, scaling: float | None = None,
                   dropout: float = 0.0, **kwargs):
-        # query (B, Hq, S, D), key/value (B, Hkv, S, D), not repeated for GQA.
+        # query (B, Hq, S, D), key (B, Hkv, S, D), value (B, Hkv, S, Dv), not repeated for
+        # GQA; what the layer adds comes as transformers hands it to flash attention:
+        # sliding_window, softcap, s_aux (sinks); chunks from the config (layer_chunk).
         settings = module_settings(module) or SequenceParallelSettings(method)
-        world = group_size(settings.group)
-        reason = _unsupported(module, query, key, dropout, kwargs, world)
+        reason = _unsupported(module, query, key, dropout, kwargs)
         if reason:
             raise ValueError(f"{method}: {reason}")
         out = sequence_parallel_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), method,
             group=settings.group, causal=getattr(module, "is_causal", True),
             softmax_scale=scaling, ring_degree=settings.ring_degree,
-            document_ids=kwargs.get("document_ids"))
-        return out, None  # (B, S, Hq, D), no attention weights
+            document_ids=kwargs.get("document_ids"),
+            sliding_window=kwargs.get("sliding_window"), chunk_size=layer_chunk(module),
+            softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
+        return out, None  # (B, S, Hq, Dv), no attention weights
 
     attention.__name__ = f"{method}_hf_attention"
     return attention
@@ -94,25 +99,35 @@ def _text_config(model: nn.Module):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+
+
 def check_model_supported(model: nn.Module) -> None:
-    """Raise a ValueError naming the reason when ``model`` cannot run sequence-parallel."""
+    """Raise a ValueError naming the reason when ``model`` cannot run sequence-parallel.
+
+    Every attention layer can (full, sliding-window, chunked; soft-capped, with sinks, with
+    its own value head dim). Layers that are not softmax attention (Mamba, Gated DeltaNet,
+    linear attention, short convolutions: Qwen3-Next, Jamba, LFM2, ...) carry state along the
+    sequence that no method here splits: they are refused by name."""
     config = _text_config(model)
-    layer_types = getattr(config, "layer_types", None) or []
-    sliding = [i for i, t in enumerate(layer_types) if "sliding" in str(t) or "chunked" in str(t)]
-    if sliding:
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    if not layer_types and getattr(config, "layers_block_type", None):
+        layer_types = list(config.layers_block_type)  # Jamba-style configs
+    other = sorted({str(t) for t in layer_types} - ATTENTION_LAYER_TYPES - {"attention"})
+    if other:
+        layers = [i for i, t in enumerate(layer_types) if str(t) in other]
         raise ValueError(
-            f"{type(model).__name__} has sliding-window/chunked attention layers {sliding[:8]}"
-            f"{'...' if len(sliding) > 8 else ''}; sequence-parallel attention is full attention. "
-            "Use a model with full attention in every layer, or set config.layer_types to "
-            "'full_attention' for all layers if the model allows it")
-    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+            f"{type(model).__name__} has layers that are not attention ({', '.join(other)}: "
+            f"layers {layers[:8]}{'...' if len(layers) > 8 else ''}); sequence parallelism "
+            "splits attention only, and these layers carry state along the whole sequence. "
+            "Use a model whose every layer is attention")
+    if getattr(config, "attn_temperature_tuning", False) and any(
+            not getattr(m, "use_rope", True) for m in _attention_modules(model)):
         raise ValueError(
-            f"{type(model).__name__} uses sliding-window attention (use_sliding_window=True, "
-            f"sliding_window={config.sliding_window}); set config.use_sliding_window=False")
-    for name in ("attn_logit_softcapping",):
-        if getattr(config, name, None):
-            raise ValueError(f"{type(model).__name__} uses {name}={getattr(config, name)}, "
-                             "which the block attention kernels do not support")
+            f"{type(model).__name__} scales the queries of its NoPE layers by their position "
+            "(attn_temperature_tuning), which transformers computes from the local shard's "
+            "length, not the tokens' positions in the sequence, so it would differ under "
+            "sequence parallelism; set config.attn_temperature_tuning=False to train without it")
 
 
 _MASK_HOOK_ATTR = "_easy_context_mask_hook"

@@ -148,14 +148,25 @@ class Run:
             q[:, t], k[:, t], v[:, t] = self.project(x[:, t], w, hq, hkv)
         return q, k, v
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """RoPE and the model's attention function on one group: (B, S, h, D) -> (B, S, hq, D)."""
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
+               sinks: Tensor | None = None) -> Tensor:
+        """RoPE and the model's attention function on one group: (B, S, h, D) -> (B, S, hq, D).
+        What the layer's own forward hands its attention function beyond q, k, v goes with
+        it: the sliding window, soft-capping, and the group's attention sinks."""
         a = self.spec.attn
         qr, kr = self.spec.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        extra = {} if sinks is None else {"s_aux": sinks}
+        if getattr(a, "attn_logit_softcapping", None) is not None:
+            extra["softcap"] = a.attn_logit_softcapping
         out, _ = self.spec.attention()(
             a, qr, kr, v.transpose(1, 2), self.attention_mask, dropout=0.0, scaling=a.scaling,
-            sliding_window=getattr(a, "sliding_window", None), **self.attn_kwargs)
+            sliding_window=getattr(a, "sliding_window", None), **extra, **self.attn_kwargs)
         return out
+
+    def sinks(self, qs: slice) -> Tensor | None:
+        """The attention sinks (GPT-OSS) of the group's query heads, or None."""
+        sinks = getattr(self.spec.attn, "sinks", None)
+        return None if sinks is None else sinks[qs]
 
     # ---------------------------------------------------------------- forward pieces
     def attention_forward(self, x: Tensor, cos: Tensor, sin: Tensor):
@@ -165,7 +176,7 @@ class Run:
             q, k, v = self.project_tiled(x, qs, ks)
             rec: list = []
             with recording(rec):
-                outs.append(self.attend(q, k, v, cos, sin))
+                outs.append(self.attend(q, k, v, cos, sin, self.sinks(qs)))
             recorded.append(rec)
             del q, k, v
         return outs, recorded
@@ -275,11 +286,17 @@ def attention_backward(run: Run, x: Tensor, cos: Tensor, sin: Tensor, recorded: 
         with torch.no_grad():
             q, k, v = run.project_tiled(x, qs, ks)
         q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
+        sinks = run.sinks(qs)
+        sinks = None if sinks is None else sinks.detach().requires_grad_(a.sinks.requires_grad)
         with torch.enable_grad(), replaying(rec):
-            out = run.attend(q, k, v, cos, sin)  # the recorded result: no kernel forward
+            out = run.attend(q, k, v, cos, sin, sinks)  # the recorded result: no kernel forward
         # d out = dh @ o_proj.weight[:, the group's columns]
         dout = (dh @ a.o_proj.weight[:, run._rows(qs)].to(dh.dtype)).view_as(out)
-        dq, dk, dv = torch.autograd.grad(out, [q, k, v], dout)
+        with_sinks = sinks is not None and sinks.requires_grad
+        dq, dk, dv, *dsinks = torch.autograd.grad(out, [q, k, v] + ([sinks] if with_sinks else []),
+                                                  dout)
+        if with_sinks:
+            grads.add(a.sinks, dsinks[0], qs)
         # The replayed result is the recorded tensor itself, which the attention function
         # returned as its output: it now carries the graph back to this group's q, k, v
         # leaves. Dropping the record frees them, and the group's output, here rather than

@@ -4,7 +4,7 @@
 Every method takes local shards in the flash-attn layout and the same arguments:
 
     attention(q, k, v, group=None, causal=True, softmax_scale=None, document_ids=None,
-              ring_degree=None) -> out
+              ring_degree=None, variant=None, sinks=None) -> out
     q: (B, S_local, Hq, D), k, v: (B, S_local, Hkv, D), out: (B, S_local, Hq, D)
 """
 

@@ -27,11 +27,13 @@ import torch
 import torch.distributed as dist
 
 from .. import layouts
-from ..attention.documents import ShardDocuments, group_key, once_per_ids
+from ..attention.documents import Geometry, ShardDocuments, group_key, once_per_ids
+from ..attention.variants import Variant, with_softcap
 from ..attention.contract import default_scale
 from ..attention.selection import select_kernel
 from ..mesh import process_group
-from .blocks import backward_block, block_calls, forward_block, group_buffer_choice
+from .blocks import (backward_block, block_calls, forward_block, group_buffer_choice,
+                     plain_documents)
 from .comm import all_gather_into, gather_shards, reduce_scatter_into
 from .function import GroupAlgorithm, check_inputs, run_attention
 from .method import AttentionDims, Method
@@ -40,15 +42,30 @@ from .zigzag import check_two_chunks
 Tensor = torch.Tensor
 
 
+def _pack(k: Tensor, v: Tensor) -> Tensor:
+    """K and V as one tensor to gather: stacked (2, B, s, Hkv, D), or, when their head dims
+    differ (multi-head latent attention), side by side in the last dim (1, B, s, Hkv, Dk+Dv),
+    so that no padding travels."""
+    if k.size(-1) == v.size(-1):
+        return torch.stack([k, v])
+    return torch.cat([k, v], dim=-1).unsqueeze(0)
+
+
+def _unpack(kv: Tensor, dk: int) -> tuple[Tensor, Tensor]:
+    if kv.size(0) == 2:
+        return kv[0], kv[1]
+    return kv[0][..., :dk], kv[0][..., dk:]
+
+
 def _gather_kv(k: Tensor, v: Tensor, group, world: int) -> Tensor:
-    """(2, B, S, Hkv, D): every rank's K and V in sequence order, from one all-gather."""
-    local = torch.stack([k, v])  # (2, B, s, Hkv, D)
+    """Every rank's K and V in sequence order, from one all-gather, packed as :func:`_pack`."""
+    local = _pack(k, v)
     if world == 1:
         return local
-    # gloo wants the output as the inputs concatenated along dim 0: (N*2, B, s, Hkv, D)
-    gathered = local.new_empty(world * 2, *local.shape[1:])
+    # gloo wants the output as the inputs concatenated along dim 0: (N*P, B, s, Hkv, D)
+    gathered = local.new_empty(world * local.size(0), *local.shape[1:])
     all_gather_into(gathered, local, group=group)
-    gathered = gathered.unflatten(0, (world, 2))
+    gathered = gathered.unflatten(0, (world, local.size(0)))
     # rank order along the sequence dim, then zigzag -> sequence order
     return layouts.unshard(gathered.movedim(0, 2).flatten(2, 3), "zigzag", world, dim=2)
 
@@ -66,17 +83,20 @@ def _blocks(rank: int, world: int, c: int, causal: bool):
     return blocks
 
 
-def gather_documents(doc: Tensor | None, group, world: int) -> ShardDocuments | None:
-    """Runs of two shards: 0 = this rank's queries, 1 = the whole sequence in order."""
+def gather_documents(doc: Tensor | None, group, world: int, geometry: Geometry | None = None,
+                     local_len: int | None = None) -> ShardDocuments | None:
+    """Runs of two shards: 0 = this rank's queries, 1 = the whole sequence in order (and,
+    with a sliding window or chunks, where each sits)."""
     if doc is None:
-        return None
+        return None if geometry is None else plain_documents((local_len, world * local_len),
+                                                             geometry)
 
     def build():
         gathered = gather_shards(doc, group)  # (N, B, s)
         whole = layouts.unshard(gathered.movedim(0, 1).flatten(1, 2), "zigzag", world, dim=1)
-        return ShardDocuments.from_ids([doc, whole])
+        return ShardDocuments.from_ids([doc, whole], geometry)
 
-    return once_per_ids(doc, ("gathered", group_key(group), world), build)
+    return once_per_ids(doc, ("gathered", group_key(group), world, geometry), build)
 
 
 def _block_calls(rank, world, s, causal, docs):
@@ -91,12 +111,12 @@ def _block_calls(rank, world, s, causal, docs):
 def allgather_forward(q, k, v, group, causal, scale, kernel, docs=None):
     """(out in q's dtype, lse (B, H, S) float32) for this rank's queries."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    kv = _gather_kv(k, v, group, world)
+    k_all, v_all = _unpack(_gather_kv(k, v, group, world), k.size(-1))
     b, s, h, d = q.shape
-    out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
+    out = torch.zeros(b, s, h, v.size(-1), dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
     for rows, keys, calls in _block_calls(rank, world, s, causal, docs):
-        forward_block(kernel, calls, q[:, rows], kv[0][:, keys], kv[1][:, keys], scale,
+        forward_block(kernel, calls, q[:, rows], k_all[:, keys], v_all[:, keys], scale,
                       out[:, rows], lse[:, :, rows])
     return out.to(q.dtype), lse
 
@@ -106,47 +126,56 @@ def allgather_backward(dout, q, k, v, out, lse, group, causal, scale, kernel, do
     dq, dk, dv = grads
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     kv = _gather_kv(k, v, group, world)
+    k_all, v_all = _unpack(kv, k.size(-1))
     dq_acc = torch.zeros_like(q, dtype=torch.float32)
     dkv = torch.zeros_like(kv, dtype=torch.float32)  # this rank's share, whole sequence
+    dk_all, dv_all = _unpack(dkv, k.size(-1))
     repeated = docs is not None and docs.repeated
     for rows, keys, calls in _block_calls(rank, world, q.size(1), causal, docs):
         dq_b, dk_b, dv_b = backward_block(
-            kernel, calls, dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys],
+            kernel, calls, dout[:, rows], q[:, rows], k_all[:, keys], v_all[:, keys],
             out[:, rows], lse[:, :, rows], scale, sum_float32=repeated)
         dq_acc[:, rows] += dq_b
-        dkv[0][:, keys] += dk_b
-        dkv[1][:, keys] += dv_b
-    del kv
+        dk_all[:, keys] += dk_b
+        dv_all[:, keys] += dv_b
+    del kv, k_all, v_all
     if world > 1:
         # send[r] = rank r's zigzag shard of our share; the sum over ranks lands at r.
         send = torch.stack([layouts.shard(dkv, "zigzag", r, world, dim=2) for r in range(world)])
         dkv = torch.empty_like(send[0])
         reduce_scatter_into(dkv, send.flatten(0, 1), group=group)
     dq.copy_(dq_acc)
-    dk.copy_(dkv[0])
-    dv.copy_(dkv[1])
+    dk_own, dv_own = _unpack(dkv, k.size(-1))
+    dk.copy_(dk_own)
+    dv.copy_(dv_own)
 
 
 def allgather_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = True,
                    softmax_scale: float | None = None, document_ids: Tensor | None = None,
-                   ring_degree: int | None = None) -> Tensor:
+                   ring_degree: int | None = None, variant: Variant | None = None,
+                   sinks: Tensor | None = None) -> Tensor:
     """All-gather attention over zigzag shards. q: (B, S/N, Hq, D), k, v: (B, S/N, Hkv, D).
 
     ``document_ids`` (B, S/N), optional: packed documents; no token attends across them.
     """
-    check_inputs(q, k, v, document_ids)
+    check_inputs(q, k, v, document_ids, sinks)
     check_two_chunks(q)
     scale = default_scale(q.size(-1)) if softmax_scale is None else softmax_scale
     pg = process_group(group)
     world = dist.get_world_size(pg)
+    s = q.size(1)
     dims = AttentionDims(q.size(2), k.size(2), q.size(3))
-    kernel = select_kernel(q)
+    kernel = with_softcap(select_kernel(q), variant and variant.softcap)
     per_group = group_buffer_choice(
-        lambda g: allgather_buffers(dims, q.size(1), q.element_size(), world, None, g), q, k,
-        kernel, (q.size(1), world * k.size(1)))
+        lambda g: allgather_buffers(dims, s, q.element_size(), world, None, g), q, k,
+        kernel, (s, world * k.size(1)))
+    rank = dist.get_rank(pg)
+    geometry = None if variant is None else variant.geometry(
+        (layouts.segments("zigzag", rank, world, s), ((0, world * s, 0),)), causal, world * s)
     algo = GroupAlgorithm(allgather_forward, allgather_backward, pg, bool(causal), scale,
-                          kernel, gather_documents(document_ids, pg, world), per_group)
-    return run_attention(algo, q, k, v)
+                          kernel, gather_documents(document_ids, pg, world, geometry, s),
+                          per_group)
+    return run_attention(algo, q, k, v, sinks)
 
 
 # --------------------------------------------------------------------------- planner costs

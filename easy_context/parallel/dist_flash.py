@@ -40,6 +40,8 @@ import torch.distributed as dist
 from ..attention.documents import Call, ShardDocuments
 from ..attention.contract import Kernel, default_scale
 from ..attention.selection import select_kernel
+from ..attention.variants import Variant, with_softcap
+from .. import layouts
 from ..attention.merge import merge_into
 from ..mesh import process_group
 from .accumulate import GradSum, max_cover, span
@@ -96,10 +98,15 @@ def _calls(task: Task, docs: ShardDocuments | None, causal: bool, length: int) -
                        slice(None), causal and task.q_owner == task.kv_owner)
 
 
-def _steps(world: int, causal: bool, length: int) -> list[list[Task]]:
-    # A shard of one row has an empty first half: drop such tasks (on every rank alike).
-    return [[t for t in step if _rows(t.rows, length).stop > _rows(t.rows, length).start]
-            for step in balanced_schedule(world, causal)]
+def _steps(world: int, causal: bool, length: int,
+           docs: ShardDocuments | None = None) -> list[list[Task]]:
+    # A shard of one row has an empty first half, and under a sliding window or chunks (the
+    # plan's geometry) a block may hold no visible key: drop such tasks, and steps left
+    # empty, with their transfers (every rank holds the same plan, so alike on all).
+    steps = [[t for t in step if _rows(t.rows, length).stop > _rows(t.rows, length).start
+              and (docs is None or docs.geometry is None or _calls(t, docs, causal, length))]
+             for step in balanced_schedule(world, causal)]
+    return [step for step in steps if step] or [[]]
 
 
 def _route(group, rank: int, tasks: list[Task], payload: Callable[[Task, str], list[Tensor]],
@@ -131,9 +138,9 @@ def dist_flash_forward(q: Tensor, k: Tensor, v: Tensor, group, causal: bool, sca
     """Returns out (q's dtype) and lse (B, H, S) float32 for the local queries."""
     rank, world = group_rank_size(group)
     b, s, h, d = q.shape
-    out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
+    out = torch.zeros(b, s, h, v.size(-1), dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
-    steps = _steps(world, causal, s)
+    steps = _steps(world, causal, s, docs)
 
     def inputs(task, side):  # data on the owner, a template of the same shape elsewhere
         return [q[:, _rows(task.rows, s)]] if side == "q" else [k, v]
@@ -172,7 +179,8 @@ def dist_flash_forward(q: Tensor, k: Tensor, v: Tensor, group, causal: bool, sca
             if task.rank == rank:
                 return done[(task, side)]
             rows = _rows(task.rows, s)
-            return [q[:, rows], lse[:, :, rows]]
+            # what arrives: the block's out (v's head dim) in q's dtype, and its lse
+            return [q.new_empty(b, rows.stop - rows.start, h, v.size(-1)), lse[:, :, rows]]
 
         returned = _route(group, rank, tasks, results, to_computer=False)
         if pending is not None:  # the previous step's results arrived while we computed
@@ -213,7 +221,7 @@ def dist_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     s = q.size(1)
     if grads is None:
         grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-    steps = _steps(world, causal, s)
+    steps = _steps(world, causal, s, docs)
     dq_terms, dkv_terms = dist_flash_terms(steps, rank, s)
     dq, dk, dv = GradSum(grads[0], dq_terms), GradSum(grads[1], dkv_terms), GradSum(grads[2], dkv_terms)
 
@@ -286,24 +294,29 @@ def _task_backward(task: Task, rank: int, got: dict, inputs, kernel: Kernel, cau
 
 def dist_flash_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = True,
                     softmax_scale: float | None = None, document_ids: Tensor | None = None,
-                    ring_degree: int | None = None) -> Tensor:
+                    ring_degree: int | None = None, variant: Variant | None = None,
+                    sinks: Tensor | None = None) -> Tensor:
     """DistFlashAttn over contiguous shards. q: (B, S/N, Hq, D), k, v: (B, S/N, Hkv, D).
 
     Every rank of ``group`` (None: the world) must hold a shard of the same length.
     ``document_ids`` (B, S/N), optional: packed documents; no token attends across them.
     """
-    check_inputs(q, k, v, document_ids)
+    check_inputs(q, k, v, document_ids, sinks)
     scale = default_scale(q.size(-1)) if softmax_scale is None else softmax_scale
     pg = process_group(group)
     world = dist.get_world_size(pg)
+    s = q.size(1)
     dims = AttentionDims(q.size(2), k.size(2), q.size(3))
-    kernel = select_kernel(q)
+    kernel = with_softcap(select_kernel(q), variant and variant.softcap)
     per_group = group_buffer_choice(
-        lambda g: dist_flash_buffers(dims, q.size(1), q.element_size(), world, None, g), q, k,
-        kernel, (q.size(1), k.size(1)))
+        lambda g: dist_flash_buffers(dims, s, q.element_size(), world, None, g), q, k,
+        kernel, (s, k.size(1)))
+    geometry = None if variant is None else variant.geometry(
+        tuple(layouts.segments("contiguous", r, world, s) for r in range(world)), causal,
+        world * s)
     algo = GroupAlgorithm(dist_flash_forward, dist_flash_backward, pg, bool(causal), scale,
-                          kernel, shard_documents(document_ids, pg), per_group)
-    return run_attention(algo, q, k, v)
+                          kernel, shard_documents(document_ids, pg, geometry, s), per_group)
+    return run_attention(algo, q, k, v, sinks)
 
 
 def dist_flash_buffers(dims: AttentionDims, s: int, a: int, world: int,

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from ..attention.saving import run_saved
+from ..attention.sinks import check_sinks, fold_sinks, sink_grad
 from .head_groups import backward_into_heads, forward_by_heads
 
 Tensor = torch.Tensor
@@ -62,36 +63,48 @@ class GroupAlgorithm:
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, algo):
-        out, lse = run_saved(lambda: forward_by_heads(algo.forward, q, k, v,
-                                                      algo.kv_heads_per_group))
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, sinks, algo):
+        def compute():
+            out, lse = forward_by_heads(algo.forward, q, k, v, algo.kv_heads_per_group)
+            # the sinks join the softmax once, after every block is merged (sinks.py)
+            return (out, lse) if sinks is None else fold_sinks(out, lse, sinks)
+
+        out, lse = run_saved(compute)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.algo = algo
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = backward_into_heads(ctx.algo.backward, dout.contiguous(), q, k, v, out, lse,
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = backward_into_heads(ctx.algo.backward, dout, q, k, v, out, lse,
                                          ctx.algo.kv_heads_per_group)
-        return dq, dk, dv, None
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            dsinks = sink_grad(dout, out, lse, sinks)
+        return dq, dk, dv, dsinks, None
 
 
-def run_attention(algo, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+def run_attention(algo, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None = None) -> Tensor:
     """Attention of local shards by ``algo``; autograd-aware. The caller has checked the
-    inputs (check_inputs) before any collective."""
-    return _Attention.apply(q, k, v, algo)
+    inputs (check_inputs) before any collective. ``sinks`` (Hq,): attention sinks (sinks.py)
+    for these query heads; their gradient is this rank's rows' share."""
+    return _Attention.apply(q, k, v, sinks, algo)
 
 
-def check_inputs(q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor | None = None) -> None:
+def check_inputs(q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor | None = None,
+                 sinks: Tensor | None = None) -> None:
     """What every method needs: (B, S_local, H, D) shards of one floating dtype on one device,
-    query heads a multiple of the KV heads, document ids (B, S_local) of integers."""
+    query heads a multiple of the KV heads, document ids (B, S_local) of integers. v may have
+    its own head dim (multi-head latent attention); sinks are one logit per query head."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be (batch, seq_local, heads, head_dim); got shapes "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.size(3) != k.size(3):
+    if k.shape[:3] != v.shape[:3] or q.shape[:2] != k.shape[:2] or q.size(3) != k.size(3):
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must "
-                         "agree in batch, sequence and head_dim, and k and v in heads")
+                         "agree in batch and sequence, q and k in head_dim, and k and v in "
+                         "heads")
     if q.size(2) % k.size(2) != 0:
         raise ValueError(f"query heads ({q.size(2)}) must be a multiple of key/value heads "
                          f"({k.size(2)}) for grouped-query attention")
@@ -100,6 +113,8 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor | None = 
                          f"{v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if sinks is not None:
+        check_sinks(sinks, q.size(2), q.device)
     if document_ids is not None:
         if tuple(document_ids.shape) != tuple(q.shape[:2]):
             raise ValueError(f"document_ids must be (batch, seq_local) = {tuple(q.shape[:2])}, "

@@ -88,7 +88,7 @@ def forward_by_heads(forward: Callable[..., tuple[Tensor, Tensor]], q: Tensor, k
     groups = kv_head_groups(q.size(2), k.size(2), per_group)
     if len(groups) == 1:
         return forward(q, k, v)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = q.new_empty(*q.shape[:3], v.size(-1))  # v's head dim (MLA: not q's)
     lse = torch.empty(q.size(0), q.size(2), q.size(1), dtype=torch.float32, device=q.device)
     for qs, ks in groups:
         o, l = forward(q[:, :, qs], k[:, :, ks], v[:, :, ks])

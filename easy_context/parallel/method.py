@@ -10,9 +10,11 @@ shim, the planner and the CLIs all ask the description, so adding a method means
 module and one line of the registry.
 
 Every method computes ``attention(q, k, v, group=None, causal=True, softmax_scale=None,
-document_ids=None, ring_degree=None) -> out`` on local shards in the flash-attn layout:
-q (B, S_local, Hq, D), k and v (B, S_local, Hkv, D); ``group`` is a process group, an
-:class:`~easy_context.mesh.SPGroup`, or None for the world.
+document_ids=None, ring_degree=None, variant=None, sinks=None) -> out`` on local shards in
+the flash-attn layout: q (B, S_local, Hq, D), k (B, S_local, Hkv, D), v (B, S_local, Hkv,
+Dv); ``group`` is a process group, an :class:`~easy_context.mesh.SPGroup`, or None for the
+world; ``variant`` a sliding window, chunks or soft-capping (attention/variants.py),
+``sinks`` (Hq,) attention sinks (attention/sinks.py).
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ class Method:
     name: str
     attention: Callable[..., object]
     """fn(q, k, v, group=None, causal=True, softmax_scale=None, document_ids=None,
-    ring_degree=None) -> out, autograd-aware."""
+    ring_degree=None, variant=None, sinks=None) -> out, autograd-aware."""
     layout: str
     """How the sequence is cut into shards (easy_context.layouts)."""
     summary: str

@@ -25,6 +25,8 @@ import torch.distributed as dist
 from ..attention.documents import ShardDocuments
 from ..attention.contract import Kernel, default_scale
 from ..attention.selection import select_kernel
+from ..attention.variants import Variant, with_softcap
+from .. import layouts
 from ..mesh import process_group
 from .accumulate import GradSum, max_cover, span
 from .blocks import (backward_block, block_calls, forward_block, group_buffer_choice,
@@ -58,21 +60,41 @@ def contiguous_schedule(src: int, rank: int, local_len: int, causal: bool) -> li
     return []  # a later shard: masked out entirely
 
 
+def ring_steps(schedule: Schedule, docs: ShardDocuments | None, world: int, local_len: int,
+               causal: bool) -> int:
+    """How many ring steps any rank needs: all of them, unless a sliding window or chunks
+    (the plan's geometry) leave every block of the last steps empty on every rank; those
+    steps, their kernels and their transfers, are not run. Every rank computes the same
+    number from the same plan (no collective)."""
+    if docs is None or docs.geometry is None:
+        return world
+    for step in range(world - 1, 0, -1):
+        for rank in range(world):
+            src = (rank - step) % world
+            if any(block_calls(docs, rank, blk.q, src, blk.kv, blk.causal)
+                   for blk in schedule(src, rank, local_len, causal)):
+                return step + 1
+    return 1
+
+
 def ring_forward(q: Tensor, k: Tensor, v: Tensor, group, causal: bool, scale: float,
                  schedule: Schedule, kernel: Kernel,
-                 docs: ShardDocuments | None = None) -> tuple[Tensor, Tensor]:
+                 docs: ShardDocuments | None = None, steps: int | None = None,
+                 ) -> tuple[Tensor, Tensor]:
     """Returns out (q's dtype) and lse (B, H, S) float32 for the local queries.
 
     ``docs``: the document runs of every rank's shard (packed sequences): each block runs
     as one kernel call per document it holds (blocks.py), no ids travel with K/V.
+    ``steps``: the ring steps to run (ring_steps; default all).
     """
     rank, world = group_rank_size(group)
+    steps = world if steps is None else steps
     b, s, h, d = q.shape
-    out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
+    out = torch.zeros(b, s, h, v.size(-1), dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
     held = [k, v]  # what travels
-    for step in range(world):
-        if step + 1 < world:  # post the next transfer before computing on this block
+    for step in range(steps):
+        if step + 1 < steps:  # post the next transfer before computing on this block
             exchange, arriving = ring_pass(held, group)
         k_cur, v_cur = held
         src = (rank - step) % world
@@ -80,26 +102,29 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, group, causal: bool, scale: fl
             calls = block_calls(docs, rank, blk.q, src, blk.kv, blk.causal)
             forward_block(kernel, calls, q[:, blk.q], k_cur[:, blk.kv], v_cur[:, blk.kv], scale,
                           out[:, blk.q], lse[:, :, blk.q])
-        if step + 1 < world:
+        if step + 1 < steps:
             exchange.wait()
             held = arriving
     return out.to(q.dtype), lse
 
 
 def ring_terms(schedule: Schedule, rank: int, world: int, local_len: int,
-               causal: bool) -> tuple[int, int]:
-    """The most block partials any element of ``rank``'s dQ, and of its dK/dV, receives."""
-    dq = [span(blk.q, local_len) for src in range(world)
-          for blk in schedule(src, rank, local_len, causal)]
-    dkv = [span(blk.kv, local_len) for computer in range(world)
-           for blk in schedule(rank, computer, local_len, causal)]
+               causal: bool, steps: int | None = None) -> tuple[int, int]:
+    """The most block partials any element of ``rank``'s dQ, and of its dK/dV, receives
+    over the first ``steps`` ring steps (default all)."""
+    steps = world if steps is None else steps
+    dq = [span(blk.q, local_len) for step in range(steps)
+          for blk in schedule((rank - step) % world, rank, local_len, causal)]
+    dkv = [span(blk.kv, local_len) for step in range(steps)
+           for blk in schedule(rank, (rank + step) % world, local_len, causal)]
     return max_cover(dq), max_cover(dkv)
 
 
 def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                   group, causal: bool, scale: float, schedule: Schedule,
                   kernel: Kernel, docs: ShardDocuments | None = None,
-                  grads: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                  grads: tuple[Tensor, Tensor, Tensor] | None = None,
+                  steps: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv in the inputs' dtypes, written into ``grads`` (views to fill) when given.
 
     K/V travel as in forward. Each block's dK/dV partial goes straight back to the shard's
@@ -124,17 +149,18 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     - The dK/dV partials exist only after the kernel: posted after it.
     """
     rank, world = group_rank_size(group)
+    steps = world if steps is None else steps
     s = q.size(1)
     if grads is None:
         grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-    dq_terms, dkv_terms = ring_terms(schedule, rank, world, s, causal)
+    dq_terms, dkv_terms = ring_terms(schedule, rank, world, s, causal, steps)
     dq, dk, dv = GradSum(grads[0], dq_terms), GradSum(grads[1], dkv_terms), GradSum(grads[2], dkv_terms)
     nxt, prv = (rank + 1) % world, (rank - 1) % world
     held = [k, v]  # what travels
     spare = None  # receive buffers whose shard has been passed on: the next one lands there
-    for step in range(world):
+    for step in range(steps):
         src = (rank - step) % world
-        more = step + 1 < world
+        more = step + 1 < steps
         early = more and step > 0
         if early:  # pass the received shard on and fetch the next while the kernel runs
             kv_ex = Exchange(group)
@@ -142,7 +168,7 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
             kv_ex.start()
         owed = _ring_step_backward(dout, q, out, lse, held, docs, src, rank, causal, scale,
                                    schedule, kernel, dq, dk, dv)
-        if world == 1:
+        if steps == 1:  # one rank, or a window inside the shard: nothing travels
             break
         ex = Exchange(group)
         if more and not early:  # step 0: our own shard, after the kernel (see above)
@@ -212,30 +238,39 @@ def _ring_step_backward(dout, q, out, lse, held, docs, src, rank, causal, scale,
 
 
 def run_ring(q, k, v, group, causal, softmax_scale, schedule: Schedule,
-             document_ids: Tensor | None = None) -> Tensor:
-    """A ring method on local shards: ``schedule`` says which blocks each step computes."""
-    check_inputs(q, k, v, document_ids)
+             document_ids: Tensor | None = None, variant: Variant | None = None,
+             sinks: Tensor | None = None, layout: str = "contiguous") -> Tensor:
+    """A ring method on local shards: ``schedule`` says which blocks each step computes,
+    ``layout`` how the shards were cut (where a sliding window or chunks fall)."""
+    check_inputs(q, k, v, document_ids, sinks)
     scale = default_scale(q.size(-1)) if softmax_scale is None else softmax_scale
     pg = process_group(group)
     world = dist.get_world_size(pg)
+    s = q.size(1)
     dims = AttentionDims(q.size(2), k.size(2), q.size(3))
-    kernel = select_kernel(q)
+    kernel = with_softcap(select_kernel(q), variant and variant.softcap)
     per_group = group_buffer_choice(
-        lambda g: ring_buffers(dims, q.size(1), q.element_size(), world, None, g), q, k, kernel,
-        (q.size(1), k.size(1)))
+        lambda g: ring_buffers(dims, s, q.element_size(), world, None, g), q, k, kernel,
+        (s, k.size(1)))
+    geometry = None if variant is None else variant.geometry(
+        tuple(layouts.segments(layout, r, world, s) for r in range(world)), causal, world * s)
+    docs = shard_documents(document_ids, pg, geometry, s)
+    steps = ring_steps(schedule, docs, world, s, bool(causal))
     algo = GroupAlgorithm(ring_forward, ring_backward, pg, bool(causal), scale, kernel,
-                          shard_documents(document_ids, pg), per_group, (("schedule", schedule),))
-    return run_attention(algo, q, k, v)
+                          docs, per_group, (("schedule", schedule), ("steps", steps)))
+    return run_attention(algo, q, k, v, sinks)
 
 
 def ring_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = True,
               softmax_scale: float | None = None, document_ids: Tensor | None = None,
-              ring_degree: int | None = None) -> Tensor:
+              ring_degree: int | None = None, variant: Variant | None = None,
+              sinks: Tensor | None = None) -> Tensor:
     """Ring attention over contiguous shards. q: (B, S/N, Hq, D), k, v: (B, S/N, Hkv, D).
 
     ``document_ids`` (B, S/N), optional: packed documents; no token attends across them.
     """
-    return run_ring(q, k, v, group, causal, softmax_scale, contiguous_schedule, document_ids)
+    return run_ring(q, k, v, group, causal, softmax_scale, contiguous_schedule, document_ids,
+                    variant, sinks, "contiguous")
 
 
 # --------------------------------------------------------------------------- planner costs

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from ..mesh import process_group
 from ..attention.documents import group_key, once_per_ids
 from .comm import Exchange, gather_shards
+from ..attention.variants import Variant
 from .function import check_inputs
 from .local import local_attention
 from .method import AttentionDims, Method, standard_saved_per_token
@@ -167,22 +168,28 @@ def gather_documents(doc: Tensor | None, group, world: int) -> Tensor | None:
 
 
 def ulysses_apply(q: Tensor, k: Tensor, v: Tensor, group, inner: Callable[..., Tensor],
-                  document_ids: Tensor | None = None, method: str = "ulysses_attn") -> Tensor:
-    """All-to-all to head shards, ``inner(q, k, v, document_ids)`` on the whole sequence of
-    the group, all-to-all back."""
-    check_inputs(q, k, v, document_ids)
+                  document_ids: Tensor | None = None, method: str = "ulysses_attn",
+                  sinks: Tensor | None = None) -> Tensor:
+    """All-to-all to head shards, ``inner(q, k, v, document_ids, sinks)`` on the whole
+    sequence of the group (``sinks``: those of the rank's query heads), all-to-all back."""
+    check_inputs(q, k, v, document_ids, sinks)
     world = dist.get_world_size(group)
     rep = kv_replication(q.size(2), k.size(2), world, method)
     if world == 1:
-        return inner(q, k, v, document_ids)
+        return inner(q, k, v, document_ids, sinks)
     docs = gather_documents(document_ids, group, world)
     qh, kh, vh = _SeqToHeads.apply(group, world, [1, rep, rep], q, k, v)
-    return _HeadsToSeq.apply(group, world, inner(qh, kh, vh, docs))
+    if sinks is not None:  # rank j holds query heads [j h, (j + 1) h)
+        h = q.size(2) // world
+        rank = dist.get_rank(group)
+        sinks = sinks[rank * h:(rank + 1) * h]
+    return _HeadsToSeq.apply(group, world, inner(qh, kh, vh, docs, sinks))
 
 
 def ulysses_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = True,
                  softmax_scale: float | None = None, document_ids: Tensor | None = None,
-                 ring_degree: int | None = None) -> Tensor:
+                 ring_degree: int | None = None, variant: Variant | None = None,
+                 sinks: Tensor | None = None) -> Tensor:
     """Ulysses over contiguous shards. q: (B, S/N, Hq, D), k, v: (B, S/N, Hkv, D).
 
     ``document_ids`` (B, S/N), optional: packed documents; gathered once (they are small) so
@@ -190,9 +197,10 @@ def ulysses_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = Tru
     """
     return ulysses_apply(
         q, k, v, process_group(group),
-        lambda qh, kh, vh, docs: local_attention(qh, kh, vh, causal, softmax_scale,
-                                                 document_ids=docs),
-        document_ids)
+        lambda qh, kh, vh, docs, sk: local_attention(qh, kh, vh, causal, softmax_scale,
+                                                     document_ids=docs, variant=variant,
+                                                     sinks=sk),
+        document_ids, sinks=sinks)
 
 
 # --------------------------------------------------------------------------- description

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..attention.variants import Variant
 from ..mesh import SPGroup, usp_groups
 from .method import AttentionDims, Method, check_ring_degree
 from .ring import ring_buffers, ring_comm
@@ -32,7 +33,8 @@ Tensor = torch.Tensor
 
 def usp_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = True,
              softmax_scale: float | None = None, document_ids: Tensor | None = None,
-             ring_degree: int | None = None) -> Tensor:
+             ring_degree: int | None = None, variant: Variant | None = None,
+             sinks: Tensor | None = None) -> Tensor:
     """USP over usp-layout shards. q: (B, S/N, Hq, D), k, v: (B, S/N, Hkv, D).
 
     ``group``: an SPGroup (easy_context.mesh: its ring and Ulysses groups are used), or a
@@ -43,18 +45,21 @@ def usp_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = True,
         ring_degree = group.ring_degree
     ring_degree = check_ring_degree("usp_attn", world, ring_degree)
     if ring_degree == 1:  # the usp layout is then the contiguous one
-        return ulysses_attn(q, k, v, group, causal, softmax_scale, document_ids)
+        return ulysses_attn(q, k, v, group, causal, softmax_scale, document_ids,
+                            variant=variant, sinks=sinks)
     if ring_degree == world:  # ... and here the zigzag one
-        return zigzag_ring_attn(q, k, v, group, causal, softmax_scale, document_ids)
+        return zigzag_ring_attn(q, k, v, group, causal, softmax_scale, document_ids,
+                                variant=variant, sinks=sinks)
     # Fail on the heads before creating groups: every rank sees the same shapes, so every
     # rank raises and none is left waiting in a collective.
     check_usp(q.size(2), k.size(2), world, ring_degree)
     groups = usp_groups(group, ring_degree)
     return ulysses_apply(
         q, k, v, groups.ulysses,
-        lambda qh, kh, vh, docs: zigzag_ring_attn(qh, kh, vh, groups.ring, causal,
-                                                  softmax_scale, docs),
-        document_ids, method="usp_attn")
+        lambda qh, kh, vh, docs, sk: zigzag_ring_attn(qh, kh, vh, groups.ring, causal,
+                                                      softmax_scale, docs, variant=variant,
+                                                      sinks=sk),
+        document_ids, method="usp_attn", sinks=sinks)
 
 
 def check_usp(heads: int | None, kv_heads: int | None, world: int,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..attention.variants import Variant
 from .method import Method
 from .ring import ALL, Block, ring_buffers, ring_comm, run_ring
 
@@ -31,13 +32,15 @@ def zigzag_schedule(src: int, rank: int, local_len: int, causal: bool) -> list[B
 
 def zigzag_ring_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = True,
                      softmax_scale: float | None = None, document_ids: Tensor | None = None,
-                     ring_degree: int | None = None) -> Tensor:
+                     ring_degree: int | None = None, variant: Variant | None = None,
+                     sinks: Tensor | None = None) -> Tensor:
     """Ring attention over zigzag shards. q: (B, S/N, Hq, D), k, v: (B, S/N, Hkv, D).
 
     ``document_ids`` (B, S/N), optional: packed documents; no token attends across them.
     """
     check_two_chunks(q)
-    return run_ring(q, k, v, group, causal, softmax_scale, zigzag_schedule, document_ids)
+    return run_ring(q, k, v, group, causal, softmax_scale, zigzag_schedule, document_ids,
+                    variant, sinks, "zigzag")
 
 
 def check_two_chunks(q: Tensor) -> None:

@@ -1,0 +1,125 @@
+"""A sliding-window call on a kernel that has no window of its own (torch's CPU and CUDA ops).
+
+The band of a windowed call (query i sees keys lo <= j - i <= hi) is cut into tiles of query
+rows. In a tile of n rows (n < the band's width) three kinds of keys appear:
+- the keys every row of the tile sees: one full call on the kernel;
+- on the band's right edge, n keys where row i sees the first i + 1: a causal square;
+- on its left edge, n keys where row i sees the last n - i: a causal square once both sides
+  are taken in reverse order (a flip of the tile's rows, O(n) copies against O(n^2) work).
+All three run on the kernel itself, so a sliding layer costs what its band covers at the
+kernel's speed; a tile clipped by the ends of the key range, or a band narrower than any
+useful tile, runs its edges on the reference (kernels.masked_forward) instead. The pieces'
+(out, lse) are merged as blocks are (merge.py); backward runs the same pieces with the final
+out and lse, and sums their dK/dV in float32.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .contract import Kernel
+from .kernels import masked_backward, masked_forward, offsets
+from .merge import merge_into
+
+Tensor = torch.Tensor
+FULL, CAUSAL, FLIPPED, MASKED = "full", "causal", "flipped", "masked"
+MIN_TILE, MAX_TILE = 64, 512
+
+
+class Piece(NamedTuple):
+    rows: slice
+    keys: slice
+    kind: str
+
+
+def tile_rows(width: int) -> int:
+    """Query rows per tile for a band ``width`` keys wide: a quarter of it (the edges then
+    hold about a quarter of the work), within [64, 512], and below the width (the edges of a
+    tile must not overlap)."""
+    return max(1, min(width - 1, max(MIN_TILE, min(MAX_TILE, width // 4))))
+
+
+def pieces(sq: int, sk: int, lo: int | None, hi: int | None) -> list[Piece]:
+    """The calls of an (sq, sk) band with offsets (lo, hi), tile by tile (see module doc)."""
+    width = sk + sq if lo is None or hi is None else hi - lo + 1
+    n_rows = tile_rows(width)
+    out = []
+    for r0 in range(0, sq, n_rows):
+        r1 = min(sq, r0 + n_rows)
+        rows = slice(r0, r1)
+        first = 0 if lo is None else max(0, r0 + lo)
+        last = sk - 1 if hi is None else min(sk - 1, r1 - 1 + hi)
+        if first > last:
+            continue  # no row of the tile sees a key
+        l1 = None if lo is None else r1 - 1 + lo  # the last row's first key
+        h0 = None if hi is None else r0 + hi  # the first row's last key
+        if width < 2 * MIN_TILE // 4 or (l1 is not None and l1 > sk - 1) or (h0 is not None and h0 < 0):
+            out.append(Piece(rows, slice(first, last + 1), MASKED))
+            continue
+        m0, m1 = 0, sk - 1
+        if l1 is not None and l1 > 0:
+            l0 = r0 + lo
+            out.append(Piece(rows, slice(l0, l1 + 1), FLIPPED) if l0 >= 0
+                       else Piece(rows, slice(0, l1 + 1), MASKED))
+            m0 = l1 + 1
+        if h0 is not None and h0 < sk - 1:
+            h1 = r1 - 1 + hi
+            out.append(Piece(rows, slice(h0, h1 + 1), CAUSAL) if h1 <= sk - 1
+                       else Piece(rows, slice(h0, sk), MASKED))
+            m1 = h0 - 1
+        if m0 <= m1:
+            out.append(Piece(rows, slice(m0, m1 + 1), FULL))
+    return out
+
+
+def _flip(t: Tensor, dim: int = 1) -> Tensor:
+    return t.flip(dim)
+
+
+def band_forward(kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int],
+                 scale: float, **extra) -> tuple[Tensor, Tensor]:
+    """(out in q's dtype, lse float32) of a windowed call, on ``kernel`` without a window."""
+    lo, hi = offsets(q.size(1), k.size(1), False, window)
+    b, sq, h, _ = q.shape
+    out = torch.zeros(b, sq, h, v.size(-1), dtype=torch.float32, device=q.device)
+    lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
+    for p in pieces(sq, k.size(1), lo, hi):
+        qp, kp, vp = q[:, p.rows], k[:, p.keys], v[:, p.keys]
+        if p.kind == MASKED:
+            shift = p.rows.start - p.keys.start
+            o, l = masked_forward(qp, kp, vp, scale, None if lo is None else lo + shift,
+                                  None if hi is None else hi + shift, extra.get("softcap"))
+        elif p.kind == FLIPPED:
+            o, l = kernel.forward(_flip(qp), _flip(kp), _flip(vp), causal=True, scale=scale,
+                                  **extra)
+            o, l = _flip(o), _flip(l, 2)
+        else:
+            o, l = kernel.forward(qp, kp, vp, causal=p.kind == CAUSAL, scale=scale, **extra)
+        merge_into(out[:, p.rows], lse[:, :, p.rows], o, l)
+    return out.to(q.dtype), lse
+
+
+def band_backward(kernel: Kernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                  lse: Tensor, window: tuple[int, int], scale: float, **extra):
+    """dq, dk, dv of a windowed call, given its final out and lse."""
+    lo, hi = offsets(q.size(1), k.size(1), False, window)
+    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq, dk, dv = (torch.zeros(t.shape, dtype=wide, device=t.device) for t in (q, k, v))
+    for p in pieces(q.size(1), k.size(1), lo, hi):
+        args = (dout[:, p.rows], q[:, p.rows], k[:, p.keys], v[:, p.keys], out[:, p.rows],
+                lse[:, :, p.rows])
+        if p.kind == MASKED:
+            shift = p.rows.start - p.keys.start
+            g = masked_backward(*args, scale, None if lo is None else lo + shift,
+                                None if hi is None else hi + shift, extra.get("softcap"))
+        elif p.kind == FLIPPED:
+            flipped = [_flip(t) for t in args[:5]] + [_flip(args[5], 2)]
+            g = [_flip(t) for t in kernel.backward(*flipped, causal=True, scale=scale, **extra)]
+        else:
+            g = kernel.backward(*args, causal=p.kind == CAUSAL, scale=scale, **extra)
+        dq[:, p.rows] += g[0]
+        dk[:, p.keys] += g[1]
+        dv[:, p.keys] += g[2]
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -1,0 +1,99 @@
+"""Sliding windows, chunked attention, soft-capping, sinks and MLA head dims in every method.
+
+Run on each rank: the same seed builds the same whole-sequence q, k, v (v with its own head
+dim), sinks and output gradient everywhere; the ground truth is float64 attention with the
+mask written out, from scratch here (not the package's code); the method sees this rank's
+shard in float32. Returned errors are relative to the ground truth's max |value|.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import easy_context as ec
+
+
+def dense_attention(q, k, v, window=None, chunk=None, softcap=None, sinks=None, doc=None):
+    """float64 causal attention of (B, S, H, D) q and (B, S, Hkv, D/Dv) k, v, mask written out."""
+    b, s, h, d = q.shape
+    g = h // k.size(2)
+    k, v = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
+    x = torch.einsum("bqhd,bkhd->bhqk", q, k) / d ** 0.5
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None]
+    keep = (j <= i).expand(b, 1, s, s)
+    if window is not None:
+        keep = keep & (i - j < window)
+    if chunk is not None:
+        keep = keep & (i // chunk == j // chunk)
+    if doc is not None:
+        keep = keep & (doc[:, None, :, None] == doc[:, None, None, :])
+    x = x.masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        x = torch.cat([x, sinks.view(1, -1, 1, 1).expand(b, h, s, 1)], dim=-1)
+    p = torch.softmax(x, dim=-1)
+    p = p[..., :s] if sinks is not None else p
+    return torch.einsum("bhqk,bkhd->bqhd", p.nan_to_num(0.0), v)
+
+
+def cases(shard: int, length: int) -> list[dict]:
+    """Windows below a shard, around it, past the sequence and of no convenient size; chunks;
+    soft-capping; sinks; each with MLA-like head dims on some; documents on some."""
+    return [
+        dict(window=1), dict(window=3), dict(window=7, dv=6), dict(window=shard - 1),
+        dict(window=shard + 3, sinks=True), dict(window=length + 5),
+        dict(chunk=5), dict(chunk=shard + 1, dv=12),
+        dict(softcap=2.0, window=5), dict(softcap=1.5, sinks=True, dv=6),
+        dict(sinks=True), dict(window=4, docs=True, sinks=True), dict(chunk=7, docs=True),
+    ]
+
+
+def _rel(x, ref) -> float:
+    return ((x.double() - ref).abs().max() / ref.abs().max().clamp(min=1e-12)).item()
+
+
+def check_variants(method: str, ring_degree: int | None = None, half: int = 6, seed: int = 0):
+    """{case: {"out"|"dq"|"dk"|"dv"|"dsinks": error}} on this rank (sinks: summed over ranks)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    length = 2 * half * world
+    shard_len = length // world
+    report = {}
+    for n, case in enumerate(cases(shard_len, length)):
+        gen = torch.Generator().manual_seed(seed + n)
+        b, hq, hkv, d = 2, 4, 2, 8
+        dv = case.get("dv", d)
+        q, k = torch.randn(b, length, hq, d, generator=gen), torch.randn(b, length, hkv, d, generator=gen)
+        v = torch.randn(b, length, hkv, dv, generator=gen)
+        sinks = torch.randn(hq, generator=gen) if case.get("sinks") else None
+        dout = torch.randn(b, length, hq, dv, generator=gen)
+        doc = None
+        if case.get("docs"):  # documents that straddle shards, one row differing
+            doc = torch.zeros(b, length, dtype=torch.long)
+            doc[:, length // 3:] = 1
+            doc[0, length - 4:] = 2
+        kw = dict(window=case.get("window"), chunk=case.get("chunk"), softcap=case.get("softcap"))
+        ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+        ref_sinks = None if sinks is None else sinks.double().requires_grad_()
+        ref = dense_attention(*ref_in, sinks=ref_sinks, doc=doc, **kw)
+        ref.backward(dout.double())
+        refs = {"out": ref.detach(), "dq": ref_in[0].grad, "dk": ref_in[1].grad, "dv": ref_in[2].grad}
+        shard = lambda t: ec.shard_sequence(t, method, rank, world, ring_degree=ring_degree)
+        sp_in = [shard(t).detach().clone().requires_grad_() for t in (q, k, v)]
+        sp_sinks = None if sinks is None else sinks.clone().requires_grad_()
+        out = ec.sequence_parallel_attention(
+            *sp_in, method=method, ring_degree=ring_degree,
+            document_ids=None if doc is None else shard(doc),
+            sliding_window=kw["window"], chunk_size=kw["chunk"], softcap=kw["softcap"],
+            sinks=sp_sinks)
+        out.backward(shard(dout))
+        got = {"out": out.detach(), "dq": sp_in[0].grad, "dk": sp_in[1].grad, "dv": sp_in[2].grad}
+        errors = {name: _rel(got[name], shard(refs[name])) for name in refs}
+        if sinks is not None:
+            dsinks = sp_sinks.grad.clone()
+            if ec.get_method(method).layout != "whole":  # local: every rank holds it all
+                dist.all_reduce(dsinks)  # each rank's rows' share
+            errors["dsinks"] = _rel(dsinks, ref_sinks.grad)
+        report[" ".join(f"{k}={v}" for k, v in case.items())] = errors
+    return report
