@@ -25,7 +25,16 @@ flash_attn/cute/interface.py of flash-attn-4 4.0.0 betas):
   causal=)`` returns ``(dq, dk, dv)``. Its lse is the natural log (it scales log2 by ln 2).
 All take (B, S, H, D) with native GQA and return lse (B, H, Sq) float32. All align a causal
 mask bottom-right when Sq != Sk; we only hand them square causal blocks (kernels.py), where
-that equals the top-left mask of the CPU op. Stand-in modules with each generation's exact
+that equals the top-left mask of the CPU op.
+
+Sliding windows and soft-capping run in the kernels themselves. The window is flash-attn's
+own (left, right), bottom-right aligned; 2.x says "unbounded" with -1 and resets a side
+>= seqlen_k to -1 (flash_api.cpp), flash-attn-4 with None (its _resolve_causal_local_window
+reads a negative side as a bound, or clears the window when left + right < 0), so -1 becomes
+None there. softcap: 0.0 is off in 2.x, None in 4. flash-attn 2 needs v's head dim equal to
+q's (CHECK_SHAPE(v, ..., head_size)), so variants.adapt pads v for it; flash-attn-4 takes its
+own v head dim (within its per-architecture limits: 8..256 on SM90; up to 128, or DeepSeek's
+192/128, on SM100; a shape it refuses fails its first call and the next kernel runs it). Stand-in modules with each generation's exact
 names, signatures, registration and return layout are tested in
 tests/unit/test_kernels_flash_attn.py; benchmarks/gpu_check.py runs whichever is installed.
 """
@@ -59,60 +68,82 @@ def _scale(q: Tensor, scale: float | None) -> float:
     return float(default_scale(q.size(-1)) if scale is None else scale)
 
 
+def _fa2_args(window, softcap) -> tuple[tuple[int, int], float]:
+    return (window or (-1, -1)), (0.0 if softcap is None else float(softcap))
+
+
 def adapter_2_6(fai: ModuleType) -> Kernel:
     """flash-attn 2.6.x: ``fai`` is its flash_attn_interface module."""
-    def forward(q, k, v, causal=False, scale=None):
-        check_block(q, k, causal)
-        res = fai._flash_attn_forward(q, k, v, 0.0, _scale(q, scale), bool(causal), (-1, -1),
-                                      0.0, None, False)
+    def forward(q, k, v, causal=False, scale=None, window=None, softcap=None):
+        check_block(q, k, causal, window)
+        win, cap = _fa2_args(window, softcap)
+        res = fai._flash_attn_forward(q, k, v, 0.0, _scale(q, scale), bool(causal), win, cap,
+                                      None, False)
         return res[0], res[5]
 
-    def backward(dout, q, k, v, out, lse, causal=False, scale=None):
-        check_block(q, k, causal)
+    def backward(dout, q, k, v, out, lse, causal=False, scale=None, window=None, softcap=None):
+        check_block(q, k, causal, window)
+        win, cap = _fa2_args(window, softcap)
         dq, dk, dv = _fresh(q), _fresh(k), _fresh(v)
         fai._flash_attn_backward(dout, q, k, v, out, finite_lse(lse).contiguous(), dq, dk, dv,
-                                 0.0, _scale(q, scale), bool(causal), (-1, -1), 0.0, None,
+                                 0.0, _scale(q, scale), bool(causal), win, cap, None,
                                  deterministic(), None)
         return dq, dk, dv
 
-    return Kernel(FA2, forward, backward)
+    return Kernel(FA2, forward, backward, windows=True, softcap=True)
 
 
 def adapter_2_7(fai: ModuleType) -> Kernel:
     """flash-attn 2.7.x and 2.8.x (custom ops: positional arguments only)."""
-    def forward(q, k, v, causal=False, scale=None):
-        check_block(q, k, causal)
+    def forward(q, k, v, causal=False, scale=None, window=None, softcap=None):
+        check_block(q, k, causal, window)
+        (left, right), cap = _fa2_args(window, softcap)
         out, lse, _, _ = fai._flash_attn_forward(q, k, v, 0.0, _scale(q, scale), bool(causal),
-                                                 -1, -1, 0.0, None, False)
+                                                 left, right, cap, None, False)
         return out, lse
 
-    def backward(dout, q, k, v, out, lse, causal=False, scale=None):
-        check_block(q, k, causal)
+    def backward(dout, q, k, v, out, lse, causal=False, scale=None, window=None, softcap=None):
+        check_block(q, k, causal, window)
+        (left, right), cap = _fa2_args(window, softcap)
         dq, dk, dv = _fresh(q), _fresh(k), _fresh(v)
         fai._flash_attn_backward(dout, q, k, v, out, finite_lse(lse).contiguous(), dq, dk, dv,
-                                 0.0, _scale(q, scale), bool(causal), -1, -1, 0.0, None,
+                                 0.0, _scale(q, scale), bool(causal), left, right, cap, None,
                                  deterministic(), None)
         return dq, dk, dv
 
-    return Kernel(FA2, forward, backward)
+    return Kernel(FA2, forward, backward, windows=True, softcap=True)
+
+
+def _fa4_window(window) -> dict:
+    if window is None:
+        return {}
+    left, right = window
+    return {"window_size_left": None if left < 0 else left,
+            "window_size_right": None if right < 0 else right}
 
 
 def adapter_4(cute: ModuleType) -> Kernel:
     """flash-attn-4: ``cute`` is flash_attn.cute.interface."""
-    def forward(q, k, v, causal=False, scale=None):
-        check_block(q, k, causal)
+    def forward(q, k, v, causal=False, scale=None, window=None, softcap=None):
+        check_block(q, k, causal, window)
+        extra = _fa4_window(window)
+        if softcap is not None:
+            extra["softcap"] = float(softcap)
         res = cute._flash_attn_fwd(q, k, v, softmax_scale=_scale(q, scale), causal=bool(causal),
-                                   return_lse=True)
+                                   return_lse=True, **extra)
         return res[0], res[1]
 
-    def backward(dout, q, k, v, out, lse, causal=False, scale=None):
-        check_block(q, k, causal)
+    def backward(dout, q, k, v, out, lse, causal=False, scale=None, window=None, softcap=None):
+        check_block(q, k, causal, window)
+        extra = _fa4_window(window)
+        if softcap is not None:
+            extra["softcap"] = float(softcap)
         res = cute._flash_attn_bwd(q, k, v, out, dout, finite_lse(lse).contiguous(),
                                    softmax_scale=_scale(q, scale), causal=bool(causal),
-                                   deterministic=deterministic())
+                                   deterministic=deterministic(), **extra)
         return res[0], res[1], res[2]
 
-    return Kernel(FA4, forward, backward)
+    return Kernel(FA4, forward, backward, windows=True, softcap=True, value_dim=True)
 
 
 def generation(version: str) -> str | None:

@@ -18,6 +18,7 @@ from .contract import Kernel
 from .cuda_ops import CUDA_TORCH, CUDA_TORCH_EFFICIENT, CUDA_TORCH_FLASH
 from .flash_attn_adapters import installed_flash_attn_kernels, usable
 from .kernels import CPU_FLASH, KERNELS, REFERENCE
+from .variants import adapt
 
 Tensor = torch.Tensor
 log = logging.getLogger(__name__)
@@ -89,7 +90,11 @@ def first_that_runs(kernels: tuple[Kernel, ...], key: tuple) -> Kernel:
             return result
         raise AssertionError("unreachable: the last kernel always runs")
 
+    # each candidate does windows, soft-capping and v head dims its own way (variants.adapt:
+    # flash-attn in the kernel, torch's ops around it), so the choice can fall back on any
+    kernels = tuple(adapt(k) for k in kernels)
     if len(kernels) == 1:
         return kernels[0]
     return Kernel(kernels[0].name, functools.partial(call, "forward"),
-                  functools.partial(call, "backward"))
+                  functools.partial(call, "backward"), windows=True, softcap=True,
+                  value_dim=True)

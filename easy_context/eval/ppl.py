@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from ..integrations.hf import plain_lm_head
+from ..utils.decoder import decoder_of
 from .sharding import shard_prompt
 
 
@@ -82,7 +83,7 @@ def _token_nll(model: PreTrainedModel, input_ids: torch.Tensor, position_ids: to
     if head is None:  # scaled or soft-capped logits: they must come from the model itself
         logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
         return F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
-    hidden = model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
+    hidden = decoder_of(model)(input_ids=input_ids, position_ids=position_ids,
                                  use_cache=False).last_hidden_state  # (B, S, H)
     flat_h, flat_t = hidden.flatten(0, 1), targets.flatten()
     out = torch.cat([F.cross_entropy(head(h).float(), t, reduction="none")

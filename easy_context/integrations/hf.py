@@ -28,6 +28,7 @@ from ..mesh import SPGroup, group_size, process_group, usp_groups
 from ..parallel import METHODS, get_method
 from ..parallel.settings import SequenceParallelSettings, module_settings, store_settings
 from ..sequence_parallel import sequence_parallel_attention
+from ..utils.decoder import decoder_of
 
 Tensor = torch.Tensor
 
@@ -199,7 +200,7 @@ def apply_sequence_parallel(model: nn.Module, method: str, group=None,
     settings = SequenceParallelSettings(m.name, group, ring_degree)
     for module in modules:
         store_settings(module, settings)
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    decoder = decoder_of(model)
     if getattr(decoder, _MASK_HOOK_ATTR, None) is not None:
         getattr(decoder, _MASK_HOOK_ATTR).remove()  # applied again: the new group counts
     setattr(decoder, _MASK_HOOK_ATTR, decoder.register_forward_pre_hook(
@@ -254,7 +255,7 @@ def causal_lm_loss(model: nn.Module, input_ids: Tensor, position_ids: Tensor, ta
         if max_length_settings(model) is not None:  # the final norm goes into the chunks
             return max_length_loss(model, head, input_ids, position_ids, target_ids, extra,
                                    chunk_size, group, num_items_in_batch)
-        hidden = model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
+        hidden = decoder_of(model)(input_ids=input_ids, position_ids=position_ids,
                                      use_cache=False, **extra).last_hidden_state
         return chunked_cross_entropy(hidden, head.weight, target_ids, head.bias,
                                      chunk_size=chunk_size, group=group,

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from . import recomputed
+from ..utils.decoder import decoder_of
 from .fused_layer import FusedLayer, LayerSpec, Run, head_chunks
 from .offload import DeviceStorage, LayerStorage
 
@@ -60,7 +61,7 @@ def _text_config(model: nn.Module):
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The decoder layers in the order the model runs them (its decoder's ``layers`` list)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    decoder = decoder_of(model)
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, nn.ModuleList) or not len(layers):
         raise ValueError(f"max-length mode: {type(model).__name__} has no decoder.layers list")
@@ -235,7 +236,7 @@ def apply_max_length(model: nn.Module, mlp_tile: int, heads_per_chunk: int,
     state.embedding = recomputed.watch(
         model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None,
         _gathered)
-    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    rotary = getattr(decoder_of(model), "rotary_emb", None)
     if getattr(rotary, "rope_type", None) in recomputed.STATIC_ROPE_TYPES:
         state.rotary = recomputed.watch(rotary, _gathered, stub_first=True)
     setattr(model, _STATE, state)
@@ -250,7 +251,7 @@ def _mark_zero3_leaf(layer: nn.Module) -> None:
 
 
 def _fold_final_norm(model: nn.Module) -> None:
-    decoder = model.get_decoder()
+    decoder = decoder_of(model)
     norm = getattr(decoder, "norm", None)
     if norm is None or hasattr(norm, "_ec_original_forward"):
         return
@@ -271,7 +272,7 @@ def _tile_rotary(model: nn.Module) -> None:
     the whole sequence (four float32 (S, head_dim) intermediates) before casting them to the
     model's dtype. Rope types that rescale with the sequence length (dynamic, longrope) look at
     all positions at once and keep the one-piece computation."""
-    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    rotary = getattr(decoder_of(model), "rotary_emb", None)
     if rotary is None or hasattr(rotary, "_ec_original_forward") or \
             getattr(rotary, "rope_type", None) not in recomputed.STATIC_ROPE_TYPES:
         return
@@ -310,9 +311,9 @@ def max_length_loss(model: nn.Module, head: nn.Linear, input_ids, position_ids, 
     from .tiled_loss import normed_chunked_cross_entropy
 
     with final_norm_skipped():
-        hidden = model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
+        hidden = decoder_of(model)(input_ids=input_ids, position_ids=position_ids,
                                      use_cache=False, **extra).last_hidden_state
-    return normed_chunked_cross_entropy(hidden, model.get_decoder().norm, head.weight, target_ids,
+    return normed_chunked_cross_entropy(hidden, decoder_of(model).norm, head.weight, target_ids,
                                         head.bias, chunk_size=chunk_size, group=group,
                                         num_items_in_batch=num_items_in_batch,
                                         overwrite_hidden=True)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import easy_context as ec
+from easy_context.integrations.hf import plain_lm_head
 
 COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -29,11 +30,45 @@ FAMILIES = {
     "olmo2": {},
 }
 
+# Families whose attention is more than causal softmax, each with its own attention as the
+# reference ("eager": transformers' sdpa path has no soft-capping or sinks). Windows of no
+# convenient size (3 and 7 against shards of 10 and zigzag chunks of 5), one past the
+# sequence (64), chunks of 6, and multi-head latent attention (q/k head dim 12, v 6).
+TWO_KINDS = ["sliding_attention", "full_attention"]
+VARIANT_FAMILIES = {
+    "gemma2": dict(sliding_window=3, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                   query_pre_attn_scalar=8, layer_types=TWO_KINDS),
+    "gemma3_text": dict(sliding_window=7, query_pre_attn_scalar=8, layer_types=TWO_KINDS),
+    "mistral_sliding": dict(sliding_window=7),
+    "gpt_oss": dict(sliding_window=3, layer_types=TWO_KINDS, num_local_experts=4,
+                    num_experts_per_tok=2),
+    "cohere2": dict(sliding_window=64, layer_types=TWO_KINDS),
+    "llama4_text": dict(attention_chunk_size=6, no_rope_layers=[1, 0],
+                        layer_types=["chunked_attention", "full_attention"], num_local_experts=2,
+                        intermediate_size_mlp=64, interleave_moe_layer_step=2,
+                        attn_temperature_tuning=False),
+    "deepseek_v3": dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                        v_head_dim=6, head_dim=4, num_key_value_heads=4, n_routed_experts=4,
+                        num_experts_per_tok=2, first_k_dense_replace=1,
+                        moe_intermediate_size=16, n_group=1, topk_group=1),
+}
+
 
 def tiny_model(family: str, seed: int = 0):
-    config = AutoConfig.for_model(family, **COMMON, **FAMILIES[family])
+    if family in VARIANT_FAMILIES:
+        model_type = family.removesuffix("_sliding")
+        config = AutoConfig.for_model(model_type, **{**COMMON, **VARIANT_FAMILIES[family]})
+        attn = "eager"
+    else:
+        config = AutoConfig.for_model(family, **COMMON, **FAMILIES[family])
+        attn = "sdpa"
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn).float()
+
+
+def loss_paths(model) -> tuple[bool, ...]:
+    """The chunked loss needs logits that are a plain projection (not soft-capped/scaled)."""
+    return (True, False) if plain_lm_head(model) is not None else (False,)
 
 
 def make_batch(length: int, vocab: int, seed: int = 1):
@@ -89,6 +124,7 @@ def check_family(family: str, methods: list[str], chunked_options=(True, False))
     ref_loss = reference_loss(ref, inputs, positions, targets)
     ref_loss.backward()
     report = {}
+    chunked_options = tuple(c for c in chunked_options if c in loss_paths(base)) or (False,)
     for method in methods:
         for chunked in chunked_options:
             ring_degree = 2 if method == "usp_attn" else None

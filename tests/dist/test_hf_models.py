@@ -10,7 +10,7 @@ import pytest
 
 import easy_context as ec
 
-from .hf_cases import FAMILIES, check_family, check_packed_documents
+from .hf_cases import FAMILIES, VARIANT_FAMILIES, check_family, check_packed_documents
 
 TOL = 1e-5
 METHODS = sorted(ec.METHODS)
@@ -30,6 +30,17 @@ def test_family_2_ranks(dist2, family):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_family_4_ranks(dist4, family):
+    _assert(dist4.run(check_family, family, METHODS, (True,)))
+
+
+@pytest.mark.parametrize("family", sorted(VARIANT_FAMILIES))
+def test_attention_variant_family_2_ranks(dist2, family):
+    """Sliding windows, chunks, soft-capping, sinks, MLA: against the model's own attention."""
+    _assert(dist2.run(check_family, family, METHODS))
+
+
+@pytest.mark.parametrize("family", sorted(VARIANT_FAMILIES))
+def test_attention_variant_family_4_ranks(dist4, family):
     _assert(dist4.run(check_family, family, METHODS, (True,)))
 
 

@@ -27,6 +27,24 @@ def _bshd(t: Tensor) -> Tensor:
     return t.transpose(1, 2)
 
 
+def _fa2_window(q, k, v, causal, left, right, softcap):
+    """What flash-attn 2's C++ does with the window and softcap arguments (flash_api.cpp):
+    a side >= seqlen_k is reset to -1 (unbounded), causal sets the right side to 0, softcap
+    0.0 is off; and v must have q's head dim (CHECK_SHAPE(v, ..., head_size))."""
+    assert v.size(-1) == q.size(-1), "v must have shape (batch, seqlen_k, num_heads_k, head_size)"
+    sk = k.size(1)
+    left = -1 if left >= sk else left
+    right = -1 if right >= sk else right
+    if causal:
+        right = 0
+    window = None if (left, right) == (-1, -1) else (left, right)
+    if window == (-1, 0) and q.size(1) == sk:
+        window, causal = None, True
+    elif window is not None:
+        causal = False
+    return causal, window, (softcap if softcap > 0 else None)
+
+
 def _as_kernel_reads_rows(t: Tensor) -> Tensor:
     """``t`` (B, S, H, D) as a kernel that assumes a row stride of H x D reads it."""
     b, s, h, d = t.shape
@@ -114,8 +132,9 @@ def flash_attn_2_6() -> types.ModuleType:
     def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                             alibi_slopes, return_softmax):
         CALLS.append("fa26_fwd")
-        assert tuple(window_size) == (-1, -1) and softcap == 0.0 and alibi_slopes is None
-        out, lse = reference_forward(q, k, v, causal, softmax_scale)
+        assert alibi_slopes is None
+        c, w, cap = _fa2_window(q, k, v, causal, *window_size, softcap)
+        out, lse = reference_forward(q, k, v, c, softmax_scale, w, cap)
         return out, q, k, v, out, lse, None, torch.zeros(2, dtype=torch.int64)
 
     def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
@@ -123,8 +142,9 @@ def flash_attn_2_6() -> types.ModuleType:
                              deterministic, rng_state=None):
         CALLS.append("fa26_bwd")
         DETERMINISTIC.append(deterministic)
-        assert tuple(window_size) == (-1, -1) and softmax_lse.is_contiguous()
-        grads = reference_backward(dout, q, k, v, out, softmax_lse, causal, softmax_scale)
+        assert softmax_lse.is_contiguous()
+        c, w, cap = _fa2_window(q, k, v, causal, *window_size, softcap)
+        grads = reference_backward(dout, q, k, v, out, softmax_lse, c, softmax_scale, w, cap)
         for dst, g in zip((dq, dk, dv), grads):
             dst.copy_(g)
         return dq, dk, dv, torch.zeros(1)
@@ -142,8 +162,9 @@ def _fa27_forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, softmax_sca
                   alibi_slopes: Optional[Tensor], return_softmax: bool
                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     CALLS.append("fa27_fwd")
-    assert (window_size_left, window_size_right) == (-1, -1) and not return_softmax
-    out, lse = reference_forward(q, k, v, causal, softmax_scale)
+    assert not return_softmax
+    c, w, cap = _fa2_window(q, k, v, causal, window_size_left, window_size_right, softcap)
+    out, lse = reference_forward(q, k, v, c, softmax_scale, w, cap)
     return out.contiguous(), lse.contiguous(), torch.empty(0), torch.zeros(2, dtype=torch.int64)
 
 
@@ -166,7 +187,8 @@ def _fa27_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     CALLS.append("fa27_bwd")
     DETERMINISTIC.append(deterministic)
     assert softmax_lse.is_contiguous()
-    grads = reference_backward(dout, q, k, v, out, softmax_lse, causal, softmax_scale)
+    c, w, cap = _fa2_window(q, k, v, causal, window_size_left, window_size_right, softcap)
+    grads = reference_backward(dout, q, k, v, out, softmax_lse, c, softmax_scale, w, cap)
     for dst, g in zip((dq, dk, dv), grads):
         dst.copy_(g)
     return torch.zeros(q.size(0), q.size(2), q.size(1))
@@ -182,6 +204,23 @@ def flash_attn_2_7() -> types.ModuleType:
 
 
 # --------------------------------------------------------------------------- flash-attn-4
+def _fa4_window(causal, left, right, softcap):
+    """flash_attn/cute/interface.py's _resolve_causal_local_window: None is unbounded, causal
+    sets the right side to 0, left + right < 0 clears both (so a -1 for "unbounded" is wrong
+    here: it reads as a real bound, or clears the window); softcap None or 0.0 is off."""
+    if causal:
+        right = 0
+    if left is not None and right is not None and left + right < 0:
+        left = right = None
+    if left is None and right is None:
+        window = None
+    else:
+        big = 1 << 30
+        window = (big if left is None else left, big if right is None else right)
+        causal = False
+    return causal, window, (softcap or None)
+
+
 def flash_attn_4(four_tuple: bool = True) -> types.ModuleType:
     """flash_attn.cute.interface of flash-attn-4: keyword arguments, the forward returns
     (out, lse) in early betas and (out, lse, p, row_max) later."""
@@ -195,7 +234,8 @@ def flash_attn_4(four_tuple: bool = True) -> types.ModuleType:
                         num_splits=1, pack_gqa=None, _arch=None, score_mod=None, mask_mod=None,
                         block_sparse_tensors=None, return_lse=False, out=None, lse=None, **kw):
         CALLS.append("fa4_fwd")
-        o, l = reference_forward(q, k, v, causal, softmax_scale)
+        c, w, cap = _fa4_window(causal, window_size_left, window_size_right, softcap)
+        o, l = reference_forward(q, k, v, c, softmax_scale, w, cap)
         l = l if return_lse else None
         return (o, l, None, None) if four_tuple else (o, l)
 
@@ -206,7 +246,8 @@ def flash_attn_4(four_tuple: bool = True) -> types.ModuleType:
         CALLS.append("fa4_bwd")
         DETERMINISTIC.append(deterministic)
         assert lse.is_contiguous()
-        return reference_backward(dout, q, k, v, out, lse, causal, softmax_scale)
+        c, w, cap = _fa4_window(causal, window_size_left, window_size_right, softcap)
+        return reference_backward(dout, q, k, v, out, lse, c, softmax_scale, w, cap)
 
     mod._flash_attn_fwd = _flash_attn_fwd
     mod._flash_attn_bwd = _flash_attn_bwd

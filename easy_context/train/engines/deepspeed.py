@@ -75,6 +75,7 @@ from ...integrations.hf import CausalLMLoss, plain_lm_head
 from ...memory.maxlen import max_length_settings
 from ..config import TrainConfig
 from ..weights import Pretrained, checkpoint_names
+from ...utils.decoder import decoder_of
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +230,7 @@ class DeepSpeedEngine:
         head = plain_lm_head(model)
         external = list(head.parameters(recurse=False)) if head is not None else []
         if max_length_settings(model) is not None:  # max-length mode: the final norm too
-            external += list(model.get_decoder().norm.parameters())
+            external += list(decoder_of(model).norm.parameters())
         for p in external:
             register_external_parameter(self.engine.module, p)
         # The torch optimizer DeepSpeed steps (on the fp32 partitions): the LR scheduler's.

@@ -1,0 +1,262 @@
+"""Windows, chunks, soft-capping, sinks and MLA head dims below the methods: the band tiling,
+the plan's calls, the flash-attn adapters' arguments, the ring's skipped steps, and the
+Hugging Face families on one process.
+
+Tolerances: float32 against float64 ground truth, 1e-5 of its max |value| (measured: about
+2e-6); the families against their own eager attention, 1e-5 relative (loss, every gradient).
+"""
+
+import copy
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import easy_context as ec
+from easy_context import layouts
+from easy_context.attention import bands
+from easy_context.attention.documents import Geometry, ShardDocuments
+from easy_context.attention import flash_attn_adapters as fa
+from easy_context.attention.kernels import CPU_FLASH, masked_backward, masked_forward, offsets
+from easy_context.attention.variants import adapt, with_softcap
+from easy_context.parallel.dist_flash import _steps
+from easy_context.parallel.ring import contiguous_schedule, ring_steps
+from easy_context.parallel.zigzag import zigzag_schedule
+
+from . import kernel_standins as standins
+
+TOL = 1e-5
+
+
+def _band_mask(sq, sk, lo, hi):
+    d = torch.arange(sk)[None] - torch.arange(sq)[:, None]
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if lo is not None:
+        keep &= d >= lo
+    if hi is not None:
+        keep &= d <= hi
+    return keep
+
+
+def _piece_mask(p, lo, hi):
+    n, m = p.rows.stop - p.rows.start, p.keys.stop - p.keys.start
+    if p.kind == bands.FULL:
+        return torch.ones(n, m, dtype=torch.bool)
+    if p.kind == bands.CAUSAL:
+        assert n == m
+        return torch.ones(n, n, dtype=torch.bool).tril()
+    if p.kind == bands.FLIPPED:
+        assert n == m
+        return torch.ones(n, n, dtype=torch.bool).triu()
+    shift = p.rows.start - p.keys.start
+    return _band_mask(n, m, None if lo is None else lo + shift, None if hi is None else hi + shift)
+
+
+def test_band_pieces_cover_the_band_once():
+    """Every (query, key) of the band in exactly one piece, and no other pair."""
+    rng = random.Random(0)
+    for _ in range(300):
+        sq, sk = rng.randint(1, 700), rng.randint(1, 700)
+        lo = rng.choice([None, rng.randint(-700, 50)])
+        hi = rng.choice([None, rng.randint(-50, 700)]) if lo is not None else rng.randint(-50, 700)
+        if lo is not None and hi is not None and hi < lo:
+            lo, hi = hi, lo
+        cover = torch.zeros(sq, sk, dtype=torch.int32)
+        for p in bands.pieces(sq, sk, lo, hi):
+            cover[p.rows, p.keys] += _piece_mask(p, lo, hi).int()
+        assert torch.equal(cover, _band_mask(sq, sk, lo, hi).int()), (sq, sk, lo, hi)
+
+
+def _dense(q, k, v, lo, hi, softcap=None):
+    g = q.size(2) // k.size(2)
+    kk, vv = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
+    x = torch.einsum("bqhd,bkhd->bhqk", q, kk) * 0.3
+    if softcap:
+        x = softcap * torch.tanh(x / softcap)
+    x = x.masked_fill(~_band_mask(q.size(1), k.size(1), lo, hi), float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(x, -1).nan_to_num(0), vv)
+
+
+@pytest.mark.parametrize("sq,sk,window,dv,softcap", [
+    (300, 300, (99, 0), 16, None), (700, 700, (300, 0), 8, None), (40, 90, (7, 3), 16, None),
+    (129, 200, (150, 0), 16, 2.0), (200, 200, (1, 0), 24, None), (600, 1000, (-1, 0), 16, None)])
+def test_windowed_calls_on_the_cpu_op_equal_the_band(sq, sk, window, dv, softcap):
+    """The CPU op has no window, softcap or own v head dim: adapt tiles, pads, or falls back."""
+    torch.manual_seed(0)
+    q = torch.randn(2, sq, 4, 16, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, sk, 2, 16, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, sk, 2, dv, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(2, sq, 4, dv, dtype=torch.float64)
+    lo, hi = offsets(sq, sk, False, window)
+    ref = _dense(q, k, v, lo, hi, softcap)
+    grads = torch.autograd.grad(ref, (q, k, v), dout)
+    kernel = with_softcap(CPU_FLASH, softcap) if softcap else adapt(CPU_FLASH)
+    args = [t.detach().float() for t in (q, k, v)]
+    out, lse = kernel.forward(*args, causal=False, scale=0.3, window=window)
+    mine = kernel.backward(dout.float(), *args, out, lse, causal=False, scale=0.3, window=window)
+    scale = lambda t: t.abs().max()
+    assert (out - ref).abs().max() <= TOL * scale(ref)
+    for g, r in zip(mine, grads):
+        assert (g - r).abs().max() <= TOL * scale(r)
+    # the reference takes the same calls natively
+    o2, l2 = masked_forward(*args, 0.3, lo, hi, softcap)
+    assert (o2 - ref).abs().max() <= TOL * scale(ref)
+    assert all((g - r).abs().max() <= TOL * scale(r)
+               for g, r in zip(masked_backward(dout.float(), *args, o2, l2, 0.3, lo, hi, softcap),
+                               grads))
+
+
+@pytest.mark.parametrize("name,make,dv", [
+    ("2.6", lambda: fa.adapter_2_6(standins.flash_attn_2_6()), 8),
+    ("2.7", lambda: fa.adapter_2_7(standins.flash_attn_2_7()), 8),
+    ("2.7 MLA", lambda: fa.adapter_2_7(standins.flash_attn_2_7()), 6),
+    ("4", lambda: fa.adapter_4(standins.flash_attn_4()), 8),
+    ("4 MLA", lambda: fa.adapter_4(standins.flash_attn_4()), 6)])
+@pytest.mark.parametrize("window,softcap", [((3, 0), None), ((5, 2), 2.0), (None, 1.5),
+                                            ((-1, 4), None)])
+def test_flash_attn_runs_windows_and_softcap_itself(name, make, dv, window, softcap):
+    """One kernel call each way (no tiling), with flash-attn's own argument conventions (the
+    stand-ins apply them as the real C++ / cute code does); flash-attn 2 gets v padded."""
+    torch.manual_seed(1)
+    q, k = torch.randn(2, 20, 4, 8), torch.randn(2, 24, 2, 8)
+    v, dout = torch.randn(2, 24, 2, dv), torch.randn(2, 20, 4, dv)
+    kernel = adapt(make())
+    standins.CALLS.clear()
+    out, lse = kernel.forward(q, k, v, causal=False, scale=0.4, window=window, softcap=softcap)
+    grads = kernel.backward(dout, q, k, v, out, lse, causal=False, scale=0.4, window=window,
+                            softcap=softcap)
+    assert len(standins.CALLS) == 2, standins.CALLS
+    ref = adapt(CPU_FLASH) if softcap is None else with_softcap(CPU_FLASH, softcap)
+    r_out, r_lse = ref.forward(q, k, v, causal=False, scale=0.4, window=window)
+    r_grads = ref.backward(dout, q, k, v, r_out, r_lse, causal=False, scale=0.4, window=window)
+    assert out.shape == (2, 20, 4, dv) and grads[2].shape == v.shape
+    assert (out - r_out).abs().max() <= TOL * r_out.abs().max()
+    for g, r in zip(grads, r_grads):
+        assert (g - r).abs().max() <= TOL * r.abs().max()
+
+
+def _plan_mask(docs, qs, ks, nq, nk):
+    """The (nq, nk) mask the plan's calls of a block cover, for batch row 0."""
+    cover = torch.zeros(nq, nk, dtype=torch.int32)
+    for c in docs.calls(qs, slice(None), ks, slice(None), False):
+        if c.batch != slice(None) and c.batch.start != 0:
+            continue
+        rows, keys = range(nq)[c.q], range(nk)[c.kv]
+        n, m = len(rows), len(keys)
+        if c.window is not None:
+            assert all(side >= -1 for side in c.window) and not c.causal
+            part = _band_mask(n, m, *offsets(n, m, False, c.window))
+        elif c.causal:
+            assert n == m
+            part = torch.ones(n, n, dtype=torch.bool).tril()
+        else:
+            part = torch.ones(n, m, dtype=torch.bool)
+        assert part.any(), "a call where no query sees a key"
+        cover[rows.start:rows.stop, keys.start:keys.stop] += part.int()
+    return cover
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_the_plan_covers_exactly_what_the_layer_sees(layout):
+    """For every pair of shards: the calls cover each visible (query, key) pair once, with
+    windows below, around and past a shard, chunks, and documents."""
+    rng = random.Random(2)
+    for _ in range(40):
+        world, half = rng.choice([2, 3, 4]), rng.randint(1, 7)
+        s = 2 * half
+        length = world * s
+        window, chunk = rng.choice([None, rng.randint(1, length + 3)]), None
+        if window is None or rng.random() < 0.3:
+            chunk = rng.randint(1, length)
+        segments = tuple(layouts.segments(layout, r, world, s) for r in range(world))
+        geometry = Geometry(segments, True, window, chunk)
+        ids = torch.sort(torch.randint(0, 3, (1, length)), dim=1).values
+        shards = torch.stack([layouts.shard(ids, layout, r, world) for r in range(world)])
+        docs = ShardDocuments.from_ids(shards, geometry)
+        index = torch.stack([layouts.shard(torch.arange(length)[None], layout, r, world)[0]
+                             for r in range(world)])
+        for qs in range(world):
+            for ks in range(world):
+                i, j = index[qs][:, None], index[ks][None]
+                want = (j <= i) & (ids[0, index[qs]][:, None] == ids[0, index[ks]][None])
+                if window:
+                    want &= i - j < window
+                if chunk:
+                    want &= i // chunk == j // chunk
+                got = _plan_mask(docs, qs, ks, s, s)
+                assert torch.equal(got, want.int()), (layout, world, s, window, chunk, qs, ks)
+
+
+def test_a_ring_stops_where_the_window_ends():
+    """Steps past the window's reach run nowhere (no kernel, no transfer): contiguous shards
+    of 8 on 4 ranks need 1 step for a window of 1, 2 for 3..9, 3 up to 17; zigzag shards hold
+    chunks from both ends, so their ring needs every step."""
+    def steps(layout, schedule, window, world=4, s=8):
+        g = Geometry(tuple(layouts.segments(layout, r, world, s) for r in range(world)), True,
+                     window)
+        return ring_steps(schedule, ShardDocuments.plain((s,) * world, g), world, s, True)
+
+    assert [steps("contiguous", contiguous_schedule, w) for w in (1, 3, 9, 10, 17, 18)] == \
+        [1, 2, 2, 3, 3, 4]
+    assert steps("zigzag", zigzag_schedule, 3) == 4
+    g = Geometry(tuple(layouts.segments("contiguous", r, 4, 8) for r in range(4)), True, 3)
+    docs = ShardDocuments.plain((8,) * 4, g)
+    tasks = [t for step in _steps(4, True, 8, docs) for t in step]
+    assert len(_steps(4, True, 8, docs)) == 2  # the diagonal and the neighbour steps
+    assert {t.q_owner - t.kv_owner for t in tasks} == {0, 1}
+
+
+# --------------------------------------------------------------------------- models
+from tests.dist.hf_cases import VARIANT_FAMILIES, make_batch, tiny_model  # noqa: E402
+
+
+@pytest.mark.parametrize("family", sorted(VARIANT_FAMILIES))
+def test_families_on_one_process_equal_their_own_attention(family):
+    """world 1: the model with our attention against itself with its eager attention."""
+    base = tiny_model(family)
+    inputs, positions, targets = make_batch(24, base.config.vocab_size)
+    ref = copy.deepcopy(base)
+    logits = ref(input_ids=inputs, position_ids=positions).logits.float()
+    ref_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    ref_loss.backward()
+    model = copy.deepcopy(base)
+    ec.apply_sequence_parallel(model, "zigzag_ring_attn")
+    loss = ec.causal_lm_loss(model, inputs, positions, targets, chunked=False)
+    loss.backward()
+    assert abs(loss.item() - ref_loss.item()) <= TOL * abs(ref_loss.item())
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        if r.grad is None:
+            assert p.grad is None or not p.grad.any(), name
+            continue
+        assert (p.grad - r.grad).abs().max() <= TOL * r.grad.abs().max().clamp(min=1e-6), name
+
+
+class _Config:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class _Stub(torch.nn.Module):
+    def __init__(self, **config):
+        super().__init__()
+        self.config = _Config(**config)
+
+
+@pytest.mark.parametrize("config,named", [
+    (dict(layer_types=["linear_attention", "full_attention"]), "linear_attention"),
+    (dict(layer_types=["conv", "full_attention", "conv"]), "conv"),
+    (dict(layers_block_type=["mamba", "attention"]), "mamba")])
+def test_layers_that_are_not_attention_are_refused_by_name(config, named):
+    with pytest.raises(ValueError, match=named):
+        ec.check_model_supported(_Stub(**config))
+
+
+def test_llama4_temperature_tuning_is_refused_with_the_flag_to_change():
+    config = dict(VARIANT_FAMILIES["llama4_text"], attn_temperature_tuning=True)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.dist.hf_cases import COMMON
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama4_text", **{**COMMON, **config}))
+    with pytest.raises(ValueError, match="attn_temperature_tuning=False"):
+        ec.apply_sequence_parallel(model, "zigzag_ring_attn")
