@@ -23,6 +23,13 @@ Per row (method, L, KV heads):
 - DeepSpeed's Ulysses ``DistributedAttention`` (if deepspeed imports) runs side by side with
   ``ulysses_attn`` -- alternating iterations in the same ranks, same inputs, same local
   kernel -- so the ratio isolates the all-to-all implementation.
+- ``--sliding-window W``: every method (and the single process) also runs a sliding-window
+  layer (transformers' ``sliding_window=W``) in alternation with its global layer, same
+  ranks, same inputs; the row ``<method>@window=W`` has ``time_ratio_vs_global``, and
+  ``computed_fraction``: the score entries its kernel calls cover against the global
+  layer's, from the plan (attention/documents.py).
+
+    python benchmarks/attention.py --lengths 16384 --sliding-window 1024
 
 Results go to benchmarks/results/attention.json (rows merged by (method, L, KV heads) with
 what is there, unless --fresh), which the README quotes.
@@ -49,6 +56,7 @@ import easy_context as ec  # noqa: E402
 from benchmarks import common  # noqa: E402
 from easy_context import layouts  # noqa: E402
 from easy_context.parallel import SEQUENCE_PARALLEL  # noqa: E402
+from easy_context.attention.variants import Variant  # noqa: E402
 from easy_context.parallel.local import local_attention  # noqa: E402
 from easy_context.memory.peak import PeakMemory  # noqa: E402
 
@@ -167,10 +175,21 @@ def _deepspeed_attention():
     return lambda q, k, v: da(q, k, v, 0)
 
 
+WINDOW_TAG = "@window="
+
+
+def split_window(name: str) -> tuple[str, int | None]:
+    """("zigzag_ring_attn", 1024) from "zigzag_ring_attn@window=1024"; (name, None) without."""
+    base, tag, window = name.partition(WINDOW_TAG)
+    return base, int(window) if tag else None
+
+
 def _variant(name: str, ring_degree: int | None, rank: int, world: int):
     """(shard function for a full (B, L, H, D) tensor, attention function on the shards)."""
+    name, window = split_window(name)
     if name == SINGLE:
-        return (lambda x: x), (lambda q, k, v: local_attention(q, k, v, causal=True))
+        return (lambda x: x), (lambda q, k, v: local_attention(
+            q, k, v, causal=True, variant=None if window is None else Variant(window)))
     if name == DEEPSPEED:
         fn = _deepspeed_attention()
         return (lambda x: layouts.shard(x, "contiguous", rank, world, 1)), fn
@@ -181,7 +200,8 @@ def _variant(name: str, ring_degree: int | None, rank: int, world: int):
         return ec.shard_sequence(x, name, rank, world, dim=1, ring_degree=ring_degree)
 
     def attn(q, k, v):
-        return ec.sequence_parallel_attention(q, k, v, name, causal=True, ring_degree=ring_degree)
+        return ec.sequence_parallel_attention(q, k, v, name, causal=True, ring_degree=ring_degree,
+                                              sliding_window=window)
 
     return shard, attn
 
@@ -300,6 +320,31 @@ def schedule_work(method: str, world: int, length: int) -> list[float] | None:
     return work
 
 
+def computed_fraction(method: str, world: int, length: int, window: int,
+                      ring_degree: int | None = None) -> float:
+    """Score entries the plan's kernel calls cover for a sliding layer, over all ranks, against
+    the global layer's (causal: L (L + 1) / 2). A band call counts its whole (rows x keys)
+    rectangle, an upper bound on what a windowed kernel computes."""
+    from easy_context.attention.documents import Geometry, ShardDocuments
+
+    if method in (SINGLE, "local", "ulysses_attn") or (method == "usp_attn" and ring_degree == 1):
+        shards, layout = 1, "whole"  # one sequence (Ulysses: every rank's heads, all tokens)
+    elif method == "allgather_attn":
+        shards, layout = world, "zigzag"
+    else:
+        shards, layout = world, ec.get_method(method).layout if method != "usp_attn" else "zigzag"
+    s = length // shards
+    segments = tuple(layouts.segments(layout, r, shards, s) for r in range(shards))
+    docs = ShardDocuments.plain((s,) * shards, Geometry(segments, True, window))
+    covered = 0
+    for qs in range(shards):
+        for ks in range(shards):
+            for c in docs.calls(qs, slice(None), ks, slice(None), False):
+                n, m = len(range(s)[c.q]), len(range(s)[c.kv])
+                covered += n * (n + 1) // 2 if c.causal else n * m
+    return covered / (length * (length + 1) / 2)
+
+
 def summarize(name: str, per_rank: list[dict], length: int, kv_heads: int, world: int,
               threads: int, ring_degree: int | None, spec: dict) -> dict[str, Any]:
     """One row from every rank's iterations of one variant."""
@@ -319,9 +364,11 @@ def summarize(name: str, per_rank: list[dict], length: int, kv_heads: int, world
     peak = per_rank_median("peak_bytes", 1 / MB)
     other = [t - k - m - c if None not in (t, k, m, c) else None
              for t, k, m, c in zip(time_rank, kernel, merge, comm)]
+    base, window = split_window(name)
     row = {
-        "method": name if not (name == "usp_attn" and ring_degree != 1)
-        else f"usp_attn[ring_degree={ring_degree}]",
+        "method": (base if not (base == "usp_attn" and ring_degree != 1)
+                   else f"usp_attn[ring_degree={ring_degree}]")
+        + ("" if window is None else f"{WINDOW_TAG}{window}"),
         "L": length, "kv_heads": kv_heads, "heads": HEADS, "head_dim": HEAD_DIM, "batch": BATCH,
         "dtype": "bf16", "causal": True, "world_size": world, "threads_per_rank": threads,
         "ring_degree": ring_degree,
@@ -346,7 +393,7 @@ def summarize(name: str, per_rank: list[dict], length: int, kv_heads: int, world
         "repeats": n_iter, "warmup": spec["warmup"],
         "warmup_length": spec["warmup_length"] if spec["warmup"] else None,
     }
-    work = schedule_work(name, world, length)
+    work = schedule_work(name, world, length) if split_window(name)[1] is None else None
     if work:
         row["schedule_work_per_rank"] = work
         row["schedule_imbalance"] = _r(max(work) / min(work), 3)
@@ -466,6 +513,9 @@ def parse_args(argv=None):
     p.add_argument("--fresh", action="store_true", help="replace the output file instead of merging rows")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: L=2048 only, 1 repeat, no GQA rows")
+    p.add_argument("--sliding-window", type=int, default=None,
+                   help="also run each method's sliding-window layer of this window, side by side "
+                        "with its global one (rows <method>@window=W)")
     p.add_argument("--machine-note", default=None,
                    help="free text stored as machine_note (e.g. 'shared machine, other jobs running')")
     args = p.parse_args(argv)
@@ -580,6 +630,10 @@ def main(argv=None) -> int:
                         jobs.append([(m, None), (DEEPSPEED, None)])
                     else:
                         jobs.append([(m, None)])
+                if args.sliding_window:  # each global layer beside its sliding one
+                    tag = f"{WINDOW_TAG}{args.sliding_window}"
+                    jobs = [[(n, rd) for n, rd in job if n != DEEPSPEED]
+                            + [(n + tag, rd) for n, rd in job if n != DEEPSPEED] for job in jobs]
                 single_row = None
                 for variants in jobs:
                     is_single = variants[0][0] == SINGLE
@@ -632,6 +686,13 @@ def main(argv=None) -> int:
                                                                 / single_row["process_cpu_ms_total"], 3)
                             if row["peak_mb"] is not None and single_row["peak_mb"]:
                                 row["mem_ratio_vs_single"] = _r(row["peak_mb"] / single_row["peak_mb"], 3)
+                    for name, rd in variants:
+                        plain, window = split_window(name)
+                        if window is not None and name in new and plain in new:
+                            new[name]["time_ratio_vs_global"] = _r(
+                                new[name]["time_ms"] / new[plain]["time_ms"], 3)
+                            new[name]["computed_fraction"] = _r(
+                                computed_fraction(plain, world, length, window, rd), 4)
                     if "ulysses_attn" in new and DEEPSPEED in new:
                         new["ulysses_attn"]["time_ratio_vs_deepspeed"] = _r(
                             new["ulysses_attn"]["time_ms"] / new[DEEPSPEED]["time_ms"], 3)

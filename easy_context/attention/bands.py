@@ -1,13 +1,14 @@
 """A sliding-window call on a kernel that has no window of its own (torch's CPU and CUDA ops).
 
 The band of a windowed call (query i sees keys lo <= j - i <= hi) is cut into tiles of query
-rows. In a tile of n rows (n < the band's width) three kinds of keys appear:
+rows. In a tile of n rows (n < the band's width W) three kinds of keys appear:
 - the keys every row of the tile sees: one full call on the kernel;
 - on the band's right edge, n keys where row i sees the first i + 1: a causal square;
 - on its left edge, n keys where row i sees the last n - i: a causal square once both sides
   are taken in reverse order (a flip of the tile's rows, O(n) copies against O(n^2) work).
 All three run on the kernel itself, so a sliding layer costs what its band covers at the
-kernel's speed; a tile clipped by the ends of the key range, or a band narrower than any
+kernel's speed: a causal square of n costs n^2 / 2, so a tile's work is n (W - n) + n^2 =
+n W whatever n is, and tiles are made as tall as the band allows (fewest calls); a tile clipped by the ends of the key range, or a band narrower than any
 useful tile, runs its edges on the reference (kernels.masked_forward) instead. The pieces'
 (out, lse) are merged as blocks are (merge.py); backward runs the same pieces with the final
 out and lse, and sums their dK/dV in float32.
@@ -25,7 +26,7 @@ from .merge import merge_into
 
 Tensor = torch.Tensor
 FULL, CAUSAL, FLIPPED, MASKED = "full", "causal", "flipped", "masked"
-MIN_TILE, MAX_TILE = 64, 512
+MIN_TILE, MAX_TILE = 64, 8192
 
 
 class Piece(NamedTuple):
@@ -35,10 +36,9 @@ class Piece(NamedTuple):
 
 
 def tile_rows(width: int) -> int:
-    """Query rows per tile for a band ``width`` keys wide: a quarter of it (the edges then
-    hold about a quarter of the work), within [64, 512], and below the width (the edges of a
-    tile must not overlap)."""
-    return max(1, min(width - 1, max(MIN_TILE, min(MAX_TILE, width // 4))))
+    """Query rows per tile for a band ``width`` keys wide: as many as keep the tile's two
+    edges apart (width - 1), at most MAX_TILE (the flips copy a tile's rows)."""
+    return max(1, min(width - 1, MAX_TILE))
 
 
 def pieces(sq: int, sk: int, lo: int | None, hi: int | None) -> list[Piece]:
@@ -78,48 +78,77 @@ def _flip(t: Tensor, dim: int = 1) -> Tensor:
     return t.flip(dim)
 
 
+def _by_tile(ps: list[Piece]) -> list[list[Piece]]:
+    tiles: list[list[Piece]] = []
+    for p in ps:
+        if tiles and tiles[-1][0].rows == p.rows:
+            tiles[-1].append(p)
+        else:
+            tiles.append([p])
+    return tiles
+
+
+def _forward_piece(kernel, p, q, k, v, lo, hi, scale, extra):
+    qp, kp, vp = q[:, p.rows], k[:, p.keys], v[:, p.keys]
+    if p.kind == MASKED:
+        shift = p.rows.start - p.keys.start
+        return masked_forward(qp, kp, vp, scale, None if lo is None else lo + shift,
+                              None if hi is None else hi + shift, extra.get("softcap"))
+    if p.kind == FLIPPED:
+        o, l = kernel.forward(_flip(qp), _flip(kp), _flip(vp), causal=True, scale=scale, **extra)
+        return _flip(o), _flip(l, 2)
+    return kernel.forward(qp, kp, vp, causal=p.kind == CAUSAL, scale=scale, **extra)
+
+
 def band_forward(kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int],
                  scale: float, **extra) -> tuple[Tensor, Tensor]:
-    """(out in q's dtype, lse float32) of a windowed call, on ``kernel`` without a window."""
+    """(out in q's dtype, lse float32) of a windowed call, on ``kernel`` without a window.
+    Each tile's pieces merge in a float32 buffer of the tile's rows only."""
     lo, hi = offsets(q.size(1), k.size(1), False, window)
     b, sq, h, _ = q.shape
-    out = torch.zeros(b, sq, h, v.size(-1), dtype=torch.float32, device=q.device)
+    out = torch.zeros(b, sq, h, v.size(-1), dtype=q.dtype, device=q.device)
     lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
-    for p in pieces(sq, k.size(1), lo, hi):
-        qp, kp, vp = q[:, p.rows], k[:, p.keys], v[:, p.keys]
-        if p.kind == MASKED:
-            shift = p.rows.start - p.keys.start
-            o, l = masked_forward(qp, kp, vp, scale, None if lo is None else lo + shift,
-                                  None if hi is None else hi + shift, extra.get("softcap"))
-        elif p.kind == FLIPPED:
-            o, l = kernel.forward(_flip(qp), _flip(kp), _flip(vp), causal=True, scale=scale,
-                                  **extra)
-            o, l = _flip(o), _flip(l, 2)
-        else:
-            o, l = kernel.forward(qp, kp, vp, causal=p.kind == CAUSAL, scale=scale, **extra)
-        merge_into(out[:, p.rows], lse[:, :, p.rows], o, l)
-    return out.to(q.dtype), lse
+    for tile in _by_tile(pieces(sq, k.size(1), lo, hi)):
+        rows = tile[0].rows
+        if len(tile) == 1:
+            o, lse[:, :, rows] = _forward_piece(kernel, tile[0], q, k, v, lo, hi, scale, extra)
+            out[:, rows] = o
+            continue
+        acc = torch.zeros(b, rows.stop - rows.start, h, v.size(-1), dtype=torch.float32,
+                          device=q.device)
+        for p in tile:
+            o, l = _forward_piece(kernel, p, q, k, v, lo, hi, scale, extra)
+            merge_into(acc, lse[:, :, rows], o, l)
+        out[:, rows] = acc
+    return out, lse
 
 
 def band_backward(kernel: Kernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                   lse: Tensor, window: tuple[int, int], scale: float, **extra):
-    """dq, dk, dv of a windowed call, given its final out and lse."""
+    """dq, dk, dv of a windowed call, given its final out and lse. dq is summed a tile at a
+    time; dK/dV, which several tiles share, in float32 buffers of the whole call."""
     lo, hi = offsets(q.size(1), k.size(1), False, window)
     wide = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dq, dk, dv = (torch.zeros(t.shape, dtype=wide, device=t.device) for t in (q, k, v))
-    for p in pieces(q.size(1), k.size(1), lo, hi):
-        args = (dout[:, p.rows], q[:, p.rows], k[:, p.keys], v[:, p.keys], out[:, p.rows],
-                lse[:, :, p.rows])
-        if p.kind == MASKED:
-            shift = p.rows.start - p.keys.start
-            g = masked_backward(*args, scale, None if lo is None else lo + shift,
-                                None if hi is None else hi + shift, extra.get("softcap"))
-        elif p.kind == FLIPPED:
-            flipped = [_flip(t) for t in args[:5]] + [_flip(args[5], 2)]
-            g = [_flip(t) for t in kernel.backward(*flipped, causal=True, scale=scale, **extra)]
-        else:
-            g = kernel.backward(*args, causal=p.kind == CAUSAL, scale=scale, **extra)
-        dq[:, p.rows] += g[0]
-        dk[:, p.keys] += g[1]
-        dv[:, p.keys] += g[2]
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    dk, dv = (torch.zeros(t.shape, dtype=wide, device=t.device) for t in (k, v))
+    for tile in _by_tile(pieces(q.size(1), k.size(1), lo, hi)):
+        rows = tile[0].rows
+        dq_tile = None
+        for p in tile:
+            args = (dout[:, rows], q[:, rows], k[:, p.keys], v[:, p.keys], out[:, rows],
+                    lse[:, :, rows])
+            if p.kind == MASKED:
+                shift = rows.start - p.keys.start
+                g = masked_backward(*args, scale, None if lo is None else lo + shift,
+                                    None if hi is None else hi + shift, extra.get("softcap"))
+            elif p.kind == FLIPPED:
+                flipped = [_flip(t) for t in args[:5]] + [_flip(args[5], 2)]
+                g = [_flip(t) for t in kernel.backward(*flipped, causal=True, scale=scale,
+                                                       **extra)]
+            else:
+                g = kernel.backward(*args, causal=p.kind == CAUSAL, scale=scale, **extra)
+            dq_tile = g[0].to(wide) if dq_tile is None else dq_tile.add_(g[0])
+            dk[:, p.keys] += g[1]
+            dv[:, p.keys] += g[2]
+        dq[:, rows] = dq_tile
+    return dq, dk.to(k.dtype), dv.to(v.dtype)

@@ -19,8 +19,9 @@ estimates of the same kind; no GPU has measured any of them here:
   GQA; the rounding here is assumed): ``dq_accum`` (B, Hq, Sq rounded up to 128, D rounded up
   to 64), the float32 lse and dpsum rows, and with GQA dK/dV accumulators (B, Hkv, Sk
   rounded, D rounded).
-- the reference kernel (float64, or where no fused kernel runs): its (B, Hq, Sq, Sk) scores,
-  probabilities and their gradients, three such tensors in its working dtype.
+- the reference kernel (float64, or where no fused kernel runs): its scores, probabilities
+  and their gradients for one tile of query rows (kernels.TILE_ELEMENTS scores, or one row
+  of them when a row is wider), three such tensors in its working dtype.
 - torch's CPU flash op: per-thread tiles only; not counted.
 """
 
@@ -61,8 +62,11 @@ def backward_workspace(family: str | None, batch: int, sq: int, sk: int, hq: int
         accum = 2 * batch * hkv * sk_r * d_r * 4 if gqa else 0
         return batch * hq * sq_r * d_r * 4 + 2 * batch * hq * sq_r * 4 + accum
     if family == "reference":
+        from .kernels import TILE_ELEMENTS
+
         work = 8 if a == 8 else 4
-        return 3 * batch * hq * sq * sk * work
+        rows = min(sq, max(1, TILE_ELEMENTS // max(1, batch * hq * (sk + 1))))
+        return 3 * batch * hq * rows * sk * work
     return 0
 
 

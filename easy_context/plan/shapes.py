@@ -35,16 +35,22 @@ class ModelShape:
     """per-head width; None means hidden // heads"""
     qkv_bias: bool = False
     """biases on the q/k/v projections (Qwen2)"""
+    v_head_dim: int | None = None
+    """the value head width where it differs from the query/key one (multi-head latent
+    attention: DeepSeek-V3's 192 / 128); None: head_dim"""
 
     @property
     def hd(self) -> int:
         return self.head_dim or self.hidden // self.heads
 
     def attention_dims(self):
-        """(heads, kv_heads, head_dim), as the methods' cost functions take them."""
+        """(heads, kv_heads, head_dim), as the methods' cost functions take them. With a value
+        head dim of its own, the mean of the two: every saved or sent pair (q and the output,
+        k and v) is then counted exactly, as (heads or kv_heads) x (qk + v head dims)."""
         from ..parallel import AttentionDims
 
-        return AttentionDims(self.heads, self.kv_heads, self.hd)
+        hd = self.hd if self.v_head_dim in (None, self.hd) else (self.hd + self.v_head_dim) // 2
+        return AttentionDims(self.heads, self.kv_heads, hd)
 
     def layer_params(self) -> int:
         """Parameters of one decoder layer: q/k/v/o projections, gated MLP, two RMSNorms."""
@@ -107,12 +113,16 @@ def shape_from_config(config, name: str = "config") -> ModelShape:
     """A ModelShape from a transformers config object (its text part for multimodal ones)."""
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = c.num_attention_heads
+    # multi-head latent attention (DeepSeek-V2/V3, Kimi K2): head_dim names the RoPE part only;
+    # the attention runs on qk_nope + qk_rope wide queries/keys and v_head_dim wide values
+    mla = getattr(c, "qk_nope_head_dim", None) is not None and getattr(c, "v_head_dim", None)
     return ModelShape(
         name=name, hidden=c.hidden_size, layers=c.num_hidden_layers, heads=heads,
         kv_heads=getattr(c, "num_key_value_heads", None) or heads,
         intermediate=c.intermediate_size, vocab=c.vocab_size,
         tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        head_dim=getattr(c, "head_dim", None),
+        head_dim=(c.qk_nope_head_dim + c.qk_rope_head_dim) if mla else getattr(c, "head_dim", None),
+        v_head_dim=c.v_head_dim if mla else None,
         # Qwen2 puts biases on q/k/v without a config flag; others say attention_bias.
         qkv_bias=bool(getattr(c, "attention_bias", False)) or getattr(c, "model_type", "") == "qwen2")
 

@@ -167,9 +167,9 @@ def count_document_scans(method: str, ring_degree: int | None = None, layers: in
     counts = {"scans": 0}
     real_from_ids = documents.ShardDocuments.from_ids
 
-    def from_ids(ids):
+    def from_ids(ids, *args, **kwargs):
         counts["scans"] += 1
-        return real_from_ids(ids)
+        return real_from_ids(ids, *args, **kwargs)
 
     documents.ShardDocuments.from_ids = staticmethod(from_ids)
     try:
