@@ -131,6 +131,17 @@ def load_config(path: str, rope_theta: float | None = None, rope_scaling: str | 
     return apply_rope_overrides(config, rope_theta, rope_scaling)
 
 
+def plain_attention(config: PretrainedConfig, wanted: str = "sdpa") -> str:
+    """``wanted``, or "eager" for the families that have no sdpa path (Gemma 2: its
+    soft-capping) -- the plain attention a model is built with before
+    ``apply_sequence_parallel`` switches it."""
+    if wanted != "sdpa":
+        return wanted
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None) if hasattr(
+        AutoModelForCausalLM, "_model_mapping") else None
+    return "eager" if cls is not None and getattr(cls, "_supports_sdpa", True) is False else wanted
+
+
 def load_model_and_tokenizer(path: str, *, device: torch.device | str = "cpu",
                              dtype: str | torch.dtype | None = None,
                              rope_theta: float | None = None,
@@ -151,7 +162,8 @@ def load_model_and_tokenizer(path: str, *, device: torch.device | str = "cpu",
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, device)
     model = AutoModelForCausalLM.from_pretrained(
         local, config=config, dtype=torch_dtype, use_safetensors=True,
-        trust_remote_code=trust_remote_code, attn_implementation=attn_implementation)
+        trust_remote_code=trust_remote_code,
+        attn_implementation=plain_attention(config, attn_implementation))
     model.to(device).eval()
     if not tokenizer:
         return model, None

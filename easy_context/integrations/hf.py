@@ -209,16 +209,34 @@ def apply_sequence_parallel(model: nn.Module, method: str, group=None,
     return model
 
 
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def output_head(model: nn.Module):
+    """(the output projection, what the family does to its logits: a LogitTransform or None),
+    or (None, None) when the head is not a linear layer. Gemma 2/3 soft-cap the logits
+    (``final_logit_softcapping``), Cohere scales them (``logit_scale``), Granite divides
+    (``logits_scaling``); the chunked losses apply the same, chunk by chunk."""
+    from ..memory.loss import LogitTransform
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear):
+        return None, None
+    config = _text_config(model)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    scale = float(getattr(config, "logit_scale", None) or 1.0)
+    scaling = getattr(config, "logits_scaling", None)
+    if scaling not in (None, 1.0, False):
+        scale /= float(scaling)
+    if softcap in (None, 0, False) and scale == 1.0:
+        return head, None
+    return head, LogitTransform(scale, None if softcap in (None, 0, False) else float(softcap))
+
+
 def plain_lm_head(model: nn.Module) -> nn.Linear | None:
     """The output projection, if logits are exactly ``hidden @ W.T (+ b)``; else None."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    config = _text_config(model)
-    # Some families scale or soft-cap logits after the head: their logits must come from the model.
-    if not isinstance(head, nn.Linear) or any(
-            getattr(config, name, None) not in (None, 1.0, False)
-            for name in ("final_logit_softcapping", "logit_scale", "logits_scaling")):
-        return None
-    return head
+    head, transform = output_head(model)
+    return head if transform is None else None
 
 
 def causal_lm_loss(model: nn.Module, input_ids: Tensor, position_ids: Tensor, target_ids: Tensor,
@@ -240,12 +258,12 @@ def causal_lm_loss(model: nn.Module, input_ids: Tensor, position_ids: Tensor, ta
     """
     from ..memory.loss import chunked_cross_entropy, default_chunk_size, logits_cross_entropy
 
-    head = plain_lm_head(model)
+    head, transform = output_head(model)
     if chunked is None:
         chunked = head is not None and head.out_features >= 16384
     if chunked and head is None:
-        raise ValueError(f"{type(model).__name__}'s logits are not a plain linear projection "
-                         "of the hidden states (scaled or soft-capped); use chunked=False")
+        raise ValueError(f"{type(model).__name__}'s output head is not a linear layer; use "
+                         "chunked=False")
     extra = {} if document_ids is None else {"document_ids": document_ids}
     if chunked:
         if chunk_size is None:
@@ -254,12 +272,12 @@ def causal_lm_loss(model: nn.Module, input_ids: Tensor, position_ids: Tensor, ta
 
         if max_length_settings(model) is not None:  # the final norm goes into the chunks
             return max_length_loss(model, head, input_ids, position_ids, target_ids, extra,
-                                   chunk_size, group, num_items_in_batch)
+                                   chunk_size, group, num_items_in_batch, transform)
         hidden = decoder_of(model)(input_ids=input_ids, position_ids=position_ids,
                                      use_cache=False, **extra).last_hidden_state
         return chunked_cross_entropy(hidden, head.weight, target_ids, head.bias,
                                      chunk_size=chunk_size, group=group,
-                                     num_items_in_batch=num_items_in_batch)
+                                     num_items_in_batch=num_items_in_batch, transform=transform)
     logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra).logits
     return logits_cross_entropy(logits, target_ids, group=group,
                                 num_items_in_batch=num_items_in_batch)

@@ -50,6 +50,27 @@ from ..attention.saving import recording, replaying
 Tensor = torch.Tensor
 
 
+def layer_window(attn: nn.Module) -> int | None:
+    """The sliding window the layer's own forward hands its attention function: its
+    ``sliding_window`` attribute (Gemma, Qwen2, GPT-OSS, Cohere 2: None on global layers),
+    or, for families that read it from the config at each call (Mistral), the config's,
+    on the layers ``layer_types`` calls sliding (all, without layer_types)."""
+    if hasattr(attn, "sliding_window"):
+        return attn.sliding_window
+    config = getattr(attn, "config", None)
+    types = getattr(config, "layer_types", None)
+    index = getattr(attn, "layer_idx", None)
+    if types and index is not None and types[index] != "sliding_attention":
+        return None
+    return getattr(config, "sliding_window", None)
+
+
+def mlp_output(out):
+    """An MLP's output; MoE blocks that also return their router logits (GPT-OSS) give
+    (hidden, logits), of which the layer keeps the hidden states."""
+    return out[0] if isinstance(out, tuple) else out
+
+
 def tiles(length: int, tile: int) -> list[slice]:
     return [slice(i, min(i + tile, length)) for i in range(0, length, max(1, tile))]
 
@@ -160,7 +181,7 @@ class Run:
             extra["softcap"] = a.attn_logit_softcapping
         out, _ = self.spec.attention()(
             a, qr, kr, v.transpose(1, 2), self.attention_mask, dropout=0.0, scaling=a.scaling,
-            sliding_window=getattr(a, "sliding_window", None), **extra, **self.attn_kwargs)
+            sliding_window=layer_window(a), **extra, **self.attn_kwargs)
         return out
 
     def sinks(self, qs: slice) -> Tensor | None:
@@ -207,7 +228,7 @@ class Run:
         y = torch.empty_like(x)
         for t in tiles(x.size(1), self.tile):
             h, _ = self.residual_tile(x, outs, t)
-            y[:, t] = h + self.spec.mlp(self.spec.norm2(h))
+            y[:, t] = h + mlp_output(self.spec.mlp(self.spec.norm2(h)))
         return y
 
 
@@ -257,7 +278,7 @@ def mlp_backward(run: Run, x: Tensor, outs: list[Tensor], dy: Tensor, grads: Gra
             h, o = run.residual_tile(x, outs, t)
         h.requires_grad_(True)
         with torch.enable_grad():
-            m = spec.mlp(spec.norm2(h))
+            m = mlp_output(spec.mlp(spec.norm2(h)))
         got = _grad(m, [h, *mlp_params], dy[:, t])
         dh[:, t] = dy[:, t] + got[0]
         for p, g in zip(mlp_params, got[1:]):

@@ -27,6 +27,8 @@ of valid targets (see ``global_token_mean``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -63,6 +65,35 @@ def _matmul_dtype(hidden: Tensor) -> torch.dtype:
     return hidden.dtype
 
 
+@dataclass(frozen=True)
+class LogitTransform:
+    """What some families do to the head's output x before the softmax:
+    ``softcap * tanh(scale * x / softcap)`` (Gemma 2: ``final_logit_softcapping``), or
+    ``scale * x`` (Cohere's ``logit_scale``; Granite divides by ``logits_scaling``)."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    def apply_(self, x: Tensor) -> Tensor:
+        """The logits from x, in place."""
+        if self.scale != 1.0:
+            x.mul_(self.scale)
+        if self.softcap is not None:
+            x.div_(self.softcap).tanh_().mul_(self.softcap)
+        return x
+
+    def slope(self, z: Tensor) -> Tensor | float:
+        """dz/dx at the logits z: scale (1 - tanh^2) = scale (1 - (z / softcap)^2)."""
+        if self.softcap is None:
+            return self.scale
+        return (z / self.softcap).square_().neg_().add_(1.0).mul_(self.scale)
+
+
+def transform_grad_(p: Tensor, slope: Tensor | float) -> Tensor:
+    """d loss / d x from d loss / d z (``p``, in place) and the transform's slope."""
+    return p if isinstance(slope, float) and slope == 1.0 else p.mul_(slope)
+
+
 def _cast(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     return None if t is None else t.to(dtype)
 
@@ -75,10 +106,12 @@ def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def _forward_chunk(h: Tensor, weight: Tensor, bias: Tensor | None, y: Tensor, ignore_index: int,
-                   lse_out: Tensor) -> Tensor:
+                   lse_out: Tensor, transform: LogitTransform | None = None) -> Tensor:
     """One chunk's summed token loss; writes its rows' lse into ``lse_out`` (C,)."""
     valid = y != ignore_index
     logits = _chunk_logits(h, weight, bias)  # (C, V) fp32
+    if transform is not None:
+        transform.apply_(logits)
     # Ignored rows gather column 0 (any index is fine): they are masked out below.
     tgt = logits.gather(1, torch.where(valid, y, 0).unsqueeze(1)).squeeze(1)
     # logsumexp in place (torch.logsumexp would allocate a second (C, V) buffer):
@@ -89,15 +122,17 @@ def _forward_chunk(h: Tensor, weight: Tensor, bias: Tensor | None, y: Tensor, ig
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """(hidden (T, H), weight (V, H), targets (T,), bias (V,) | None, chunk_size, ignore_index)
-    -> (sum of token losses: fp32 scalar (float64 for float64 inputs), count: int64 scalar).
+    """(hidden (T, H), weight (V, H), targets (T,), bias (V,) | None, chunk_size, ignore_index,
+    transform | None) -> (sum of token losses: fp32 scalar (float64 for float64 inputs),
+    count: int64 scalar).
 
     Saves hidden, weight, targets and the per-token lse (T,) fp32; never a (T, V) tensor.
     """
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None,
-                chunk_size: int, ignore_index: int) -> tuple[Tensor, Tensor]:
+                chunk_size: int, ignore_index: int,
+                transform: LogitTransform | None = None) -> tuple[Tensor, Tensor]:
         dtype = _matmul_dtype(hidden)
         T, acc = hidden.shape[0], _acc_dtype(dtype)
         lse = torch.zeros(T, dtype=acc, device=hidden.device)  # (T,)
@@ -108,10 +143,11 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             for s in range(0, T, chunk_size):
                 e = min(s + chunk_size, T)
                 total += _forward_chunk(hidden[s:e].to(dtype), w, b, targets[s:e], ignore_index,
-                                        lse[s:e])
+                                        lse[s:e], transform)
         count = count_valid_targets(targets, ignore_index)
         ctx.save_for_backward(hidden, weight, targets, bias, lse)
         ctx.chunk_size, ctx.ignore_index, ctx.dtype = chunk_size, ignore_index, dtype
+        ctx.transform = transform
         ctx.mark_non_differentiable(count)
         return total, count
 
@@ -134,11 +170,16 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 valid = y != ctx.ignore_index
                 # softmax - onehot, built in place in the recomputed logits buffer.
                 p = _chunk_logits(h, w, b)  # (C, V) fp32
+                slope = 1.0
+                if ctx.transform is not None:
+                    slope = ctx.transform.slope(ctx.transform.apply_(p))
                 p.sub_(lse[s:e].unsqueeze(1)).exp_()
                 rows = torch.arange(e - s, device=p.device)
                 p[rows, torch.where(valid, y, 0)] -= 1.0
                 # Ignored targets get zero rows; grad_total scales the whole block.
                 p.mul_((valid.to(acc) * g).unsqueeze(1))
+                transform_grad_(p, slope)
+                del slope
                 if need_b:
                     grad_b += p.sum(0)
                 pc = p.to(dtype)
@@ -152,7 +193,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 None if grad_w is None else grad_w.to(weight.dtype),
                 None,
                 None if grad_b is None else grad_b.to(bias.dtype),
-                None, None)
+                None, None, None)
 
 
 def _world(group: ProcessGroup | None) -> int:
@@ -207,8 +248,10 @@ def global_token_mean(local_sum: Tensor, local_count: Tensor | int,
 def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor,
                           bias: Tensor | None = None, *, chunk_size: int = 4096,
                           ignore_index: int = -100, group: ProcessGroup | None = None,
-                          num_items_in_batch: Tensor | int | None = None) -> Tensor:
-    """Global-mean cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising logits.
+                          num_items_in_batch: Tensor | int | None = None,
+                          transform: LogitTransform | None = None) -> Tensor:
+    """Global-mean cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising logits
+    (``transform``: the family's scaling or soft-capping of those logits, LogitTransform).
 
     hidden: (B, S, H) or (T, H); targets: (B, S) or (T,), already shifted (targets[t] is the
     token after hidden[t]); weight: (V, H), the lm_head; bias: (V,) or None. Returns an fp32
@@ -221,7 +264,7 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor,
     if h.shape[0] != y.shape[0]:
         raise ValueError(f"{h.shape[0]} hidden states but {y.shape[0]} targets")
     local_sum, local_count = ChunkedLinearCrossEntropy.apply(h, weight, y, bias, chunk_size,
-                                                             ignore_index)
+                                                             ignore_index, transform)
     return global_token_mean(local_sum, local_count, group, num_items_in_batch)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .loss import count_valid_targets, global_token_mean
+from .loss import LogitTransform, count_valid_targets, global_token_mean, transform_grad_
 
 Tensor = torch.Tensor
 
@@ -45,12 +45,13 @@ def _forward_of(norm: nn.Module):
 
 class NormedChunkedCrossEntropy(torch.autograd.Function):
     """(hidden (T, H) before the final norm, norm, weight (V, H), targets (T,), bias | None,
-    chunk_size, ignore_index, overwrite_hidden, *norm parameters) -> (sum of token losses,
-    valid count)."""
+    chunk_size, ignore_index, overwrite_hidden, transform | None, *norm parameters) -> (sum of
+    token losses, valid count)."""
 
     @staticmethod
     def forward(ctx, hidden, norm: nn.Module, weight, targets, bias, chunk_size: int,
-                ignore_index: int, overwrite_hidden: bool, *norm_params):
+                ignore_index: int, overwrite_hidden: bool, transform: LogitTransform | None,
+                *norm_params):
         T, acc = hidden.shape[0], _acc(hidden.dtype)
         norm_forward = _forward_of(norm)
         lse = torch.empty(T, dtype=acc, device=hidden.device)
@@ -60,6 +61,8 @@ class NormedChunkedCrossEntropy(torch.autograd.Function):
             y = targets[s:e]
             valid = y != ignore_index
             logits = _logits(norm_forward(hidden[s:e]), weight, bias)  # (C, V)
+            if transform is not None:
+                transform.apply_(logits)
             tgt = logits.gather(1, torch.where(valid, y, 0).unsqueeze(1)).squeeze(1)
             m = logits.amax(dim=1)  # logsumexp in place, as easy_context.memory.loss
             lse[s:e] = logits.sub_(m.unsqueeze(1)).exp_().sum(dim=1).log_().add_(m)
@@ -68,7 +71,7 @@ class NormedChunkedCrossEntropy(torch.autograd.Function):
         count = count_valid_targets(targets, ignore_index)
         ctx.save_for_backward(hidden, weight, targets, bias, lse)
         ctx.norm, ctx.chunk_size, ctx.ignore_index = norm, chunk_size, ignore_index
-        ctx.overwrite_hidden = overwrite_hidden
+        ctx.overwrite_hidden, ctx.transform = overwrite_hidden, transform
         ctx.mark_non_differentiable(count)
         return total, count
 
@@ -96,9 +99,14 @@ class NormedChunkedCrossEntropy(torch.autograd.Function):
             with torch.enable_grad():
                 hn = _forward_of(norm)(h)
             p = _logits(hn.detach(), weight, bias)  # softmax - onehot, in place
+            slope = 1.0
+            if ctx.transform is not None:
+                slope = ctx.transform.slope(ctx.transform.apply_(p))
             p.sub_(lse[s:e].unsqueeze(1)).exp_()
             p[torch.arange(e - s, device=p.device), torch.where(valid, y, 0)] -= 1.0
             p.mul_((valid.to(acc) * g).unsqueeze(1))
+            transform_grad_(p, slope)
+            del slope
             if need_b:
                 grad_b += p.sum(0)
             pc = p.to(hn.dtype)
@@ -117,7 +125,7 @@ class NormedChunkedCrossEntropy(torch.autograd.Function):
                             grad_n[i] += gp
             del pc, hn, h
         return (grad_h, None, None if grad_w is None else grad_w.to(weight.dtype), None,
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None,
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None,
                 *[None if gn is None else gn.to(prm.dtype) for gn, prm in zip(grad_n, params)])
 
 
@@ -125,7 +133,8 @@ def normed_chunked_cross_entropy(hidden: Tensor, norm: nn.Module, weight: Tensor
                                  targets: Tensor, bias: Tensor | None = None, *,
                                  chunk_size: int, ignore_index: int = -100, group=None,
                                  num_items_in_batch: Tensor | int | None = None,
-                                 overwrite_hidden: bool = False) -> Tensor:
+                                 overwrite_hidden: bool = False,
+                                 transform: LogitTransform | None = None) -> Tensor:
     """The global-mean loss of ``norm(hidden) @ weight.T (+ bias)``, chunk by chunk (see the
     module docstring); hidden (B, S, H) or (T, H), targets shifted, -100 ignored.
     ``overwrite_hidden``: backward writes the gradient into ``hidden`` (only for hidden states
@@ -137,6 +146,6 @@ def normed_chunked_cross_entropy(hidden: Tensor, norm: nn.Module, weight: Tensor
     if h.shape[0] != y.shape[0]:
         raise ValueError(f"{h.shape[0]} hidden states but {y.shape[0]} targets")
     local_sum, local_count = NormedChunkedCrossEntropy.apply(
-        h, norm, weight, y, bias, chunk_size, ignore_index, overwrite_hidden,
+        h, norm, weight, y, bias, chunk_size, ignore_index, overwrite_hidden, transform,
         *norm.parameters())
     return global_token_mean(local_sum, local_count, group, num_items_in_batch)

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
 
-from ..models import check_model_path, load_config
+from ..models import check_model_path, load_config, plain_attention
 from .config import TrainConfig
 from .weights import Pretrained, params_on_meta
 
@@ -37,7 +37,7 @@ def build_empty_model(config: TrainConfig,
     def build():
         return AutoModelForCausalLM.from_config(
             model_config, dtype=torch.float32, trust_remote_code=config.trust_remote_code,
-            attn_implementation="sdpa")
+            attn_implementation=plain_attention(model_config))
 
     with init_context(model_config):
         model = build()
@@ -56,7 +56,8 @@ def build_empty_model(config: TrainConfig,
     def load_full():
         return AutoModelForCausalLM.from_pretrained(
             path, config=model_config, dtype=torch.float32, use_safetensors=True,
-            trust_remote_code=config.trust_remote_code, attn_implementation="sdpa")
+            trust_remote_code=config.trust_remote_code,
+            attn_implementation=plain_attention(model_config))
 
     return model, Pretrained(path, load_full)
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import easy_context as ec
-from easy_context.integrations.hf import plain_lm_head
+from easy_context.integrations.hf import output_head
 
 COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -67,8 +67,8 @@ def tiny_model(family: str, seed: int = 0):
 
 
 def loss_paths(model) -> tuple[bool, ...]:
-    """The chunked loss needs logits that are a plain projection (not soft-capped/scaled)."""
-    return (True, False) if plain_lm_head(model) is not None else (False,)
+    """The chunked loss needs a linear head (soft-capped or scaled logits included)."""
+    return (True, False) if output_head(model)[0] is not None else (False,)
 
 
 def make_batch(length: int, vocab: int, seed: int = 1):

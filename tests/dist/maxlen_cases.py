@@ -18,7 +18,7 @@ import easy_context as ec
 from easy_context.attention.documents import document_ids_from_positions
 from easy_context.memory.maxlen import apply_max_length
 
-from .hf_cases import FAMILIES, make_batch, reference_loss
+from .hf_cases import FAMILIES, VARIANT_FAMILIES, make_batch, reference_loss
 
 # 8 query / 4 KV heads: head chunks of 2 or 4 query heads (1 or 2 KV heads) split over 2 and 4
 # Ulysses ranks; chunks of 1 query head take half of a KV head's.
@@ -28,9 +28,19 @@ SHAPE = dict(vocab_size=97, hidden_size=64, intermediate_size=112, num_hidden_la
 
 
 def tiny(family: str, seed: int = 0, **overrides):
-    config = AutoConfig.for_model(family, **{**SHAPE, **FAMILIES[family], **overrides})
+    """A family of hf_cases at this shape (the attention-variant ones with their own eager
+    attention as the reference: sdpa has no sinks or soft-capping)."""
+    if family in VARIANT_FAMILIES:
+        extra = {k: v for k, v in VARIANT_FAMILIES[family].items()
+                 if k not in ("num_key_value_heads", "head_dim")}
+        config = AutoConfig.for_model(family.removesuffix("_sliding"),
+                                      **{**SHAPE, **extra, **overrides})
+        attn = "eager"
+    else:
+        config = AutoConfig.for_model(family, **{**SHAPE, **FAMILIES[family], **overrides})
+        attn = "sdpa"
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn).float()
 
 
 def grad_errors(model, ref, world: int) -> float:

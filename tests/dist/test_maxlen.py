@@ -42,6 +42,14 @@ def test_two_ranks_methods(dist2, method, ring_degree):
     _assert(dist2.run(check_max_length, "llama", method, cases, ring_degree))
 
 
+@pytest.mark.parametrize("family", ["mistral_sliding", "gpt_oss"])
+def test_two_ranks_attention_variants(dist2, family):
+    """Sliding windows (3 and 7 tokens) and GPT-OSS's sinks, through the head chunks: each
+    chunk gets its query heads' sinks and their gradient back."""
+    _assert(dist2.run(check_max_length, family, "zigzag_ring_attn", ONE + SUB[:1]))
+    _assert(dist2.run(check_max_length, family, "ulysses_attn", [(4, 2, "attention", 1)]))
+
+
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
 def test_two_ranks_families(dist2, family):
     _assert(dist2.run(check_max_length, family, "zigzag_ring_attn", ONE))

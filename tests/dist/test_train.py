@@ -176,3 +176,21 @@ def test_every_collective_suits_its_group_with_each_offload_setting(dist2, workd
     assert sum(got[0]["counts"].values()) > 0 and sum(got[1]["counts"].values()) > 0
     if "lora_rank" not in setup:
         _assert_same_trajectory(_losses(got[0]["metrics"]), _losses(reference["b1"]))
+
+
+@pytest.mark.parametrize("family,config", [
+    ("gemma2", dict(sliding_window=5, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                    query_pre_attn_scalar=8, layer_types=["sliding_attention", "full_attention"])),
+    ("gpt_oss", dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"],
+                     num_local_experts=4, num_experts_per_tok=2))])
+def test_attention_variant_models_train_alike_on_two_ranks(dist1, dist2, workdir, tmp_path,
+                                                           family, config):
+    """Soft-capped and sliding layers (Gemma 2), sliding layers with sinks (GPT-OSS): the
+    trainer with LoRA on 2 ranks follows one process (the model's own attention against ours
+    is tests/unit/test_attention_variants.py)."""
+    tiny_model_dir(tmp_path / "model", family=family, **config)
+    kw = dict(model=str(tmp_path / "model"), lora_rank=4)
+    ref = dist1.run(train_run, workdir, f"ref_{family}", **kw)[0]
+    got = dist2.run(train_run, workdir, f"sp_{family}", parallel_mode="zigzag_ring_attn", **kw)[0]
+    _assert_same_trajectory(_losses(got), _losses(ref))
+    assert _losses(ref)[-1] < _losses(ref)[0]

@@ -211,9 +211,11 @@ def test_a_ring_stops_where_the_window_ends():
 from tests.dist.hf_cases import VARIANT_FAMILIES, make_batch, tiny_model  # noqa: E402
 
 
+@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("family", sorted(VARIANT_FAMILIES))
-def test_families_on_one_process_equal_their_own_attention(family):
-    """world 1: the model with our attention against itself with its eager attention."""
+def test_families_on_one_process_equal_their_own_attention(family, chunked):
+    """world 1: the model with our attention against itself with its eager attention; the
+    chunked loss applies Gemma 2's final soft-capping and Cohere 2's logit scale itself."""
     base = tiny_model(family)
     inputs, positions, targets = make_batch(24, base.config.vocab_size)
     ref = copy.deepcopy(base)
@@ -222,7 +224,7 @@ def test_families_on_one_process_equal_their_own_attention(family):
     ref_loss.backward()
     model = copy.deepcopy(base)
     ec.apply_sequence_parallel(model, "zigzag_ring_attn")
-    loss = ec.causal_lm_loss(model, inputs, positions, targets, chunked=False)
+    loss = ec.causal_lm_loss(model, inputs, positions, targets, chunked=chunked, chunk_size=7)
     loss.backward()
     assert abs(loss.item() - ref_loss.item()) <= TOL * abs(ref_loss.item())
     for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):

@@ -232,3 +232,34 @@ def test_first_layer_input_and_rope_tables_are_recomputed(monkeypatch):
     with torch.no_grad():
         assert state.input_recipe(emb(ids)) is None
     handle.remove()
+
+
+@pytest.mark.parametrize("scale,softcap", [(1.0, 3.0), (0.25, None), (0.5, 2.0)])
+def test_both_chunked_losses_soft_cap_and_scale_logits_like_the_model(scale, softcap):
+    """Gemma 2's final soft-capping, Cohere's / Granite's logit scale: the chunked losses
+    (plain and normed) against the full logits transformed by hand, float64."""
+    from easy_context.memory.loss import LogitTransform
+
+    torch.manual_seed(1)
+    h = torch.randn(29, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(40, 16, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 40, (29,))
+    y[::4] = -100
+    norm = RMSNorm(16).double()
+    t = LogitTransform(scale, softcap)
+
+    def by_hand(x):
+        z = (x @ w.T) * scale
+        z = z if softcap is None else softcap * torch.tanh(z / softcap)
+        return torch.nn.functional.cross_entropy(z, y, ignore_index=-100)
+
+    for loss_of, hidden in ((lambda: chunked_cross_entropy(h, w, y, chunk_size=6, transform=t), h),
+                            (lambda: normed_chunked_cross_entropy(h, norm, w, y, chunk_size=6,
+                                                                  transform=t), norm(h))):
+        got = loss_of()
+        gh, gw = torch.autograd.grad(got, (h, w))
+        want = by_hand(hidden)
+        wh, ww = torch.autograd.grad(want, (h, w))
+        assert torch.allclose(got, want, rtol=1e-12)
+        assert torch.allclose(gh, wh, rtol=1e-9, atol=1e-12)
+        assert torch.allclose(gw, ww, rtol=1e-9, atol=1e-12)

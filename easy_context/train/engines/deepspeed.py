@@ -71,7 +71,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...integrations.hf import CausalLMLoss, plain_lm_head
+from ...integrations.hf import CausalLMLoss, output_head
 from ...memory.maxlen import max_length_settings
 from ..config import TrainConfig
 from ..weights import Pretrained, checkpoint_names
@@ -227,7 +227,7 @@ class DeepSpeedEngine:
             dist_init_required=False)
         # The chunked loss uses the head's weight (and bias) outside the head's forward: ZeRO-3
         # must gather them whenever the root (the loss module) runs, forward and backward.
-        head = plain_lm_head(model)
+        head = output_head(model)[0]
         external = list(head.parameters(recurse=False)) if head is not None else []
         if max_length_settings(model) is not None:  # max-length mode: the final norm too
             external += list(decoder_of(model).norm.parameters())
