@@ -24,6 +24,7 @@ _EXPORTS = {
     "METHODS": "parallel",
     "get_method": "parallel",
     "local_attention": "parallel.local",
+    "Variant": "attention.variants",
     "pad_for_sequence_parallel": "sequence_parallel",
     "required_multiple": "sequence_parallel",
     "sequence_parallel_attention": "sequence_parallel",
