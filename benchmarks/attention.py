@@ -322,9 +322,9 @@ def schedule_work(method: str, world: int, length: int) -> list[float] | None:
 
 def computed_fraction(method: str, world: int, length: int, window: int,
                       ring_degree: int | None = None) -> float:
-    """Score entries the plan's kernel calls cover for a sliding layer, over all ranks, against
-    the global layer's (causal: L (L + 1) / 2). A band call counts its whole (rows x keys)
-    rectangle, an upper bound on what a windowed kernel computes."""
+    """Score entries the plan's kernel calls see for a sliding layer, summed over ranks,
+    against the global layer's (causal: L (L + 1) / 2): what a kernel with a window computes,
+    up to its tile granularity (flash-attn's blocks; the CPU tiling of bands.py)."""
     from easy_context.attention.documents import Geometry, ShardDocuments
 
     if method in (SINGLE, "local", "ulysses_attn") or (method == "usp_attn" and ring_degree == 1):
@@ -336,12 +336,21 @@ def computed_fraction(method: str, world: int, length: int, window: int,
     s = length // shards
     segments = tuple(layouts.segments(layout, r, shards, s) for r in range(shards))
     docs = ShardDocuments.plain((s,) * shards, Geometry(segments, True, window))
+    from easy_context.attention.kernels import offsets
+
     covered = 0
     for qs in range(shards):
         for ks in range(shards):
             for c in docs.calls(qs, slice(None), ks, slice(None), False):
                 n, m = len(range(s)[c.q]), len(range(s)[c.kv])
-                covered += n * (n + 1) // 2 if c.causal else n * m
+                if c.window is None:
+                    covered += n * (n + 1) // 2 if c.causal else n * m
+                    continue
+                lo, hi = offsets(n, m, False, c.window)
+                i = torch.arange(n)
+                first = (i + lo).clamp(min=0) if lo is not None else torch.zeros_like(i)
+                last = (i + hi).clamp(max=m - 1) if hi is not None else torch.full_like(i, m - 1)
+                covered += int((last - first + 1).clamp(min=0).sum())
     return covered / (length * (length + 1) / 2)
 
 

@@ -189,7 +189,6 @@ class ShardDocuments:
                 Call(batch, slice(*qs), slice(*ks), c)
                 for batch, pairs in rows for qs, ks, c in pairs]
 
-
     def _plan_geometry(self, q_shard, q_span, kv_shard, kv_span) -> list[Call]:
         g = self.geometry
         qs = [_units(_clip(r, *q_span), g.segments[q_shard], q_span[0], g.chunk)
@@ -200,9 +199,7 @@ class ShardDocuments:
             ks = ks * len(qs)
         if len(qs) == 1 and len(ks) > 1:
             qs = qs * len(ks)
-        per_row = [tuple(band for qu in q_units for ku in k_units if qu[0] == ku[0]
-                         if (band := _band(qu, ku, g.causal, g.window)) is not None)
-                   for q_units, k_units in zip(qs, ks)]
+        per_row = [_row_bands(q_units, k_units, g) for q_units, k_units in zip(qs, ks)]
         if all(p == per_row[0] for p in per_row):
             rows = [(ALL, per_row[0])]
         else:
@@ -214,6 +211,16 @@ class ShardDocuments:
 
 
 Unit = tuple[tuple, int, int, int]  # ((document id, chunk), first row, stop, sequence index)
+
+
+def _row_bands(q_units: list[Unit], k_units: list[Unit], g: Geometry) -> tuple:
+    """The calls of one batch row: each query unit against the key units of its (document,
+    chunk), looked up rather than scanned (thousands of short documents stay linear)."""
+    by_key: dict[tuple, list[Unit]] = {}
+    for ku in k_units:
+        by_key.setdefault(ku[0], []).append(ku)
+    return tuple(band for qu in q_units for ku in by_key.get(qu[0], ())
+                 if (band := _band(qu, ku, g.causal, g.window)) is not None)
 
 
 def _units(runs: list[Run], segments: tuple[Segment, ...], offset: int,
