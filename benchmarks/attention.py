@@ -10,6 +10,11 @@ the same kernel on the whole sequence in one process with the same total number 
     python benchmarks/attention.py --lengths 16384 --methods zigzag_ring_attn,ulysses_attn
 
 Per row (method, L, KV heads):
+- protocol: round-robin. Each round runs every contender once (the single process, each
+  method, DeepSpeed's Ulysses beside ours), the first ``--warmup`` rounds are dropped, and a
+  row is the median over the other rounds with its min and max (``time_ms_spread``): drift
+  of a shared machine falls on all contenders alike. The CPU (model, vector extensions) is
+  recorded with the results;
 - time: wall time of one forward + backward; every rank times its own call between two
   barriers, the row takes the slowest rank per iteration, then the median over iterations;
 - peak memory: resident-set high-water mark of each rank during forward + backward, above
@@ -511,10 +516,8 @@ def parse_args(argv=None):
                    help="lengths at which to add rows with 2 KV heads (GQA 8/2); '' for none")
     p.add_argument("--repeats", type=int, default=3,
                    help="timed iterations per row (median); L >= 32768 uses max(1, repeats // 3)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed calls before timing")
-    p.add_argument("--full-warmup", action="store_true",
-                   help="warm up at the measured length (default: at min(L, 8192), which "
-                        "already goes through every code path and saves minutes at 32K)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="round-robin rounds run first and dropped (warm-up at the length itself)")
     p.add_argument("--world-size", type=int, default=2, help="N, the number of ranks")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=str(common.results_path("attention")),
@@ -596,10 +599,12 @@ def main(argv=None) -> int:
                        "work overhead of the method, much less sensitive to a busy machine than wall time",
                 "breakdown": "merge = partial-result merge; comm = blocking collectives + waits on "
                              "async P2P; other = copies, accumulation, casts, Python",
-                "deepspeed": "DistributedAttention alternates iterations with ulysses_attn in the same ranks",
-                "repeats": "--repeats at L < 32768, max(1, repeats // 3) at 32768 and above; --warmup "
-                           "calls at min(L, 8192) the first time a method runs in the ranks (later "
-                           "lengths reuse the warm ranks), or at every L with --full-warmup",
+                "deepspeed": "DistributedAttention alternates iterations with ulysses_attn in the same ranks; "
+                             "time_ratio_vs_deepspeed_per_round pairs the two within each round",
+                "repeats": "round-robin: --warmup + repeats rounds (repeats = --repeats at L < 32768, "
+                           "max(1, repeats // 3) at 32768 and above), each running every contender "
+                           "once in the same order (a job's variants alternate within it); the "
+                           "first --warmup rounds dropped, medians and min/max over the rest",
                 "env": common.BENCH_ENV,
             },
             "machine": machine,
@@ -618,19 +623,16 @@ def main(argv=None) -> int:
         return path, all_rows, targets, skipped_now, elapsed
 
     rows: list[dict] = []
-    warmed: set = set()  # variant sets already warmed up in this pool's ranks
     worker_env = None
     pool = DistPool(world, threads_per_rank=1, timeout_s=600, pg_timeout_s=1800)
     try:
         for length in args.lengths:
             for kv_heads in [HEADS] + ([2] if length in args.gqa_lengths else []):
                 repeats = args.repeats if length < 32768 else max(1, args.repeats // 3)
-                warm_len = length if args.full_warmup else min(length, 8192)
                 base = {"length": length, "kv_heads": kv_heads, "seed": args.seed,
-                        "warmup": args.warmup, "warmup_length": warm_len, "repeats": repeats}
+                        "warmup": 0, "warmup_length": length, "repeats": 1}
                 # a generous timeout: minutes per iteration at 16K on a busy 2-core machine
-                scale = max(1.0, (length / 16384) ** 2)
-                timeout = 300 + 300 * scale * (args.warmup + repeats)
+                timeout = 300 + 300 * max(1.0, (length / 16384) ** 2)
                 jobs = [[(SINGLE, None)]]
                 for m in methods:
                     if m == "usp_attn":
@@ -643,34 +645,55 @@ def main(argv=None) -> int:
                     tag = f"{WINDOW_TAG}{args.sliding_window}"
                     jobs = [[(n, rd) for n, rd in job if n != DEEPSPEED]
                             + [(n + tag, rd) for n, rd in job if n != DEEPSPEED] for job in jobs]
-                single_row = None
-                for variants in jobs:
-                    is_single = variants[0][0] == SINGLE
-                    spec = dict(base, variants=variants, threads=world if is_single else 1)
-                    if tuple(variants) in warmed and not args.full_warmup:
-                        spec["warmup"] = 0  # these ranks already ran it at another length
-                    label = "+".join(n if rd is None else f"{n}[rd={rd}]" for n, rd in variants)
-                    t0 = time.time()
-                    load = common.load_average()
-                    try:
-                        got = pool.run(bench_rank, spec, timeout_s=timeout * len(variants))
-                    except DistError as e:
-                        warmed.clear()  # the pool starts afresh after a failure
-                        print(f"[error] {label} L={length} Hkv={kv_heads}: {str(e)[-800:]}",
+                # Round-robin: each round runs every contender once (the variants of a job
+                # alternate inside it too), so drift of a shared machine falls on all alike;
+                # the first --warmup rounds (lazy imports, gloo pairs, allocator growth at this
+                # length) are dropped, medians over the rest.
+                rounds = args.warmup + repeats
+                kept: dict[int, list] = {i: [] for i in range(len(jobs))}
+                failed: set[int] = set()
+                load = common.load_average()
+                for rnd in range(rounds):
+                    for i, variants in enumerate(jobs):
+                        if i in failed:
+                            continue
+                        is_single = variants[0][0] == SINGLE
+                        spec = dict(base, variants=variants, threads=world if is_single else 1)
+                        label = "+".join(n if rd is None else f"{n}[rd={rd}]" for n, rd in variants)
+                        t0 = time.time()
+                        try:
+                            got = pool.run(bench_rank, spec, timeout_s=timeout * len(variants))
+                        except DistError as e:
+                            failed.add(i)
+                            print(f"[error] {label} L={length} Hkv={kv_heads}: {str(e)[-800:]}",
+                                  file=sys.stderr, flush=True)
+                            for n, rd in variants:
+                                name = n if not (n == "usp_attn" and rd != 1) else f"usp_attn[ring_degree={rd}]"
+                                rows.append({"method": name, "L": length, "kv_heads": kv_heads,
+                                             "error": str(e)[-2000:], "run_id": run_id})
+                            save(final=False)
+                            continue
+                        got = [g for g in got if g is not None]
+                        worker_env = got[0]["malloc_mmap_threshold"]
+                        if rnd >= args.warmup:
+                            kept[i].append(got)
+                        print(f"[{time.time() - t_start:6.0f}s] round {rnd + 1}/{rounds}"
+                              f"{' (dropped)' if rnd < args.warmup else ''} {label:<40} "
+                              f"L={length:<6} Hkv={kv_heads} ({time.time() - t0:.0f} s)",
                               file=sys.stderr, flush=True)
-                        for n, rd in variants:
-                            name = n if not (n == "usp_attn" and rd != 1) else f"usp_attn[ring_degree={rd}]"
-                            rows.append({"method": name, "L": length, "kv_heads": kv_heads,
-                                         "error": str(e)[-2000:], "run_id": run_id})
-                        save(final=False)
+                new, single_row = {}, None
+                for i, variants in enumerate(jobs):
+                    if i in failed or not kept[i]:
                         continue
-                    warmed.add(tuple(variants))
-                    got = [g for g in got if g is not None]
-                    worker_env = got[0]["malloc_mmap_threshold"]
+                    is_single = variants[0][0] == SINGLE
                     n_ranks = 1 if is_single else world
-                    new = {}
+                    spec = dict(base, variants=variants, threads=world if is_single else 1,
+                                repeats=len(kept[i]), warmup=args.warmup)
                     for name, rd in variants:
-                        per_rank = [g["results"][name] for g in got]
+                        # every kept round's iterations of this contender, rank by rank
+                        per_rank = [{"iters": [it for got in kept[i] for it in got[r]["results"][name]["iters"]],
+                                     "error": kept[i][0][r]["results"][name].get("error")}
+                                    for r in range(len(kept[i][0]))]
                         if per_rank[0].get("error"):
                             ds["error"] = per_rank[0]["error"][-1500:]
                             print(f"[error] {name}: {ds['error']}", file=sys.stderr, flush=True)
@@ -678,41 +701,49 @@ def main(argv=None) -> int:
                         row = summarize(name, per_rank, length, kv_heads, n_ranks,
                                         spec["threads"], rd, spec)
                         row["run_id"], row["load_average_1m_at_start"] = run_id, load and load[0]
+                        row["protocol"] = "round-robin"
+                        row["time_ms_spread"] = {k: _r(v) for k, v in
+                                                 common.spread(row["time_ms_iters"]).items()}
                         if name == "usp_attn":
                             row["note"] = ("ring_degree=1: Ulysses over both ranks (the main usp row)"
                                            if rd == 1 else f"ring_degree={rd}=N: a pure zigzag ring")
                         if name == DEEPSPEED:
                             row["note"] = ("deepspeed.sequence.layer.DistributedAttention(scatter_idx=2, "
                                            "gather_idx=1), local attention = easy_context local_attention")
-                        new[name] = row
-                    if is_single:
-                        single_row = new.get(SINGLE)
-                    for name, row in new.items():
-                        if single_row is not None and not is_single:
-                            row["time_ratio_vs_single"] = _r(row["time_ms"] / single_row["time_ms"], 3)
-                            if row["process_cpu_ms_total"] and single_row["process_cpu_ms_total"]:
-                                row["cpu_ratio_vs_single"] = _r(row["process_cpu_ms_total"]
-                                                                / single_row["process_cpu_ms_total"], 3)
-                            if row["peak_mb"] is not None and single_row["peak_mb"]:
-                                row["mem_ratio_vs_single"] = _r(row["peak_mb"] / single_row["peak_mb"], 3)
-                    for name, rd in variants:
-                        plain, window = split_window(name)
-                        if window is not None and name in new and plain in new:
-                            new[name]["time_ratio_vs_global"] = _r(
-                                new[name]["time_ms"] / new[plain]["time_ms"], 3)
-                            new[name]["computed_fraction"] = _r(
-                                computed_fraction(plain, world, length, window, rd), 4)
-                    if "ulysses_attn" in new and DEEPSPEED in new:
-                        new["ulysses_attn"]["time_ratio_vs_deepspeed"] = _r(
-                            new["ulysses_attn"]["time_ms"] / new[DEEPSPEED]["time_ms"], 3)
-                    rows.extend(new.values())
-                    save(final=False)
-                    for row in new.values():
-                        print(f"[{time.time() - t_start:6.0f}s] {row['method']:<34} L={length:<6} "
-                              f"Hkv={kv_heads} time {row['time_ms']:9.1f} ms  "
-                              f"x{row.get('time_ratio_vs_single', 1.0):.2f}  peak {row['peak_mb']} MB  "
-                              f"kernel/rank {row['kernel_ms_per_rank']}  ({time.time() - t0:.0f} s)",
-                              file=sys.stderr, flush=True)
+                        key = row["method"]
+                        new[key] = row
+                        if name == SINGLE:
+                            single_row = row
+                for row in new.values():
+                    if single_row is not None and row is not single_row and row["threads_per_rank"] == 1:
+                        row["time_ratio_vs_single"] = _r(row["time_ms"] / single_row["time_ms"], 3)
+                        if row["process_cpu_ms_total"] and single_row["process_cpu_ms_total"]:
+                            row["cpu_ratio_vs_single"] = _r(row["process_cpu_ms_total"]
+                                                            / single_row["process_cpu_ms_total"], 3)
+                        if row["peak_mb"] is not None and single_row["peak_mb"]:
+                            row["mem_ratio_vs_single"] = _r(row["peak_mb"] / single_row["peak_mb"], 3)
+                for name, row in new.items():
+                    plain, window = split_window(name)
+                    if window is not None and plain in new:
+                        row["time_ratio_vs_global"] = _r(row["time_ms"] / new[plain]["time_ms"], 3)
+                        rd = row.get("ring_degree")
+                        row["computed_fraction"] = _r(computed_fraction(
+                            plain.split("[")[0], world, length, window, rd), 4)
+                if "ulysses_attn" in new and DEEPSPEED in new:
+                    ours, theirs = new["ulysses_attn"], new[DEEPSPEED]
+                    ours["time_ratio_vs_deepspeed"] = _r(ours["time_ms"] / theirs["time_ms"], 3)
+                    # paired: the two alternate inside each round, so each round gives a ratio
+                    per_round = [a / b for a, b in zip(ours["time_ms_iters"], theirs["time_ms_iters"])]
+                    ours["time_ratio_vs_deepspeed_per_round"] = [_r(x, 3) for x in per_round]
+                    ours["time_ratio_vs_deepspeed_spread"] = {
+                        k: _r(v, 3) for k, v in common.spread(per_round).items()}
+                rows.extend(new.values())
+                save(final=False)
+                for row in new.values():
+                    print(f"{row['method']:<40} L={length:<6} Hkv={kv_heads} time "
+                          f"{row['time_ms']:9.1f} ms ({row['time_ms_spread']})  "
+                          f"x{row.get('time_ratio_vs_single', 1.0):.2f}  peak {row['peak_mb']} MB",
+                          file=sys.stderr, flush=True)
     finally:
         pool.close()
 

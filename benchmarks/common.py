@@ -101,6 +101,44 @@ def _cpu_model() -> str | None:
     return platform.processor() or None
 
 
+# The instruction sets that pick different kernels in torch, oneDNN, MKL and bitsandbytes: a
+# "Xeon" model name alone does not say which CPU a figure was measured on.
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile",
+                "amx_bf16", "amx_int8")
+
+
+def cpu_flags() -> list[str] | None:
+    """Which of KERNEL_FLAGS this CPU has (from /proc/cpuinfo), or None where unreadable."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [flag for flag in KERNEL_FLAGS if flag in have]
+    except OSError:
+        pass
+    return None
+
+
+def cpu_description() -> str:
+    """The CPU in one line, for tables: model name, logical CPUs and its vector extensions."""
+    flags = cpu_flags()
+    vec = ("AMX" if flags and "amx_tile" in flags else "AVX-512" if flags and "avx512f" in flags
+           else "AVX2" if flags and "avx2" in flags else None)
+    if vec and flags and "avx512_bf16" in flags:
+        vec += " with AVX-512 BF16" if vec == "AMX" else " BF16"
+    return f"{_cpu_model() or 'unknown CPU'}, {os.cpu_count()} logical CPUs" + (
+        f", {vec}" if vec else "")
+
+
+def spread(xs: Iterable[float]) -> dict[str, float]:
+    """min, median and max of repeated measurements (what a side-by-side figure varies by)."""
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return {}
+    return {"min": xs[0], "median": statistics.median(xs), "max": xs[-1]}
+
+
 def _mem_total_gib() -> float | None:
     try:
         with open("/proc/meminfo") as f:
@@ -144,6 +182,8 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpu": _cpu_model(),
+        "cpu_flags": cpu_flags(),
+        "cpu_description": cpu_description(),
         "logical_cpus": os.cpu_count(),
         "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "mem_total_gib": _mem_total_gib(),
