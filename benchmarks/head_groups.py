@@ -95,15 +95,14 @@ def main(argv=None) -> int:
     try:
         for method in [m for m in args.methods.split(",") if m]:
             iters = {0: [], 1 << 50: []}
-            warm = {"method": method, "L": 1024, "dtype": args.dtype}
-            for budget in iters:  # untimed warm-up of both
-                pool.run(measure, {**warm, "budget": budget})
-            for _ in range(args.repeats):  # alternating
+            # round-robin: each round runs both once; the first round (warm-up) is dropped
+            for rnd in range(args.repeats + 1):
                 for budget in iters:
                     got = pool.run(measure, {"method": method, "L": args.length,
                                              "dtype": args.dtype, "budget": budget})
-                    iters[budget].append((max(g["time_s"] for g in got),
-                                          max(g["peak_bytes"] for g in got) / MB))
+                    if rnd:
+                        iters[budget].append((max(g["time_s"] for g in got),
+                                              max(g["peak_bytes"] for g in got) / MB))
             for budget, its in iters.items():
                 rows.append({"method": method, "L": args.length, "dtype": args.dtype,
                              "world_size": 2, "heads": HEADS, "kv_heads": KV_HEADS,

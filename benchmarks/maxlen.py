@@ -17,7 +17,8 @@ sequence of L tokens. Step times are each system's own per-step wall time (slowe
      chunk, one layer input in two kept: the least memory).
    Our runs set nothing in the environment: the trainer sets its allocator up itself.
    Growth = peak at L minus peak at the shortest length (what the issue compares).
-2. ``ratio``: at one length, ``--repeats`` alternating runs of ours-untiled and ours-maxlen:
+2. ``ratio``: at one length, ``--repeats`` round-robin rounds of ours-untiled and ours-maxlen
+   (a first round dropped):
    peak per token (above a rank's import baseline) tiled / untiled and the median step time
    tiled / untiled (target <= 1.15).
 3. ``fit``: the memory the untiled run needed at that length as a per-rank budget (so that
@@ -128,16 +129,19 @@ def part_alst(lengths: list[int], systems: list[str]) -> dict:
 
 def part_ratio(length: int, repeats: int, baseline: int) -> dict:
     rows = []
-    for i in range(repeats):
+    # round-robin, the order alternating by round; round 0 warms up and is dropped
+    for i in range(repeats + 1):
         for system in (("ours-untiled", "ours-maxlen") if i % 2 == 0 else
                        ("ours-maxlen", "ours-untiled")):
             row = run_ours(system, length)
             row["load_average_after"] = common.load_average()
+            row["dropped"] = i == 0
             rows.append(row)
             print(f"[ratio] {system:14s} L={length}: "
                   + (f"peak {_peak(row) / MB:.0f} MB, step {row['step_s']:.1f} s" if row["ok"]
                      else "FAILED"), flush=True)
-    ok = {s: [r for r in rows if r["ok"] and r["system"] == s] for s in ("ours-untiled", "ours-maxlen")}
+    ok = {s: [r for r in rows if r["ok"] and r["system"] == s and not r["dropped"]]
+          for s in ("ours-untiled", "ours-maxlen")}
     if not all(ok.values()):
         return {"rows": rows, "error": "a run failed"}
     above = {s: min(_peak(r) for r in rs) - baseline for s, rs in ok.items()}

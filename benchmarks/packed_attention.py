@@ -14,7 +14,8 @@ no (L, L) mask exists: before, the one-rank path built an L x L float32 mask (4 
 
 ``local`` runs in this process with --threads threads; a sequence-parallel method runs on
 N=2 gloo ranks with one thread each (slowest rank's time, largest rank's peak). Time: wall
-time of forward + backward, packed and unpacked alternating, median over --repeats. Memory:
+time of forward + backward, packed and unpacked round-robin (the first round dropped), median
+over --repeats. Memory:
 resident-set high-water above the inputs (easy_context.memory.peak.PeakMemory, with
 MALLOC_MMAP_THRESHOLD_ so freed tensors return to the OS). Results:
 benchmarks/results/packed_attention.json.
@@ -102,24 +103,21 @@ def work_fraction(lengths: list[int], length: int) -> float:
 
 def run_pair(method: str, length: int, dtype: str, lengths: list[int], repeats: int, seed: int,
              threads: int, pool, heads: int) -> dict:
-    """Alternating unpacked / packed iterations after one untimed warm-up of each at 2K
-    tokens (first calls pay for thread pools and lazy initialisation); returns both rows'
-    medians and ratios."""
+    """Round-robin unpacked / packed iterations, the first round dropped (first calls pay for
+    thread pools and lazy initialisation); returns both rows' medians and ratios."""
     def call(spec):
         if pool is None:
             torch.set_num_threads(threads)
             return [measure(spec)]
         return pool.run(measure, spec, timeout_s=3600)
 
-    warm = min(length, 2048)
-    for packed in (False, True):
-        call({"method": method, "length": warm, "dtype": dtype, "packed": packed,
-              "lengths": [warm // 2, warm - warm // 2], "seed": seed, "heads": heads})
     iters = {False: [], True: []}
-    for _ in range(repeats):
+    for rnd in range(repeats + 1):
         for packed in (False, True):
             got = call({"method": method, "length": length, "dtype": dtype, "packed": packed,
                         "lengths": lengths, "seed": seed, "heads": heads})
+            if rnd == 0:
+                continue  # the warm-up round
             iters[packed].append({"time_s": max(g["time_s"] for g in got),
                                   "fwd_s": max(g["fwd_s"] for g in got),
                                   "bwd_s": max(g["bwd_s"] for g in got),
