@@ -33,7 +33,7 @@ def _padded(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
                  for t in (q, k, v))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=256)
 def adapt(kernel: Kernel) -> Kernel:
     """``kernel`` taking ``window=`` and ``softcap=`` and any v head dim (see module doc)."""
     if kernel.windows and kernel.softcap and kernel.value_dim:
@@ -82,9 +82,15 @@ def adapt(kernel: Kernel) -> Kernel:
 
 
 def with_softcap(kernel: Kernel, softcap: float | None) -> Kernel:
-    """``kernel`` adapted, with every call soft-capped at ``softcap`` (None: as it is)."""
+    """``kernel`` adapted, with every call soft-capped at ``softcap`` (None: as it is); one
+    object per (kernel, softcap), so that every layer's call finds the same."""
     if softcap is None:
         return kernel
+    return _softcapped(kernel, float(softcap))
+
+
+@functools.lru_cache(maxsize=64)
+def _softcapped(kernel: Kernel, softcap: float) -> Kernel:
     full = adapt(kernel)
     return Kernel(kernel.name, functools.partial(full.forward, softcap=float(softcap)),
                   functools.partial(full.backward, softcap=float(softcap)),
