@@ -26,7 +26,8 @@ from .merge import merge_into
 
 Tensor = torch.Tensor
 FULL, CAUSAL, FLIPPED, MASKED = "full", "causal", "flipped", "masked"
-MIN_TILE, MAX_TILE = 64, 8192
+MAX_TILE = 8192
+NARROW = 32  # bands narrower than this run on the reference: their tiles would be a few rows
 
 
 class Piece(NamedTuple):
@@ -55,7 +56,7 @@ def pieces(sq: int, sk: int, lo: int | None, hi: int | None) -> list[Piece]:
             continue  # no row of the tile sees a key
         l1 = None if lo is None else r1 - 1 + lo  # the last row's first key
         h0 = None if hi is None else r0 + hi  # the first row's last key
-        if width < 2 * MIN_TILE // 4 or (l1 is not None and l1 > sk - 1) or (h0 is not None and h0 < 0):
+        if width < NARROW or (l1 is not None and l1 > sk - 1) or (h0 is not None and h0 < 0):
             out.append(Piece(rows, slice(first, last + 1), MASKED))
             continue
         m0, m1 = 0, sk - 1
