@@ -39,39 +39,39 @@ def adapt(kernel: Kernel) -> Kernel:
     if kernel.windows and kernel.softcap and kernel.value_dim:
         return kernel
 
-    def base(softcap):
-        return REFERENCE if softcap is not None and not kernel.softcap else kernel
+    def route(q, v, window, softcap):
+        """(the kernel that runs the call, pad the head dims?, its keyword arguments, tile
+        the band?): the same decision for forward and backward."""
+        use = REFERENCE if softcap is not None and not kernel.softcap else kernel
+        pad = v.size(-1) != q.size(-1) and not use.value_dim
+        extra = {} if softcap is None else {"softcap": softcap}
+        banded = window is not None and not use.windows
+        if window is not None and not banded:
+            extra["window"] = window
+        return use, pad, extra, banded
 
     def forward(q, k, v, causal=False, scale=None, window=None, softcap=None):
         scale = default_scale(q.size(-1)) if scale is None else scale
-        use = base(softcap)
+        use, pad, extra, banded = route(q, v, window, softcap)
         dv = v.size(-1)
-        pad = dv != q.size(-1) and not use.value_dim
         if pad:
             q, k, v = _padded(q, k, v)
-        extra = {} if softcap is None else {"softcap": softcap}
-        if window is not None and not use.windows:
+        if banded:
             out, lse = band_forward(use, q, k, v, window, scale, **extra)
         else:
-            if window is not None:
-                extra["window"] = window
             out, lse = use.forward(q, k, v, causal=causal, scale=scale, **extra)
         return (out[..., :dv] if pad else out), lse
 
     def backward(dout, q, k, v, out, lse, causal=False, scale=None, window=None, softcap=None):
         scale = default_scale(q.size(-1)) if scale is None else scale
-        use = base(softcap)
+        use, pad, extra, banded = route(q, v, window, softcap)
         d, dv = q.size(-1), v.size(-1)
-        pad = dv != d and not use.value_dim
         if pad:
             q, k, v = _padded(q, k, v)
             dout, out = (F.pad(t, (0, q.size(-1) - dv)) for t in (dout, out))
-        extra = {} if softcap is None else {"softcap": softcap}
-        if window is not None and not use.windows:
+        if banded:
             dq, dk, dvv = band_backward(use, dout, q, k, v, out, lse, window, scale, **extra)
         else:
-            if window is not None:
-                extra["window"] = window
             dq, dk, dvv = use.backward(dout, q, k, v, out, lse, causal=causal, scale=scale,
                                        **extra)
         if pad:
@@ -92,8 +92,8 @@ def with_softcap(kernel: Kernel, softcap: float | None) -> Kernel:
 @functools.lru_cache(maxsize=64)
 def _softcapped(kernel: Kernel, softcap: float) -> Kernel:
     full = adapt(kernel)
-    return Kernel(kernel.name, functools.partial(full.forward, softcap=float(softcap)),
-                  functools.partial(full.backward, softcap=float(softcap)),
+    return Kernel(kernel.name, functools.partial(full.forward, softcap=softcap),
+                  functools.partial(full.backward, softcap=softcap),
                   windows=True, softcap=True, value_dim=True)
 
 

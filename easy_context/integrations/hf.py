@@ -42,8 +42,7 @@ def hf_attention_name(method: str) -> str:
 
 
 
-def _unsupported(module: nn.Module, query: Tensor, key: Tensor, dropout: float,
-                 kwargs: dict) -> str | None:
+def _unsupported(query: Tensor, key: Tensor, dropout: float) -> str | None:
     """Why this attention call cannot run sequence-parallel, or None."""
     if query.size(2) != key.size(2):
         return ("queries and keys differ in length (a KV cache: decoding); sequence-parallel "
@@ -74,7 +73,7 @@ def _make_attention(method: str):
         # GQA; what the layer adds comes as transformers hands it to flash attention:
         # sliding_window, softcap, s_aux (sinks); chunks from the config (layer_chunk).
         settings = module_settings(module) or SequenceParallelSettings(method)
-        reason = _unsupported(module, query, key, dropout, kwargs)
+        reason = _unsupported(query, key, dropout)
         if reason:
             raise ValueError(f"{method}: {reason}")
         out = sequence_parallel_attention(
@@ -207,9 +206,6 @@ def apply_sequence_parallel(model: nn.Module, method: str, group=None,
         _refuse_padding(group), with_kwargs=True))
     model.set_attn_implementation(hf_attention_name(m.name))
     return model
-
-
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def output_head(model: nn.Module):

@@ -126,8 +126,7 @@ def shard_documents(doc: Tensor | None, group, geometry: Geometry | None = None,
     if doc is None:
         if geometry is None:
             return None
-        return plain_documents(tuple(len_ for len_ in (local_len,) * len(geometry.segments)),
-                               geometry)
+        return plain_documents((local_len,) * len(geometry.segments), geometry)
     return once_per_ids(doc, ("shards", group_key(group), geometry),
                         lambda: ShardDocuments.from_ids(gather_shards(doc, group), geometry))
 
