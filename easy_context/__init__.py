@@ -18,6 +18,8 @@ _EXPORTS = {
     "causal_lm_loss": "integrations.hf",
     "check_model_supported": "integrations.hf",
     "hf_attention_name": "integrations.hf",
+    "enable_sequence_parallel": "integrations.trainer",
+    "SequenceParallelMixin": "integrations.trainer",
     "ParallelMesh": "mesh",
     "SPGroup": "mesh",
     "build_mesh": "mesh",

@@ -65,6 +65,20 @@ def layer_chunk(module: nn.Module) -> int | None:
     return getattr(config, "attention_chunk_size", None)
 
 
+def _one_dtype(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v in one dtype. Under autocast they arrive mixed: the projections give bf16,
+    RoPE's fp32 cos/sin promote q and k back to fp32, v stays bf16. torch's sdpa then runs in
+    autocast's dtype; so do these (flash attention's integration does the same)."""
+    if query.dtype == key.dtype == value.dtype:
+        return query, key, value
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    else:
+        dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
+    return query.to(dtype), key.to(dtype), value.to(dtype)
+
+
 def _make_attention(method: str):
     def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                   attention_mask: Tensor | None, scaling: float | None = None,
@@ -76,6 +90,7 @@ def _make_attention(method: str):
         reason = _unsupported(query, key, dropout)
         if reason:
             raise ValueError(f"{method}: {reason}")
+        query, key, value = _one_dtype(query, key, value)
         out = sequence_parallel_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), method,
             group=settings.group, causal=getattr(module, "is_causal", True),
@@ -238,7 +253,7 @@ def plain_lm_head(model: nn.Module) -> nn.Linear | None:
 def causal_lm_loss(model: nn.Module, input_ids: Tensor, position_ids: Tensor, target_ids: Tensor,
                    group: dist.ProcessGroup | None = None, document_ids: Tensor | None = None,
                    num_items_in_batch: Tensor | int | None = None, chunked: bool | None = None,
-                   chunk_size: int | None = None) -> Tensor:
+                   chunk_size: int | None = None, token_stats: Tensor | None = None) -> Tensor:
     """The exact global token-mean loss of a causal LM on this rank's shard.
 
     input_ids, position_ids, target_ids (and document_ids): this rank's (B, S_local) shards,
@@ -251,6 +266,9 @@ def causal_lm_loss(model: nn.Module, input_ids: Tensor, position_ids: Tensor, ta
     linear layer) computes the loss from the last hidden states chunk by chunk, never
     building the (tokens x vocab) logits; ``chunk_size`` rows at a time (default: about
     64 MiB of float32 logits per chunk, so the chunk does not dominate at any length).
+
+    ``token_stats``, a (3,) float64 tensor, gets this rank's (entropy sum, top-1 hits, valid
+    targets) added, from the same logits chunks (easy_context.memory.loss.lse_).
     """
     from ..memory.loss import chunked_cross_entropy, default_chunk_size, logits_cross_entropy
 
@@ -268,15 +286,16 @@ def causal_lm_loss(model: nn.Module, input_ids: Tensor, position_ids: Tensor, ta
 
         if max_length_settings(model) is not None:  # the final norm goes into the chunks
             return max_length_loss(model, head, input_ids, position_ids, target_ids, extra,
-                                   chunk_size, group, num_items_in_batch, transform)
+                                   chunk_size, group, num_items_in_batch, transform, token_stats)
         hidden = decoder_of(model)(input_ids=input_ids, position_ids=position_ids,
                                      use_cache=False, **extra).last_hidden_state
         return chunked_cross_entropy(hidden, head.weight, target_ids, head.bias,
                                      chunk_size=chunk_size, group=group,
-                                     num_items_in_batch=num_items_in_batch, transform=transform)
+                                     num_items_in_batch=num_items_in_batch, transform=transform,
+                                     stats=token_stats)
     logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra).logits
     return logits_cross_entropy(logits, target_ids, group=group,
-                                num_items_in_batch=num_items_in_batch)
+                                num_items_in_batch=num_items_in_batch, stats=token_stats)
 
 
 class CausalLMLoss(nn.Module):

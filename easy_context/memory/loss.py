@@ -105,8 +105,30 @@ def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return logits.to(_acc_dtype(logits.dtype))
 
 
+def lse_(logits: Tensor, y: Tensor, valid: Tensor, stats: Tensor | None = None) -> Tensor:
+    """Row logsumexp of one chunk's (C, V) logits, in place: torch.logsumexp would allocate a
+    second (C, V) buffer; this one ends up holding exp(logits - row max).
+
+    ``stats`` (3,) float64, when given, gets the chunk's (entropy sum, top-1 hits, valid
+    targets) added over its valid rows: what TRL logs as ``entropy`` and
+    ``mean_token_accuracy``, here without the logits of the whole sequence. The entropy is
+    log(s) - sum(e log e) / s for e = exp(logits - max), s = sum(e): one more (C, V)
+    temporary, only when asked."""
+    m = logits.amax(dim=1)
+    top1 = logits.argmax(dim=1) if stats is not None else None
+    e = logits.sub_(m.unsqueeze(1)).exp_()
+    s = e.sum(dim=1)
+    if stats is not None:
+        with torch.no_grad():
+            entropy = s.log() - torch.special.xlogy(e, e).sum(dim=1) / s
+            stats += torch.stack([(entropy * valid).sum().double(),
+                                  ((top1 == y) & valid).sum().double(), valid.sum().double()])
+    return s.log_().add_(m)
+
+
 def _forward_chunk(h: Tensor, weight: Tensor, bias: Tensor | None, y: Tensor, ignore_index: int,
-                   lse_out: Tensor, transform: LogitTransform | None = None) -> Tensor:
+                   lse_out: Tensor, transform: LogitTransform | None = None,
+                   stats: Tensor | None = None) -> Tensor:
     """One chunk's summed token loss; writes its rows' lse into ``lse_out`` (C,)."""
     valid = y != ignore_index
     logits = _chunk_logits(h, weight, bias)  # (C, V) fp32
@@ -114,25 +136,22 @@ def _forward_chunk(h: Tensor, weight: Tensor, bias: Tensor | None, y: Tensor, ig
         transform.apply_(logits)
     # Ignored rows gather column 0 (any index is fine): they are masked out below.
     tgt = logits.gather(1, torch.where(valid, y, 0).unsqueeze(1)).squeeze(1)
-    # logsumexp in place (torch.logsumexp would allocate a second (C, V) buffer):
-    # lse = m + log(sum(exp(logits - m))), m = row max.
-    m = logits.amax(dim=1)
-    lse_out.copy_(logits.sub_(m.unsqueeze(1)).exp_().sum(dim=1).log_().add_(m))
+    lse_out.copy_(lse_(logits, y, valid, stats))
     return ((lse_out - tgt) * valid).sum()
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """(hidden (T, H), weight (V, H), targets (T,), bias (V,) | None, chunk_size, ignore_index,
-    transform | None) -> (sum of token losses: fp32 scalar (float64 for float64 inputs),
-    count: int64 scalar).
+    transform | None, stats | None) -> (sum of token losses: fp32 scalar (float64 for float64
+    inputs), count: int64 scalar). ``stats``: see :func:`lse_`.
 
     Saves hidden, weight, targets and the per-token lse (T,) fp32; never a (T, V) tensor.
     """
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None,
-                chunk_size: int, ignore_index: int,
-                transform: LogitTransform | None = None) -> tuple[Tensor, Tensor]:
+                chunk_size: int, ignore_index: int, transform: LogitTransform | None = None,
+                stats: Tensor | None = None) -> tuple[Tensor, Tensor]:
         dtype = _matmul_dtype(hidden)
         T, acc = hidden.shape[0], _acc_dtype(dtype)
         lse = torch.zeros(T, dtype=acc, device=hidden.device)  # (T,)
@@ -143,7 +162,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             for s in range(0, T, chunk_size):
                 e = min(s + chunk_size, T)
                 total += _forward_chunk(hidden[s:e].to(dtype), w, b, targets[s:e], ignore_index,
-                                        lse[s:e], transform)
+                                        lse[s:e], transform, stats)
         count = count_valid_targets(targets, ignore_index)
         ctx.save_for_backward(hidden, weight, targets, bias, lse)
         ctx.chunk_size, ctx.ignore_index, ctx.dtype = chunk_size, ignore_index, dtype
@@ -193,7 +212,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 None if grad_w is None else grad_w.to(weight.dtype),
                 None,
                 None if grad_b is None else grad_b.to(bias.dtype),
-                None, None, None)
+                None, None, None, None)
 
 
 def _world(group: ProcessGroup | None) -> int:
@@ -249,9 +268,11 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor,
                           bias: Tensor | None = None, *, chunk_size: int = 4096,
                           ignore_index: int = -100, group: ProcessGroup | None = None,
                           num_items_in_batch: Tensor | int | None = None,
-                          transform: LogitTransform | None = None) -> Tensor:
+                          transform: LogitTransform | None = None,
+                          stats: Tensor | None = None) -> Tensor:
     """Global-mean cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising logits
-    (``transform``: the family's scaling or soft-capping of those logits, LogitTransform).
+    (``transform``: the family's scaling or soft-capping of those logits, LogitTransform;
+    ``stats``: this rank's entropy and accuracy sums are added to it, see :func:`lse_`).
 
     hidden: (B, S, H) or (T, H); targets: (B, S) or (T,), already shifted (targets[t] is the
     token after hidden[t]); weight: (V, H), the lm_head; bias: (V,) or None. Returns an fp32
@@ -264,18 +285,21 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor,
     if h.shape[0] != y.shape[0]:
         raise ValueError(f"{h.shape[0]} hidden states but {y.shape[0]} targets")
     local_sum, local_count = ChunkedLinearCrossEntropy.apply(h, weight, y, bias, chunk_size,
-                                                             ignore_index, transform)
+                                                             ignore_index, transform, stats)
     return global_token_mean(local_sum, local_count, group, num_items_in_batch)
 
 
 def logits_cross_entropy(logits: Tensor, targets: Tensor, *, ignore_index: int = -100,
                          group: ProcessGroup | None = None,
-                         num_items_in_batch: Tensor | int | None = None) -> Tensor:
+                         num_items_in_batch: Tensor | int | None = None,
+                         stats: Tensor | None = None) -> Tensor:
     """The plain path through full logits (B, S, V) or (T, V), upcast to fp32 as transformers
     does, with the same global-mean contract. Fine for small vocabularies; the reference."""
     flat = logits.reshape(-1, logits.shape[-1])  # (T, V)
     flat = flat.to(_acc_dtype(flat.dtype))
     y = targets.reshape(-1)
+    if stats is not None:
+        lse_(flat.detach().clone(), y, y != ignore_index, stats)
     local_sum = F.cross_entropy(flat, y, ignore_index=ignore_index, reduction="sum")
     return global_token_mean(local_sum, count_valid_targets(y, ignore_index), group,
                              num_items_in_batch)

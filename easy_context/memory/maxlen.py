@@ -304,7 +304,7 @@ def final_norm_skipped():
 
 def max_length_loss(model: nn.Module, head: nn.Linear, input_ids, position_ids, target_ids,
                     extra: dict, chunk_size: int, group=None, num_items_in_batch=None,
-                    transform=None):
+                    transform=None, stats=None):
     """causal_lm_loss's chunked loss in max-length mode: the decoder without its final norm,
     then norm, head and cross-entropy chunk by chunk (easy_context.memory.tiled_loss). The
     last layer's output is read by nothing but the loss, so the loss's backward writes the
@@ -317,4 +317,4 @@ def max_length_loss(model: nn.Module, head: nn.Linear, input_ids, position_ids, 
     return normed_chunked_cross_entropy(hidden, decoder_of(model).norm, head.weight, target_ids,
                                         head.bias, chunk_size=chunk_size, group=group,
                                         num_items_in_batch=num_items_in_batch, transform=transform,
-                                        overwrite_hidden=True)
+                                        overwrite_hidden=True, stats=stats)

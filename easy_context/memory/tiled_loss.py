@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .loss import LogitTransform, count_valid_targets, global_token_mean, transform_grad_
+from .loss import LogitTransform, count_valid_targets, global_token_mean, lse_, transform_grad_
 
 Tensor = torch.Tensor
 
@@ -45,13 +45,13 @@ def _forward_of(norm: nn.Module):
 
 class NormedChunkedCrossEntropy(torch.autograd.Function):
     """(hidden (T, H) before the final norm, norm, weight (V, H), targets (T,), bias | None,
-    chunk_size, ignore_index, overwrite_hidden, transform | None, *norm parameters) -> (sum of
-    token losses, valid count)."""
+    chunk_size, ignore_index, overwrite_hidden, transform | None, stats | None (see
+    easy_context.memory.loss.lse_), *norm parameters) -> (sum of token losses, valid count)."""
 
     @staticmethod
     def forward(ctx, hidden, norm: nn.Module, weight, targets, bias, chunk_size: int,
                 ignore_index: int, overwrite_hidden: bool, transform: LogitTransform | None,
-                *norm_params):
+                stats: Tensor | None, *norm_params):
         T, acc = hidden.shape[0], _acc(hidden.dtype)
         norm_forward = _forward_of(norm)
         lse = torch.empty(T, dtype=acc, device=hidden.device)
@@ -64,8 +64,7 @@ class NormedChunkedCrossEntropy(torch.autograd.Function):
             if transform is not None:
                 transform.apply_(logits)
             tgt = logits.gather(1, torch.where(valid, y, 0).unsqueeze(1)).squeeze(1)
-            m = logits.amax(dim=1)  # logsumexp in place, as easy_context.memory.loss
-            lse[s:e] = logits.sub_(m.unsqueeze(1)).exp_().sum(dim=1).log_().add_(m)
+            lse[s:e] = lse_(logits, y, valid, stats)  # in place, as easy_context.memory.loss
             total += ((lse[s:e] - tgt) * valid).sum()
             del logits
         count = count_valid_targets(targets, ignore_index)
@@ -125,7 +124,7 @@ class NormedChunkedCrossEntropy(torch.autograd.Function):
                             grad_n[i] += gp
             del pc, hn, h
         return (grad_h, None, None if grad_w is None else grad_w.to(weight.dtype), None,
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None,
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None,
                 *[None if gn is None else gn.to(prm.dtype) for gn, prm in zip(grad_n, params)])
 
 
@@ -134,7 +133,8 @@ def normed_chunked_cross_entropy(hidden: Tensor, norm: nn.Module, weight: Tensor
                                  chunk_size: int, ignore_index: int = -100, group=None,
                                  num_items_in_batch: Tensor | int | None = None,
                                  overwrite_hidden: bool = False,
-                                 transform: LogitTransform | None = None) -> Tensor:
+                                 transform: LogitTransform | None = None,
+                                 stats: Tensor | None = None) -> Tensor:
     """The global-mean loss of ``norm(hidden) @ weight.T (+ bias)``, chunk by chunk (see the
     module docstring); hidden (B, S, H) or (T, H), targets shifted, -100 ignored.
     ``overwrite_hidden``: backward writes the gradient into ``hidden`` (only for hidden states
@@ -146,6 +146,6 @@ def normed_chunked_cross_entropy(hidden: Tensor, norm: nn.Module, weight: Tensor
     if h.shape[0] != y.shape[0]:
         raise ValueError(f"{h.shape[0]} hidden states but {y.shape[0]} targets")
     local_sum, local_count = NormedChunkedCrossEntropy.apply(
-        h, norm, weight, y, bias, chunk_size, ignore_index, overwrite_hidden, transform,
+        h, norm, weight, y, bias, chunk_size, ignore_index, overwrite_hidden, transform, stats,
         *norm.parameters())
     return global_token_mean(local_sum, local_count, group, num_items_in_batch)

@@ -1,0 +1,139 @@
+"""A Hugging Face Trainer batch, cut into this rank's sequence-parallel shard exactly.
+
+Exactly means: the loss over the shards of a sequence-parallel group is the loss that one
+process computes on the whole batch with transformers' own attention. So the batch keeps
+transformers' meaning:
+
+- targets: a causal LM predicts ``labels[t + 1]`` from token t (the model shifts inside its
+  loss), or ``shift_labels[t]`` when the collator gives them (accelerate's Ulysses adapter,
+  some padding-free collators); -100 is ignored. They are shifted here, on the whole
+  sequence, before it is cut: a shard's last token predicts the next shard's first.
+- positions: ``position_ids`` when the collator gives them (padding-free and packed batches
+  restart them at every document), else 0, 1, 2, ... as the model counts without a cache.
+- documents: where positions restart, transformers keeps the documents apart (its packed-
+  sequence mask, or flash-attention's varlen path); here they become ``document_ids``.
+- padding: ``attention_mask`` zeros. Padding at the end of a row changes nothing a causal
+  model computes for the real tokens before it, so it is dropped (its targets are -100
+  already: collators set them so). Padding anywhere else (left padding) becomes documents of
+  its own, which the real tokens never see, as the mask would have it.
+
+A length that the method cannot cut is padded at the end (pad token, target -100): causal
+attention makes that exact too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..sequence_parallel import required_multiple, shard_batch
+
+Tensor = torch.Tensor
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class ShardedBatch:
+    """This rank's (B, S_local) inputs and targets, and what it was cut from."""
+
+    input_ids: Tensor
+    position_ids: Tensor
+    target_ids: Tensor
+    document_ids: Tensor | None
+    length: int  # the batch's sequence length before any padding to the method's multiple
+
+    def model_inputs(self) -> dict[str, Tensor]:
+        extra = {} if self.document_ids is None else {"document_ids": self.document_ids}
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, **extra}
+
+
+def targets_of(batch: dict) -> Tensor:
+    """(B, S) targets of a batch: ``shift_labels`` as they are, or ``labels`` shifted by one
+    with -100 after the last token."""
+    if batch.get("shift_labels") is not None:
+        return batch["shift_labels"]
+    labels = batch.get("labels")
+    if labels is None:
+        raise ValueError(f"the batch has no 'labels' (keys: {sorted(batch)}); sequence-parallel "
+                         "training computes the causal-LM loss from them: use a collator that "
+                         "sets them (DataCollatorForLanguageModeling(mlm=False), TRL's)")
+    ignore = torch.full_like(labels[:, :1], IGNORE)
+    return torch.cat([labels[:, 1:], ignore], dim=1)
+
+
+def count_targets(batch: dict) -> Tensor:
+    """How many targets of ``batch`` count towards the loss (int64 scalar)."""
+    return (targets_of(batch) != IGNORE).sum()
+
+
+def _right_padded(mask: Tensor) -> bool:
+    """Every row is ones, then zeros (or all ones)."""
+    return bool((mask[:, 1:] <= mask[:, :-1]).all())
+
+
+def document_ids_of(position_ids: Tensor, attention_mask: Tensor | None) -> Tensor | None:
+    """(B, S) document ids for the whole batch, or None when every row is one sequence whose
+    attention needs nothing but causality. A document starts where the position does not
+    increase, and, unless all padding is at row ends, where padding starts or stops."""
+    starts = position_ids[:, 1:] <= position_ids[:, :-1]
+    if attention_mask is not None and not bool(attention_mask.all()):
+        if not _right_padded(attention_mask):
+            starts = starts | (attention_mask[:, 1:] != attention_mask[:, :-1])
+    if not bool(starts.any()):
+        return None
+    ids = torch.zeros_like(position_ids, dtype=torch.long)
+    ids[:, 1:] = starts.long().cumsum(dim=1)
+    return ids
+
+
+def _pad_end(t: Tensor, n: int, value: int | None) -> Tensor:
+    """``t`` (B, S) with n columns more: ``value``, or counting on from the last column."""
+    if value is None:
+        tail = t[:, -1:] + torch.arange(1, n + 1, device=t.device, dtype=t.dtype)
+    else:
+        tail = torch.full((t.size(0), n), value, device=t.device, dtype=t.dtype)
+    return torch.cat([t, tail], dim=1)
+
+
+def shard_trainer_batch(batch: dict, method: str, sp_rank: int, sp_size: int,
+                        ring_degree: int | None = None, pad_token_id: int = 0,
+                        pad_to_multiple: bool = True) -> ShardedBatch:
+    """This rank's shard of a Trainer batch (``input_ids``, ``labels`` or ``shift_labels``,
+    optional ``attention_mask`` and ``position_ids``), cut in ``method``'s layout."""
+    if batch.get("input_ids") is None:
+        raise ValueError("the batch has no 'input_ids' (inputs_embeds are not supported): "
+                         "sequence-parallel training shards token ids")
+    input_ids = batch["input_ids"]
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (batch, sequence); got shape {tuple(input_ids.shape)}")
+    B, S = input_ids.shape
+    targets = targets_of(batch)
+    if targets.shape != input_ids.shape:
+        raise ValueError(f"labels {tuple(targets.shape)} and input_ids {tuple(input_ids.shape)} "
+                         "differ in shape")
+    positions = batch.get("position_ids")
+    if positions is None:
+        positions = torch.arange(S, device=input_ids.device).expand(B, S)
+    documents = document_ids_of(positions, batch.get("attention_mask"))
+    multiple = required_multiple(method, sp_size, ring_degree)
+    extra = (-S) % multiple
+    if extra:
+        if not pad_to_multiple:
+            raise ValueError(
+                f"a batch of {S} tokens per row cannot be cut into {method}'s {sp_size} shards "
+                f"(the length must be a multiple of {multiple}): pad batches to a multiple of "
+                f"{multiple} (pad_to_multiple_of={multiple} in the collator or SFTConfig), or "
+                "leave pad_to_multiple=True")
+        # At the end of every row: the real tokens before them never see them.
+        input_ids = _pad_end(input_ids, extra, pad_token_id)
+        targets = _pad_end(targets, extra, IGNORE)
+        positions = _pad_end(positions, extra, None)
+        if documents is not None:  # the pads join each row's last document
+            documents = torch.cat([documents, documents[:, -1:].expand(B, extra)], dim=1)
+    parts = {"input_ids": input_ids, "position_ids": positions.contiguous(),
+             "target_ids": targets, "document_ids": documents}
+    if sp_size > 1:
+        parts = shard_batch(parts, method, sp_rank, sp_size, ring_degree)
+    return ShardedBatch(parts["input_ids"], parts["position_ids"], parts["target_ids"],
+                        parts["document_ids"], S)

@@ -1,0 +1,201 @@
+"""Rank functions for the Hugging Face Trainer / TRL integration tests.
+
+Every run trains the same tiny Llama (saved once by :func:`make_assets`) for one optimizer
+step of SGD with learning rate 1, so the weights after it are the weights before it minus
+the (clipped) gradient: comparing the saved weights compares every gradient. The
+reference runs the same script in one process with transformers' own attention (sdpa), as
+a user without sequence parallelism would.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+VOCAB = 96
+PAD = VOCAB - 1
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {str(i): i for i in range(VOCAB - 3)}
+    vocab.update({"<unk>": VOCAB - 3, "<eos>": VOCAB - 2, "<pad>": PAD})
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>",
+                                   pad_token="<pad>")
+
+
+def make_assets(folder: str, seed: int = 0) -> str:
+    """A tiny Llama and its tokenizer (``model/``), and train / eval token datasets of
+    varied lengths (``train/``, ``eval/``) under ``folder``."""
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    root = Path(folder)
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, pad_token_id=PAD, eos_token_id=VOCAB - 2,
+                         tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(root / "model")
+    _tokenizer().save_pretrained(root / "model")
+    rng = random.Random(seed)
+    for split, n in (("train", 32), ("eval", 8)):
+        rows = [[rng.randrange(VOCAB - 3) for _ in range(rng.randrange(9, 40))] for _ in range(n)]
+        datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(str(root / split))
+    return str(root)
+
+
+def _env_for_accelerate() -> None:
+    """accelerate reads the launcher's variables (torchrun sets them); the pool's ranks share
+    one initialised process group, which accelerate then reuses."""
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState, GradientState
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if world > 1:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world))
+    else:
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            os.environ.pop(key, None)
+    for key in [k for k in os.environ if k.startswith(("ACCELERATE_", "FSDP_"))]:
+        del os.environ[key]
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def _deepspeed_config(accum: int) -> dict:
+    return {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}, "bf16": {"enabled": False},
+            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto", "train_batch_size": "auto"}
+
+
+def _args(out: Path, kind: str, engine: str, accum: int, batch: int, packing: bool, **extra):
+    common = dict(output_dir=str(out), per_device_train_batch_size=batch,
+                  per_device_eval_batch_size=batch, gradient_accumulation_steps=accum,
+                  max_steps=1, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant",
+                  weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, save_strategy="no",
+                  report_to=[], use_cpu=True, seed=3, disable_tqdm=True,
+                  dataloader_drop_last=False, bf16=False, **extra)
+    if engine == "deepspeed":
+        common["deepspeed"] = _deepspeed_config(accum)
+    if kind == "sft":
+        from trl import SFTConfig
+
+        return SFTConfig(max_length=64, packing=packing, **common)
+    from transformers import TrainingArguments
+
+    return TrainingArguments(remove_unused_columns=False, **common)
+
+
+def _force_fsdp2(trainer) -> None:
+    """accelerate 1.15 turns an FSDP config into DDP on a CPU (no FSDP in its MULTI_CPU
+    branch), so the state is switched after the fact: what accelerate launch with an FSDP2
+    config sets up on GPUs (prepare then calls fully_shard per decoder layer and the root)."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True,
+                                            auto_wrap_policy="transformer_based_wrap",
+                                            state_dict_type="FULL_STATE_DICT",
+                                            cpu_ram_efficient_loading=False)
+    plugin.set_auto_wrap_policy(trainer.model)
+    state = trainer.accelerator.state
+    state.distributed_type = DistributedType.FSDP
+    state.fsdp_plugin = plugin
+    trainer.is_fsdp_enabled = True
+
+
+def run_trainer(folder: str, name: str, kind: str = "trainer", engine: str = "ddp",
+                method: str | None = "zigzag_ring_attn", sp_size: int | None = None,
+                accum: int = 2, batch: int = 2, packing: bool = False, lora: bool = False,
+                padding_side: str = "right", evaluate: bool = True, enable: dict | None = None,
+                save: bool = True) -> dict:
+    """Train one step (and evaluate) with ``kind`` ("trainer": transformers' Trainer with
+    DataCollatorWithFlattening when ``packing``, else padded batches; "sft": TRL's SFTTrainer)
+    on ``engine`` ("ddp", "fsdp2", "deepspeed"). ``method=None`` is the one-process reference.
+    Returns, on rank 0, the logged loss, eval loss, TRL metrics and the saved weights."""
+    import datasets
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    _env_for_accelerate()
+    root = Path(folder)
+    out = root / name
+    tokenizer = _tokenizer()
+    tokenizer.padding_side = padding_side
+    model = AutoModelForCausalLM.from_pretrained(root / "model", attn_implementation="sdpa",
+                                                 dtype=torch.float32)
+    train = datasets.load_from_disk(str(root / "train"))
+    evals = datasets.load_from_disk(str(root / "eval"))
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                 lora_dropout=0.0, task_type="CAUSAL_LM")
+    args = _args(out, kind, engine, accum, batch, packing)
+    if kind == "sft":
+        from trl import SFTTrainer
+
+        trainer = SFTTrainer(model=model, args=args, train_dataset=train, eval_dataset=evals,
+                             processing_class=tokenizer, peft_config=peft_config)
+    else:
+        from transformers import (DataCollatorForLanguageModeling, DataCollatorWithFlattening,
+                                  Trainer)
+
+        if peft_config is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, peft_config)
+        collator = (DataCollatorWithFlattening() if packing else
+                    DataCollatorForLanguageModeling(tokenizer, mlm=False))
+        trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=evals,
+                          data_collator=collator)
+    if engine == "fsdp2":
+        _force_fsdp2(trainer)
+    if method is not None:
+        from easy_context import enable_sequence_parallel
+
+        enable_sequence_parallel(trainer, method, sp_size, **(enable or {}))
+    trainer.train()
+    result = {"loss": trainer.state.log_history[0]["loss"],
+              "train_metrics": {k: v for k, v in trainer.state.log_history[0].items()
+                                if k in ("entropy", "mean_token_accuracy", "num_tokens")}}
+    if evaluate:
+        metrics = trainer.evaluate()
+        result["eval"] = {k: v for k, v in metrics.items()
+                          if k in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy")}
+    if engine == "fsdp2":
+        # save_model's full state dict (torch's get_model_state_dict with cpu_offload=True)
+        # hands rank 0 freed storage when the device is the CPU itself; without the offload
+        # it gathers what a GPU run saves.
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(trainer.model_wrapped,
+                                    options=StateDictOptions(full_state_dict=True))
+        save = False
+        result["weights"] = {k: v.detach().clone() for k, v in full.items()
+                             if not lora or "lora_" in k}
+    if save:
+        trainer.save_model(str(out / "saved"))
+    if dist.is_initialized():
+        dist.barrier()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank != 0:
+        return {}
+    if save:
+        file = "adapter_model.safetensors" if lora else "model.safetensors"
+        result["weights"] = load_file(str(out / "saved" / file))
+        result["saved"] = str(out / "saved")
+    return result
