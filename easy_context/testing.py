@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import traceback
 from typing import Any, Callable
@@ -49,7 +50,11 @@ def _worker(rank: int, world_size: int, port: int, threads: int, pg_timeout_s: f
                 break
             fn, args, kwargs = task
             try:
-                results.put((rank, True, fn(*args, **kwargs)))
+                value = fn(*args, **kwargs)
+                # The queue pickles in a feeder thread, where a failure is only printed and
+                # the parent would wait for a result that never comes: pickle here instead.
+                pickle.dumps(value)
+                results.put((rank, True, value))
             except BaseException:
                 results.put((rank, False, traceback.format_exc()))
     finally:

@@ -282,6 +282,9 @@ def causal_lm_loss(model: nn.Module, input_ids: Tensor, position_ids: Tensor, ta
     if chunked:
         if chunk_size is None:
             chunk_size = default_chunk_size(head.out_features)
+        from ..utils.fsdp import unshard_for_direct_use
+
+        unshard_for_direct_use(head)  # read directly below, never called
         from ..memory.maxlen import max_length_loss, max_length_settings
 
         if max_length_settings(model) is not None:  # the final norm goes into the chunks

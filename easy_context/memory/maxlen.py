@@ -309,11 +309,13 @@ def max_length_loss(model: nn.Module, head: nn.Linear, input_ids, position_ids, 
     then norm, head and cross-entropy chunk by chunk (easy_context.memory.tiled_loss). The
     last layer's output is read by nothing but the loss, so the loss's backward writes the
     gradient of the hidden states over them (one sequence-long tensor fewer)."""
+    from ..utils.fsdp import unshard_for_direct_use
     from .tiled_loss import normed_chunked_cross_entropy
 
     with final_norm_skipped():
         hidden = decoder_of(model)(input_ids=input_ids, position_ids=position_ids,
                                      use_cache=False, **extra).last_hidden_state
+    unshard_for_direct_use(decoder_of(model).norm)  # both read directly, never called
     return normed_chunked_cross_entropy(hidden, decoder_of(model).norm, head.weight, target_ids,
                                         head.bias, chunk_size=chunk_size, group=group,
                                         num_items_in_batch=num_items_in_batch, transform=transform,

@@ -85,7 +85,8 @@ def _args(out: Path, kind: str, engine: str, accum: int, batch: int, packing: bo
                   max_steps=1, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant",
                   weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, save_strategy="no",
                   report_to=[], use_cpu=True, seed=3, disable_tqdm=True,
-                  dataloader_drop_last=False, bf16=False, **extra)
+                  dataloader_drop_last=False, bf16=False)
+    common.update(extra)
     if engine == "deepspeed":
         common["deepspeed"] = _deepspeed_config(accum)
     if kind == "sft":
@@ -118,10 +119,11 @@ def run_trainer(folder: str, name: str, kind: str = "trainer", engine: str = "dd
                 method: str | None = "zigzag_ring_attn", sp_size: int | None = None,
                 accum: int = 2, batch: int = 2, packing: bool = False, lora: bool = False,
                 padding_side: str = "right", evaluate: bool = True, enable: dict | None = None,
-                save: bool = True) -> dict:
+                save: bool = True, args: dict | None = None, resume: str | None = None) -> dict:
     """Train one step (and evaluate) with ``kind`` ("trainer": transformers' Trainer with
     DataCollatorWithFlattening when ``packing``, else padded batches; "sft": TRL's SFTTrainer)
     on ``engine`` ("ddp", "fsdp2", "deepspeed"). ``method=None`` is the one-process reference.
+    ``args`` override TrainingArguments; ``resume``: a checkpoint folder name to resume from.
     Returns, on rank 0, the logged loss, eval loss, TRL metrics and the saved weights."""
     import datasets
     import torch
@@ -144,7 +146,7 @@ def run_trainer(folder: str, name: str, kind: str = "trainer", engine: str = "dd
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                  lora_dropout=0.0, task_type="CAUSAL_LM")
-    args = _args(out, kind, engine, accum, batch, packing)
+    args = _args(out, kind, engine, accum, batch, packing, **(args or {}))
     if kind == "sft":
         from trl import SFTTrainer
 
@@ -168,8 +170,10 @@ def run_trainer(folder: str, name: str, kind: str = "trainer", engine: str = "dd
         from easy_context import enable_sequence_parallel
 
         enable_sequence_parallel(trainer, method, sp_size, **(enable or {}))
-    trainer.train()
+    trainer.train(resume_from_checkpoint=None if resume is None else str(root / resume))
     result = {"loss": trainer.state.log_history[0]["loss"],
+              "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+              "wrapped": type(trainer.model_wrapped).__name__,
               "train_metrics": {k: v for k, v in trainer.state.log_history[0].items()
                                 if k in ("entropy", "mean_token_accuracy", "num_tokens")}}
     if evaluate:
@@ -199,3 +203,24 @@ def run_trainer(folder: str, name: str, kind: str = "trainer", engine: str = "dd
         result["weights"] = load_file(str(out / "saved" / file))
         result["saved"] = str(out / "saved")
     return result
+
+
+def error_of(folder: str, name: str, **kwargs) -> str:
+    """The message of the error that ``run_trainer(**kwargs)`` raises (on this rank)."""
+    try:
+        run_trainer(folder, name, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the test asserts on the message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def load_plain(saved: str) -> dict:
+    """A saved model loaded the way a user without easy_context would: no attention named."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+    ids = torch.arange(12).unsqueeze(0)
+    return {"attention": model.config._attn_implementation,
+            "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "logits": model(input_ids=ids).logits.detach()}
