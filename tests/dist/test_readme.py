@@ -159,6 +159,9 @@ def test_bash_blocks_in_order(workdir):
         """The first failure of the chain's blocks, run in order, or None."""
         cwd = workdir if name == "main" else workdir / re.sub(r"\W+", "-", name).strip("-")
         cwd.mkdir(exist_ok=True)
+        # the README's commands name the repository's examples/ from its root
+        if not (cwd / "examples").exists():
+            (cwd / "examples").symlink_to(REPO / "examples")
         for code, where in chains[name]:
             run = subprocess.run(["bash", "-euo", "pipefail", "-c", prelude + code], cwd=cwd,
                                  env=env, capture_output=True, text=True, timeout=900)

@@ -115,7 +115,23 @@ def _force_fsdp2(trainer) -> None:
     trainer.is_fsdp_enabled = True
 
 
-def run_trainer(folder: str, name: str, kind: str = "trainer", engine: str = "ddp",
+def run_trainer(folder: str, name: str, **kwargs) -> dict:
+    """:func:`train_and_evaluate`, leaving nothing behind in the pool's rank: TrainingArguments
+    with a DeepSpeed config make transformers build every later model under ZeRO-3's
+    zero.Init (a module-level weak reference), and accelerate keeps its state in singletons."""
+    import gc
+
+    try:
+        return train_and_evaluate(folder, name, **kwargs)
+    finally:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+        gc.collect()
+        _env_for_accelerate()
+
+
+def train_and_evaluate(folder: str, name: str, kind: str = "trainer", engine: str = "ddp",
                 method: str | None = "zigzag_ring_attn", sp_size: int | None = None,
                 accum: int = 2, batch: int = 2, packing: bool = False, lora: bool = False,
                 padding_side: str = "right", evaluate: bool = True, enable: dict | None = None,
