@@ -32,6 +32,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+# The environment before any test ran (collection imports this module first): the shell
+# commands run as a user's shell would, not with what in-process tests set since (the
+# one-process trainer sets RANK, WORLD_SIZE, MASTER_PORT, the allocator's MALLOC_*, ...).
+START_ENV = dict(os.environ)
 README = REPO / "README.md"
 SKIP = re.compile(r"<!-- readme-test: skip: [^>]+-->\s*$")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
@@ -147,8 +151,8 @@ def test_python_block_on_2_ranks(dist2, workdir, code, where):
 def test_bash_blocks_in_order(workdir):
     from concurrent.futures import ThreadPoolExecutor
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
-        str(README.parent), os.environ.get("PYTHONPATH")]))}
+    env = {**START_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [
+        str(README.parent), START_ENV.get("PYTHONPATH")]))}
     # The README's commands call `easy-context`; here it is this interpreter's CLI, so the
     # checkout under test runs whether or not its console script is on PATH.
     prelude = f'easy-context() {{ "{sys.executable}" -m easy_context.cli "$@"; }}\n'
@@ -166,7 +170,10 @@ def test_bash_blocks_in_order(workdir):
             run = subprocess.run(["bash", "-euo", "pipefail", "-c", prelude + code], cwd=cwd,
                                  env=env, capture_output=True, text=True, timeout=900)
             if run.returncode != 0:
-                return f"{where} failed:\n{code}\n{run.stderr[-4000:]}"
+                # a failing rank's error can sit above the launcher's long epilogue
+                errors = [l for l in run.stderr.splitlines() if "Error" in l][:20]
+                return (f"{where} failed:\n{code}\n" + "\n".join(errors) +
+                        f"\n...\n{run.stderr[-4000:]}")
         return None
 
     with ThreadPoolExecutor(len(chains)) as pool:
