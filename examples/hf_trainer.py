@@ -29,6 +29,8 @@ parser.add_argument("--sp-size", type=int, help="ranks per sequence (default: al
 parser.add_argument("--max-steps", type=int, default=4)
 parser.add_argument("--output-dir", default="trainer-output")
 args = parser.parse_args()
+# the launcher's processes, as the Trainer will see them (gloo ranks on a machine without GPUs)
+state = PartialState(cpu=not torch.cuda.is_available())
 
 if args.model is None:  # offline: the demo's tiny Llama and tokenizer, built once
     from pathlib import Path
@@ -36,7 +38,7 @@ if args.model is None:  # offline: the demo's tiny Llama and tokenizer, built on
     from easy_context.demo.build import ModelShape, build_model, build_tokenizer
 
     args.model = "tiny-llama"
-    with PartialState().main_process_first():
+    with state.main_process_first():
         if not Path(args.model, "config.json").exists():
             build_model(Path(args.model), build_tokenizer(Path(args.model), 512, seed=0),
                         ModelShape(max_position_embeddings=8192), seed=0)
@@ -58,7 +60,7 @@ def blocks(batch):
     return {"input_ids": rows, "labels": [list(r) for r in rows]}
 
 
-with PartialState().main_process_first():
+with state.main_process_first():
     dataset = texts.map(blocks, batched=True, remove_columns=texts.column_names)
 model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto")
 training_args = TrainingArguments(

@@ -31,6 +31,8 @@ parser.add_argument("--lora", action="store_true")
 parser.add_argument("--max-steps", type=int, default=4)
 parser.add_argument("--output-dir", default="sft-output")
 args = parser.parse_args()
+# the launcher's processes, as the Trainer will see them (gloo ranks on a machine without GPUs)
+state = PartialState(cpu=not torch.cuda.is_available())
 
 if args.model is None:  # offline: the demo's tiny Llama and tokenizer, built once
     from pathlib import Path
@@ -38,7 +40,7 @@ if args.model is None:  # offline: the demo's tiny Llama and tokenizer, built on
     from easy_context.demo.build import ModelShape, build_model, build_tokenizer
 
     args.model = "tiny-llama"
-    with PartialState().main_process_first():
+    with state.main_process_first():
         if not Path(args.model, "config.json").exists():
             build_model(Path(args.model), build_tokenizer(Path(args.model), 512, seed=0),
                         ModelShape(max_position_embeddings=8192), seed=0)
