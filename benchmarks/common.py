@@ -302,11 +302,14 @@ def _hwm_bytes(pid: int) -> int | None:
 
 
 def watch_ranks(cmd: list[str], env: dict[str, str] | None = None, timeout_s: float = 3600.0,
-                interval_s: float = 0.05) -> dict[str, Any]:
+                interval_s: float = 0.05,
+                is_rank: Callable[[list[str]], bool] | None = None) -> dict[str, Any]:
     """Run ``cmd`` and read, from /proc, the resident high-water mark (VmHWM) of every process
     it starts, until it exits: what a user watching ``top`` would see, with no help from the
     program. Ranks are the processes started by multiprocessing's spawn (``spawn_main`` in
-    their command line; not its resource tracker), or the process itself when it starts none.
+    their command line; not its resource tracker), or those whose argument list ``is_rank``
+    accepts (for ranks started by torchrun or ``accelerate launch``), or the process itself
+    when it starts none.
     VmHWM only grows, so the last value read before a rank exits is its peak (a step's peak
     comes long before the exit).
     Returns {"returncode", "stdout", "stderr", "wall_s", "rank_peaks_bytes" (sorted, largest
@@ -343,10 +346,12 @@ def watch_ranks(cmd: list[str], env: dict[str, str] | None = None, timeout_s: fl
             peaks[p.pid] = max(peaks.get(p.pid, 0), hwm)
             if p.pid not in ranks and p.pid != proc.pid:
                 try:
-                    line = " ".join(p.cmdline())
+                    argv = p.cmdline()
                 except psutil.Error:
                     continue
-                if "spawn_main" in line and "resource_tracker" not in line:
+                line = " ".join(argv)
+                if (is_rank(argv) if is_rank is not None
+                        else "spawn_main" in line and "resource_tracker" not in line):
                     ranks.add(p.pid)
         time.sleep(interval_s)
     proc.wait()

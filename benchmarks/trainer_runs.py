@@ -51,6 +51,7 @@ class TrainRun:
     head_chunk: int | None = None
     keep_every: int = 1
     allocator: str = "ours"  # ours | glibc
+    engine: str = "fsdp"  # fsdp | deepspeed
 
     @property
     def fused(self) -> bool:
@@ -61,6 +62,7 @@ class TrainRun:
         mode = (f"tile={self.mlp_tile} chunk={self.head_chunk}" if self.fused else "untiled")
         keep = f" keep_every={self.keep_every}" if self.keep_every > 1 else ""
         alloc = " glibc-default-malloc" if self.allocator == "glibc" else ""
+        alloc += f" engine={self.engine}" if self.engine != "fsdp" else ""
         method = "data_parallel" if self.world == 1 else self.method
         return (f"train {self.model} {method} N={self.world} L={self.seq_len} "
                 f"ckpt={self.checkpointing} {mode}{keep}{alloc}")
@@ -95,7 +97,7 @@ def command(run: TrainRun, output: Path) -> list[str]:
     flags = ["--model", str(model_dir(run.model)), "--dataset", str(dataset_dir(run.seq_len)),
              "--seq-length", str(run.seq_len), "--nproc-per-node", str(run.world),
              "--parallel-mode", "data_parallel" if run.world == 1 else run.method,
-             "--mixed-precision", "fp32", "--engine", "fsdp", "--checkpointing", run.checkpointing,
+             "--mixed-precision", "fp32", "--engine", run.engine, "--checkpointing", run.checkpointing,
              "--max-train-steps", str(STEPS), "--learning-rate", "1e-4", "--no-export",
              "--output-dir", str(output), "--mlp-tile", str(run.mlp_tile or "off"),
              "--head-chunk", str(run.head_chunk or "off"), "--keep-every", str(run.keep_every)]

@@ -137,3 +137,44 @@ def test_maxlen_benchmark_runs_and_ratios(monkeypatch):
     assert math.isclose(ratio["time_ratio"], 1.0)
     assert ratio["targets"] == [{"target": "step time tiled / untiled <= 1.15", "value": 1.0,
                                  "result": "PASS"}]
+
+
+def test_hf_trainer_summary_drops_the_first_round_and_takes_medians():
+    """benchmarks/hf_trainer.py's figures from its rows (the runs themselves take minutes):
+    round 0 is warm-up, medians of the rest, growth from the shortest length, targets."""
+    from benchmarks import hf_trainer
+
+    mb = hf_trainer.MB
+
+    def row(system, L, repeat, step, peak_mb, ok=True):
+        return {"system": system, "seq_len": L, "repeat": repeat, "ok": ok, "step_s": step,
+                "rank_peaks_bytes": [peak_mb * mb, peak_mb * mb - 1], "loss": 1.0}
+
+    rows = [row("ours-maxlen", 2048, 0, 50.0, 900),  # warm-up: neither its time nor its peak
+            row("ours-maxlen", 2048, 1, 4.0, 100), row("ours-maxlen", 2048, 2, 6.0, 102),
+            row("ours-maxlen", 2048, 3, 5.0, 104),
+            row("ec-train-maxlen", 2048, 1, 4.0, 90), row("ec-train-maxlen", 2048, 2, 5.0, 90),
+            row("ours-maxlen", 4096, 1, 9.0, 150), row("ours-maxlen", 4096, 2, 9.0, 150),
+            row("accelerate-ulysses", 2048, 1, 7.0, 200), row("accelerate-ulysses", 4096, 1, 9.0, 260),
+            {"system": "accelerate-cp", "seq_len": 2048, "repeat": 1, "ok": False,
+             "error": "ValueError: no CPU\ntail"}]
+    s = hf_trainer.summarise(rows, [2048, 4096])
+    m = {(r["system"], r["seq_len"]): r for r in s["measured"]}
+    got = m[("ours-maxlen", 2048)]
+    assert (got["step_s"], got["step_s_min"], got["step_s_max"], got["runs"]) == (5.0, 4.0, 6.0, 3)
+    assert got["peak_bytes"] == 102 * mb
+    assert s["growth_mb"]["ours-maxlen"]["4096"] == 48 and s["growth_mb"]["accelerate-ulysses"]["4096"] == 60
+    targets = {t["target"]: t for t in s["targets"]}
+    assert targets["ours-maxlen peak growth 2048 -> 4096 <= accelerate-ulysses's"]["result"] == "PASS"
+    step = targets["ours-maxlen step time <= 1.1x ec-train-maxlen's at L=2048"]
+    assert step["ratio"] == round(5.0 / 4.5, 3) and step["result"] == "FAIL"
+    assert s["did_not_run"] == {"accelerate-cp": "ValueError: no CPU"}
+    table = hf_trainer.table({**s, "rows": rows, "world": 2, "date": "2026-12-03T00:00",
+                              "machine": {"cpu_description": "a CPU", "git_commit": "abc"}})
+    assert "| ours-maxlen | 2048 | 102 |  | 5.00 (4.00-6.00) | 1.111x |" in table
+    assert "| accelerate-cp | 2048 | did not run | | | |" in table
+    assert "median of 3 rounds" in table and "accelerate-cp did not run: ValueError: no CPU" in table
+    # a failed torchrun run is recorded with its rank's exception, not torchrun's own
+    out = ("[rank1]: Traceback (most recent call last):\n[rank1]: ValueError: needs FSDP2\n"
+           "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n")
+    assert hf_trainer._first_error(out).splitlines()[0] == "[rank1]: ValueError: needs FSDP2"

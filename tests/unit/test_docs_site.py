@@ -4,6 +4,7 @@ and its API reference holds the public names. Its code blocks run in tests/dist/
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -38,3 +39,30 @@ def test_the_planner_guide_shows_the_generated_tables():
     page = [l for l in (REPO / "docs" / "guides" / "planner.md").read_text().splitlines()
             if l.startswith("|")]
     assert len(rows) > 40 and page[:len(rows)] == rows
+
+
+def _table_rows(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("|")]
+
+
+def _contains_run(page: list[str], rows: list[str]) -> bool:
+    return any(page[i:i + len(rows)] == rows for i in range(len(page) - len(rows) + 1))
+
+
+def test_the_trainer_tables_are_the_benchmark_files():
+    """benchmarks/results/hf_trainer*.md are what benchmarks/hf_trainer.py makes of their JSON
+    files (`--table-only --output NAME` regenerates one), and the Trainer guide quotes each
+    whole, the README the main one."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks import hf_trainer
+
+    guide = _table_rows((REPO / "docs" / "guides" / "trainer.md").read_text())
+    readme = _table_rows((REPO / "README.md").read_text())
+    for name in ("hf_trainer", "hf_trainer_2k_repeats"):
+        payload = json.loads((REPO / "benchmarks" / "results" / f"{name}.json").read_text())
+        stored = (REPO / "benchmarks" / "results" / f"{name}.md").read_text()
+        assert hf_trainer.table(payload) == stored, f"{name}.md is not its JSON's table"
+        rows = _table_rows(stored)
+        assert len(rows) > 6 and _contains_run(guide, rows), f"docs/guides/trainer.md lacks {name}.md"
+    assert _contains_run(readme, _table_rows(
+        (REPO / "benchmarks" / "results" / "hf_trainer.md").read_text())), "README lacks hf_trainer.md"
