@@ -83,6 +83,10 @@ class TrainConfig:
     auto_memory: bool = _f(False, "let the planner (easy-context plan --auto) choose "
                                   "--parallel-mode, --engine, --offload, --checkpointing, "
                                   "--mlp-tile, --head-chunk and --keep-every for this length")
+    auto_memory_budget: float = _f(None, "--auto-memory: GiB per device the planner may fill "
+                                         "(default: 95%% of a GPU's memory; on a CPU 90%% of "
+                                         "the available memory over the local ranks), e.g. "
+                                         "to leave room for another process")
     # --- LoRA (easy_context/train/lora.py; the lora extra: peft)
     lora_rank: int = _f(None, "train rank-R LoRA adapters on the frozen model (peft); checkpoints "
                               "and the export hold the adapters only")
@@ -121,12 +125,14 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} must be >= 0 (0: off), got {getattr(self, name)}")
         # "not x > 0" also rejects NaN
-        for name in ("learning_rate", "pg_timeout_minutes", "rope_theta"):
+        for name in ("learning_rate", "pg_timeout_minutes", "rope_theta", "auto_memory_budget"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{_flag(name)} must be > 0, got {value}")
         if self.seq_length < 2:
             raise ValueError("--seq-length must be >= 2")
+        if self.auto_memory_budget is not None and not self.auto_memory:
+            raise ValueError("--auto-memory-budget is the planner's budget: add --auto-memory")
         for name, f in _fields().items():
             choices = f.metadata.get("choices")
             if choices and getattr(self, name) not in choices:

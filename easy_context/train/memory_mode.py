@@ -37,10 +37,14 @@ def _mem_available() -> int:
     return 0
 
 
-def budgets(device: torch.device) -> tuple[int, int | None]:
-    """(device bytes, host bytes or None) the planner may use per rank, min over ranks."""
+def budgets(device: torch.device, device_gib: float | None = None) -> tuple[int, int | None]:
+    """(device bytes, host bytes or None) the planner may use per rank, min over ranks;
+    ``device_gib`` (--auto-memory-budget) replaces the device's own figure."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if device.type == "cuda":
+    if device_gib is not None:
+        dev = int(device_gib * GIB)
+        host = _mem_available() // local if device.type == "cuda" else None
+    elif device.type == "cuda":
         dev = int(torch.cuda.get_device_properties(device).total_memory * 0.95)
         host = _mem_available() // local
     else:  # the host is the device: offloading to it saves nothing
@@ -77,7 +81,7 @@ def resolve_auto_memory(config: TrainConfig, world: int, device: torch.device) -
     from ..plan.auto import plan_for_length
 
     shape = _shape(config)
-    dev_bytes, host_bytes = budgets(device)
+    dev_bytes, host_bytes = budgets(device, config.auto_memory_budget)
     bases = [dataclasses.replace(b, deterministic=config.deterministic)
              for b in _setups_here(shape, world, device)]
     plan = plan_for_length(shape, config.seq_length, world, dev_bytes, host_bytes,
@@ -136,7 +140,7 @@ def apply_memory_mode(model, config: TrainConfig, sp: int, device: torch.device)
 
         method = "local" if sp == 1 else get_method(config.parallel_mode).name
         base = Setup(method, config.ring_degree, config.engine, config.offload, config.checkpointing)
-        dev_bytes, host_bytes = budgets(device)
+        dev_bytes, host_bytes = budgets(device, config.auto_memory_budget)
         untiled_allowed = tile == "auto" and chunk == "auto" and config.keep_every == 1
         setup, est = fastest_tiling(
             shape, config.seq_length, sp, base, dev_bytes, host_bytes, config.mixed_precision,

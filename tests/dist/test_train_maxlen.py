@@ -3,6 +3,8 @@ gloo ranks): forced tiles and head chunks with each kind of checkpointing, the n
 recompute, FSDP and DeepSpeed ZeRO-3, and --auto-memory. Same tolerance as tests/dist/test_train.py:
 the first step's loss within 1e-6 relative, later steps 1e-4 (AdamW amplifies rounding)."""
 
+from pathlib import Path
+
 import pytest
 
 from tests.train_fixtures import tiny_dataset_dir, tiny_model_dir
@@ -17,6 +19,7 @@ def workdir(tmp_path_factory):
     tiny_model_dir(work / "model4", num_hidden_layers=5)  # for the nested recompute
     tiny_model_dir(work / "olmo2", family="olmo2")  # post-norm layers: not fused
     tiny_dataset_dir(work / "data", seq_length=32, rows=16)
+    tiny_dataset_dir(work / "data4k", seq_length=4096, rows=4)
     return str(work)
 
 
@@ -66,10 +69,56 @@ def test_deepspeed_tiled_equals_untiled(dist2, workdir, untiled):
     _same(metrics, untiled)
 
 
-def test_auto_memory_trains_the_same(dist2, workdir, untiled):
-    # every setup the planner may pick is exact, so the trajectory is the untiled one
-    metrics = dist2.run(train_run, workdir, "auto", auto_memory=True)[0]
-    _same(metrics, untiled)
+def _auto_setups(model: str, seq_len: int) -> list[tuple[float, dict]]:
+    """(budget GiB, the flags it resolves to) for every setup --auto-memory picks on 2 CPU ranks
+    as its budget shrinks, from the planner's own estimates: each budget halfway between the
+    estimate of the setup it picks and that of the one picked before (which no longer fits)."""
+    import torch
+
+    from easy_context.plan.auto import plan_for_length
+    from easy_context.plan.shapes import load_shape
+    from easy_context.train.memory_mode import GIB, _setups_here
+
+    shape = load_shape(model)
+    bases = _setups_here(shape, 2, torch.device("cpu"))
+    picks, budget = [], 1 << 40
+    while (plan := plan_for_length(shape, seq_len, 2, budget, None, "fp32", bases=bases)).setup:
+        s = plan.setup
+        picks.append((plan.estimate.total, {
+            "parallel_mode": "data_parallel" if s.method == "local" else s.method,
+            "engine": s.engine, "checkpointing": s.checkpointing,
+            "mlp_tile": str(s.mlp_tile) if s.fused else "off",
+            "head_chunk": str(s.heads_per_chunk) if s.fused else "off", "keep_every": s.keep_every}))
+        budget = plan.estimate.total - 1
+    highs = [picks[0][0] * 1.01] + [est for est, _ in picks[:-1]]
+    return [((est + high) / 2 / GIB, flags) for (est, flags), high in zip(picks, highs)]
+
+
+def test_auto_memory_picks_each_setup_and_trains_the_same(dist2, workdir):
+    """--auto-memory-budget at 4096 tokens (2048 a rank): each smaller budget makes the planner
+    pick another setup (untiled, then MLP tiles of 2048 down to 512 tokens and head chunks of 4
+    down to 1 query head, with ulysses and ring, attention-saving and full checkpointing); each
+    run trains with the setup picked, and every one like untiled zigzag."""
+    import yaml
+
+    model = f"{workdir}/model"
+    setups = _auto_setups(model, 4096)
+    tiled = [flags for _, flags in setups if flags["mlp_tile"] != "off"]
+    assert len(setups) >= 4 and len(tiled) >= 3, setups
+    # several tiles a rank and several head groups among them, or tiling is not exercised
+    assert any(int(f["mlp_tile"]) < 2048 for f in tiled), setups
+    assert any(f["head_chunk"] in ("1", "2") for f in tiled), setups
+    data, common = f"{workdir}/data4k", dict(seq_length=4096, max_train_steps=2)
+    want = dist2.run(train_run, workdir, "auto_ref", dataset=data, mlp_tile="off",
+                     head_chunk="off", **common)[0]
+    for i, (gib, flags) in enumerate(setups):
+        got = dist2.run(train_run, workdir, f"auto{i}", dataset=data, auto_memory=True,
+                        auto_memory_budget=gib, **common)[0]
+        _same(got, want)
+        used = yaml.safe_load((Path(workdir) / f"auto{i}" / "train_config.yaml").read_text())
+        assert {k: used[k] for k in flags} == flags, (gib, used)
+    assert "nothing fits" in dist2.run(train_error, workdir, dataset=data, auto_memory=True,
+                                       auto_memory_budget=setups[-1][0] * 0.99, **common)[0]
 
 
 def test_bad_tiling_flags(dist2, workdir):

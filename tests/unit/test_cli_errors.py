@@ -102,6 +102,8 @@ CASES = [
     (TRAIN + " --batch-size 0", "--batch-size must be >= 1"),
     (TRAIN + " --gradient-accumulate-every 0", "--gradient-accumulate-every must be >= 1"),
     (TRAIN + " --max-train-steps 0", "--max-train-steps must be >= 1"),
+    (TRAIN + " --auto-memory-budget 40", "--auto-memory-budget is the planner's budget: add --auto-memory"),
+    (TRAIN + " --auto-memory --auto-memory-budget 0", "--auto-memory-budget must be > 0"),
     (TRAIN + " --log-every 0", "--log-every must be >= 1"),
     (TRAIN + " --nproc-per-node 0", "--nproc-per-node must be >= 1"),
     (TRAIN + " --sp-size 0", "--sp-size must be >= 1"),
