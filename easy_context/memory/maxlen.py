@@ -223,6 +223,7 @@ def apply_max_length(model: nn.Module, mlp_tile: int, heads_per_chunk: int,
     layers = decoder_layers(model)
     specs = [layer_spec(layer, config) for layer in layers]
     heads_per_chunk = min(heads_per_chunk, specs[0].heads)
+    _stop_kernelizing(model)
     _check_chunks(model, specs[0], heads_per_chunk)
     state = _State(mlp_tile, heads_per_chunk, checkpointing, keep_every, len(layers))
     for index, (layer, spec) in enumerate(zip(layers, specs)):
@@ -241,6 +242,19 @@ def apply_max_length(model: nn.Module, mlp_tile: int, heads_per_chunk: int,
         state.rotary = recomputed.watch(rotary, _gathered, stub_first=True)
     setattr(model, _STATE, state)
     return model
+
+
+def _stop_kernelizing(model: nn.Module) -> None:
+    """Turn off transformers' hub kernels (``use_kernels``, on by default from transformers
+    5.25) before the final norm and the RoPE tables are patched below. A kernelized model is
+    kernelized again by every ``model.train()`` / ``model.eval()`` (a new kernels Mode), and
+    that pops the instance ``forward`` of each kernel layer (RMSNorm, rotary embedding): the
+    final norm would then run in the decoder and again in the loss's chunks (the Trainer's
+    ``train()`` did exactly that: a loss 4e-6 off). The fused layers call the norms and
+    projections themselves, so the kernels' speed-up mostly does not apply here anyway."""
+    for module in model.modules():
+        if getattr(module, "use_kernels", False) and hasattr(module, "set_use_kernels"):
+            module.set_use_kernels(False)  # back to torch's forwards, and no re-kernelizing
 
 
 def _mark_zero3_leaf(layer: nn.Module) -> None:

@@ -263,3 +263,27 @@ def test_both_chunked_losses_soft_cap_and_scale_logits_like_the_model(scale, sof
         assert torch.allclose(got, want, rtol=1e-12)
         assert torch.allclose(gh, wh, rtol=1e-9, atol=1e-12)
         assert torch.allclose(gw, ww, rtol=1e-9, atol=1e-12)
+
+
+def test_max_length_survives_train_and_eval_of_a_loaded_model(tmp_path):
+    """A model loaded with from_pretrained is kernelized by transformers >= 5.25
+    (use_kernels on by default), and kernelized again at every train()/eval(), which pops
+    instance forwards: max-length mode's final-norm fold was lost that way (the Trainer calls
+    train(); the loss came out 4e-6 off, the final norm applied twice). Here the loss after
+    train() and eval() equals the plain model's in float64."""
+    import easy_context as ec
+    from transformers import AutoModelForCausalLM
+
+    from easy_context.memory.maxlen import apply_max_length
+
+    _tiny_llama(2).save_pretrained(tmp_path)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").double()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").double()
+    ids = torch.randint(0, 61, (1, 24), generator=torch.Generator().manual_seed(0))
+    pos, tgt = torch.arange(24)[None], torch.roll(ids, -1, 1)
+    want = ec.causal_lm_loss(plain, ids, pos, tgt, chunked=True, chunk_size=7)
+    apply_max_length(model, 8, 2, "full")
+    for switch in (model.train, model.eval, model.train):
+        switch()
+        got = ec.causal_lm_loss(model, ids, pos, tgt, chunked=True, chunk_size=7)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
