@@ -105,24 +105,44 @@ def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return logits.to(_acc_dtype(logits.dtype))
 
 
+# Rows of one chunk that the entropy pass takes at a time on a CPU: about 1 MB of fp32 logits,
+# so that each block's max, exp and products run in cache (a third of the cost of whole-chunk
+# passes at a 32K vocabulary, measured on 2 EPYC cores). On an accelerator the whole chunk is
+# one block: per-block kernel launches would cost more than the memory traffic they save.
+_STATS_BLOCK_ELEMENTS = 2**18
+
+
 def lse_(logits: Tensor, y: Tensor, valid: Tensor, stats: Tensor | None = None) -> Tensor:
     """Row logsumexp of one chunk's (C, V) logits, in place: torch.logsumexp would allocate a
-    second (C, V) buffer; this one ends up holding exp(logits - row max).
+    second (C, V) buffer; the caller reads nothing from this one afterwards.
 
     ``stats`` (3,) float64, when given, gets the chunk's (entropy sum, top-1 hits, valid
     targets) added over its valid rows: what TRL logs as ``entropy`` and
-    ``mean_token_accuracy``, here without the logits of the whole sequence. The entropy is
-    log(s) - sum(e log e) / s for e = exp(logits - max), s = sum(e): one more (C, V)
-    temporary, only when asked."""
-    m = logits.amax(dim=1)
-    top1 = logits.argmax(dim=1) if stats is not None else None
-    e = logits.sub_(m.unsqueeze(1)).exp_()
-    s = e.sum(dim=1)
-    if stats is not None:
-        with torch.no_grad():
-            entropy = s.log() - torch.special.xlogy(e, e).sum(dim=1) / s
-            stats += torch.stack([(entropy * valid).sum().double(),
-                                  ((top1 == y) & valid).sum().double(), valid.sum().double()])
+    ``mean_token_accuracy``, here without the logits of the whole sequence. With z = logits -
+    max, e = exp(z), s = sum(e), the entropy is log(s) - sum(e z) / s (e z summed pairwise, as
+    accurate as xlogy(e, e), without its logarithms), in blocks of rows with one block-sized
+    temporary; top-1 is torch.max's index, the first maximum, as TRL's argmax."""
+    if stats is None:
+        m = logits.amax(dim=1)
+        s = logits.sub_(m.unsqueeze(1)).exp_().sum(dim=1)
+        return s.log_().add_(m)
+    C, V = logits.shape
+    rows = C if logits.device.type != "cpu" else max(1, _STATS_BLOCK_ELEMENTS // max(V, 1))
+    m = torch.empty(C, dtype=logits.dtype, device=logits.device)
+    top1 = torch.empty(C, dtype=torch.long, device=logits.device)
+    s, ez = torch.empty_like(m), torch.empty_like(m)
+    with torch.no_grad():
+        for i in range(0, C, rows):
+            j = min(i + rows, C)
+            z = logits[i:j]
+            torch.max(z, dim=1, out=(m[i:j], top1[i:j]))
+            z.sub_(m[i:j].unsqueeze(1))
+            e = z.exp()
+            s[i:j] = e.sum(dim=1)
+            ez[i:j] = e.mul_(z).sum(dim=1)
+        entropy = s.log() - ez / s
+        stats += torch.stack([(entropy * valid).sum().double(),
+                              ((top1 == y) & valid).sum().double(), valid.sum().double()])
     return s.log_().add_(m)
 
 

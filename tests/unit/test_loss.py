@@ -211,3 +211,29 @@ def test_a_rounded_token_count_is_refused():
     for exact in (100001, torch.tensor(100001), torch.tensor(100001.0, dtype=torch.float64)):
         assert global_token_mean(s, 4, num_items_in_batch=exact).item() == pytest.approx(
             12.0 / 100001, rel=1e-7)
+
+
+@pytest.mark.parametrize("block", [2**18, 64, 7])
+def test_token_stats_in_row_blocks_equal_whole_logits(monkeypatch, block):
+    """lse_'s entropy and top-1 statistics, taken a block of rows at a time (one block when
+    the chunk is small, several, and blocks of one row), against the whole (C, V) logits:
+    entropy -sum p log p, argmax hits (ties go to the first maximum, as torch.argmax) and
+    the valid count."""
+    from easy_context.memory import loss as loss_mod
+
+    monkeypatch.setattr(loss_mod, "_STATS_BLOCK_ELEMENTS", block)
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(29, 11, generator=g, dtype=torch.float64) * 3
+    logits[4, 2] = logits[4, 7] = logits[4].max() + 1  # a tie: the first maximum counts
+    y = torch.randint(0, 11, (29,), generator=g)
+    y[4] = 2
+    valid = torch.rand(29, generator=g) > 0.3
+    valid[4] = True
+    stats = torch.zeros(3, dtype=torch.float64)
+    lse = loss_mod.lse_(logits.clone(), y, valid, stats)
+    p = torch.softmax(logits, dim=1)
+    entropy = -(p * p.log()).sum(1)
+    torch.testing.assert_close(lse, torch.logsumexp(logits, 1), rtol=1e-12, atol=0)
+    torch.testing.assert_close(stats[0], (entropy * valid).sum(), rtol=1e-10, atol=0)
+    assert stats[1] == ((logits.argmax(1) == y) & valid).sum()
+    assert stats[2] == valid.sum()
