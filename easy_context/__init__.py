@@ -19,6 +19,8 @@ _EXPORTS = {
     "check_model_supported": "integrations.hf",
     "hf_attention_name": "integrations.hf",
     "enable_sequence_parallel": "integrations.trainer",
+    "generate": "generation",
+    "GenerationResult": "generation",
     "SequenceParallelMixin": "integrations.trainer",
     "ParallelMesh": "mesh",
     "SPGroup": "mesh",

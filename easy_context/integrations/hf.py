@@ -33,6 +33,13 @@ from ..utils.decoder import decoder_of
 Tensor = torch.Tensor
 
 
+# The keyword argument under which easy_context.generate hands its sharded KV cache to the
+# model (transformers passes it through the layers); the attention function then lets the
+# cache run the call: ``cache.attend(layer_idx, q, k, v, causal=, softmax_scale=,
+# sliding_window=, chunk_size=, softcap=, sinks=)`` with (B, S, H, D) tensors.
+KV_CACHE_KWARG = "sharded_kv_cache"
+
+
 def hf_attention_name(method: str) -> str:
     """The name under which ``method`` is registered with transformers: transformers treats
     any implementation name containing "flash" as FlashAttention and tries to load flash
@@ -45,9 +52,9 @@ def hf_attention_name(method: str) -> str:
 def _unsupported(query: Tensor, key: Tensor, dropout: float) -> str | None:
     """Why this attention call cannot run sequence-parallel, or None."""
     if query.size(2) != key.size(2):
-        return ("queries and keys differ in length (a KV cache: decoding); sequence-parallel "
-                "attention runs on whole sequences, so generate in one process with "
-                "attn_implementation='sdpa'")
+        return ("queries and keys differ in length (transformers' KV cache: decoding); "
+                "generate with easy_context.generate, which keeps a KV cache sharded over the "
+                "ranks, or in one process with attn_implementation='sdpa'")
     if dropout and dropout > 0:
         return f"attention dropout ({dropout}) is not supported; set config.attention_dropout=0"
     return None
@@ -91,6 +98,15 @@ def _make_attention(method: str):
         if reason:
             raise ValueError(f"{method}: {reason}")
         query, key, value = _one_dtype(query, key, value)
+        cache = kwargs.get(KV_CACHE_KWARG)
+        if cache is not None:  # easy_context.generate: prefill or decode, the cache's call
+            out = cache.attend(
+                module.layer_idx, query.transpose(1, 2), key.transpose(1, 2),
+                value.transpose(1, 2), causal=getattr(module, "is_causal", True),
+                softmax_scale=scaling, sliding_window=kwargs.get("sliding_window"),
+                chunk_size=layer_chunk(module), softcap=kwargs.get("softcap"),
+                sinks=kwargs.get("s_aux"))
+            return out, None
         out = sequence_parallel_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), method,
             group=settings.group, causal=getattr(module, "is_causal", True),

@@ -150,12 +150,21 @@ def load_checkpoint(engine, folder: Path) -> dict:
     return json.loads((folder / "trainer_state.json").read_text())
 
 
-def export_hf(model, state_dict: dict, tokenizer, out_dir: Path) -> None:
+def export_hf(model, state_dict: dict, tokenizer, out_dir: Path,
+              trained_length: int | None = None) -> None:
     """Rank 0: write a Hugging Face model folder (safetensors + config [+ tokenizer]),
-    atomically, with no other weight files in it."""
+    atomically, with no other weight files in it. ``trained_length``: the sequence length
+    trained at; the config's ``max_position_embeddings`` is raised to it where lower (a
+    model extended by raising RoPE's base is good for the length it was trained at, and
+    generation checks prompts against that number)."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+        else model.config
+    limit = getattr(config, "max_position_embeddings", None)
+    if trained_length and isinstance(limit, int) and limit < trained_length:
+        config.max_position_embeddings = trained_length
     model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
     # The config records the module's dtype (bf16 under some engines); the weights written
     # are the fp32 master weights, and from_pretrained should load them as such.

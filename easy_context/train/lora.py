@@ -297,6 +297,7 @@ def export_lora(engine, model: nn.Module, tokenizer, config: TrainConfig, output
 
                 state.update(dequantized_weights(model))
             scaling = {name: float(m.scaling[ADAPTER]) for name, m in modules.items()}
-            export_hf(model, merged_state_dict(state, scaling), tokenizer, output / "final_model")
+            export_hf(model, merged_state_dict(state, scaling), tokenizer, output / "final_model",
+                      config.seq_length)
             log.info("exported the merged model to %s", output / "final_model")
     dist.barrier()

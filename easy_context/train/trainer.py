@@ -173,7 +173,7 @@ def train(config: TrainConfig, device: torch.device) -> dict:
     elif config.export:
         state_dict = engine.full_state_dict()
         if rank == 0:
-            export_hf(model, state_dict, tokenizer, output / "final_model")
+            export_hf(model, state_dict, tokenizer, output / "final_model", config.seq_length)
             log.info("exported the model to %s", output / "final_model")
         dist.barrier()
     metrics.close()

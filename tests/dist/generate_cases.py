@@ -1,0 +1,86 @@
+"""Sequence-parallel generation against transformers' own generate in one process.
+
+Run on each rank: the same seed builds the same tiny model and prompts everywhere; the
+reference is transformers' greedy ``generate`` on the whole batch in this process (the
+family's own attention, a DynamicCache, left padding with an attention mask); the
+sequence-parallel run prefills each rank's shard and decodes with the cache split over the
+ranks. Returns what the test compares: the token ids themselves.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import easy_context as ec
+
+from .hf_cases import tiny_model
+
+NEW_TOKENS = 23  # crosses several shards: the new tokens go to the ranks in turn
+
+
+def prompts(vocab: int, lengths: tuple[int, ...], seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded (B, max length) prompts of the given lengths and their attention mask."""
+    g = torch.Generator().manual_seed(seed)
+    longest = max(lengths)
+    ids = torch.randint(3, vocab, (len(lengths), longest), generator=g)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        mask[row, longest - n:] = 1
+        ids[row, :longest - n] = 0
+    return ids, mask
+
+
+def reference(model, ids, mask, new_tokens: int = NEW_TOKENS) -> torch.Tensor:
+    return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+
+
+def compare_methods(family: str, methods: list[str], lengths: tuple[int, ...],
+                    ring_degree: int | None = None) -> dict[str, tuple[list, list]]:
+    """{method: (reference tokens, sequence-parallel tokens)} for the new tokens."""
+    base = tiny_model(family).eval()
+    ids, mask = prompts(base.config.vocab_size, lengths)
+    want = reference(copy.deepcopy(base), ids, mask)
+    report = {}
+    for method in methods:
+        model = copy.deepcopy(base)
+        rd = ring_degree if method == "usp_attn" else None
+        got = ec.generate(model, ids, attention_mask=mask, method=method, ring_degree=rd,
+                          max_new_tokens=NEW_TOKENS, eos_token_id=[], pad_token_id=0)
+        report[method] = (want[:, ids.size(1):].tolist(), got[:, ids.size(1):].tolist())
+    return report
+
+
+def cache_shares(method: str, length: int, new_tokens: int) -> dict:
+    """This rank's cache slots (filled, capacity) and bytes, against one process's."""
+    base = tiny_model("llama").eval()
+    ids, _ = prompts(base.config.vocab_size, (length,))
+    result = ec.generate(copy.deepcopy(base), ids, method=method, max_new_tokens=new_tokens,
+                         eos_token_id=[], return_stats=True)
+    return {"bytes": result.cache_bytes, "steps": result.new_tokens,
+            "tokens": result.sequences[0, length:].tolist()}
+
+
+def sampled(method: str, seed: int, lengths: tuple[int, ...], **sampling) -> list:
+    base = tiny_model("llama").eval()
+    ids, mask = prompts(base.config.vocab_size, lengths)
+    out = ec.generate(copy.deepcopy(base), ids, attention_mask=mask, method=method,
+                      max_new_tokens=NEW_TOKENS, do_sample=True, seed=seed, eos_token_id=[],
+                      **sampling)
+    return out[:, ids.size(1):].tolist()
+
+
+def stops(method: str) -> dict:
+    """EOS and a stop string end rows at different steps; the rest is padding."""
+    base = tiny_model("llama").eval()
+    ids, mask = prompts(base.config.vocab_size, (11, 6))
+    free = ec.generate(copy.deepcopy(base), ids, attention_mask=mask, method=method,
+                       max_new_tokens=NEW_TOKENS, eos_token_id=[])[:, ids.size(1):]
+    eos = int(free[0, 4])  # row 0's fifth token as EOS: row 0 stops there
+    ended = ec.generate(copy.deepcopy(base), ids, attention_mask=mask, method=method,
+                        max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=1)
+    return {"free": free.tolist(), "eos": eos, "ended": ended[:, ids.size(1):].tolist(),
+            "rank": dist.get_rank()}
