@@ -38,8 +38,14 @@ SUBCOMMANDS = {
              "predict per-device memory, pick the method, find the longest context that fits"),
     "demo": ("easy_context.demo.cli", "add_demo_args", "run_demo",
              "the main job on a CPU: train a tiny model short, extend its context, report"),
+    "generate": ("easy_context.generation.cli", "add_generate_args", "run_generate",
+                 "generate from a prompt, sequence-parallel: prefill by any method, KV cache "
+                 "sharded over the ranks"),
     "eval-needle": ("easy_context.eval.cli", "add_eval_needle_args", "run_eval_needle",
                     "needle-in-a-haystack eval (sequence-parallel, teacher-forced): JSON + heatmap"),
+    "eval-ruler": ("easy_context.eval.cli", "add_eval_ruler_args", "run_eval_ruler",
+                   "RULER's synthetic tasks (niah, vt, cwe, fwe, kv) against length, "
+                   "sequence-parallel generation; resumable: JSONL + CSV/Markdown + plot"),
     "eval-ppl": ("easy_context.eval.cli", "add_eval_ppl_args", "run_eval_ppl",
                  "perplexity against context length (sequence-parallel, token-weighted): CSV"),
     "plot-ppl": ("easy_context.eval.cli", "add_plot_ppl_args", "run_plot_ppl",

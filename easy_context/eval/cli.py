@@ -2,9 +2,10 @@
 
     easy-context eval-needle --model DIR [--haystack-dir DIR] --max-context-length N ...
     easy-context eval-ppl    --model DIR [--model DIR2] (--tokenized DIR | --dataset SRC) ...
+    easy-context eval-ruler  --model DIR [--tasks niah_single_1 vt ...] --lengths 4096 8192 ...
     easy-context plot-ppl    FILE.csv [FILE2.csv] (--output FILE.png | --output-dir DIR)
 
-The two evals run in one process, under torchrun, or spawn ``--nproc-per-node`` ranks
+The evals run in one process, under torchrun, or spawn ``--nproc-per-node`` ranks
 themselves (easy_context.launch); every rank loads the model and holds a shard of each
 sequence. Rank 0 writes the results (JSON/CSV) and then draws the figures from those files.
 """
@@ -191,6 +192,91 @@ def run_eval_needle(args: argparse.Namespace) -> int:
     print(f"average score {results['average_score']:.4f} (token accuracy "
           f"{results['average_token_accuracy']:.4f}, chance {results['chance']:.2g}); "
           f"wrote {out / 'results.json'} and {out / 'heatmap.png'}")
+    return 0
+
+
+# ---------------------------------------------------------------- eval-ruler
+
+
+def add_eval_ruler_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``easy-context eval-ruler``."""
+    from .ruler.tasks import TASKS
+
+    parser.add_argument("--model", required=True, help="model folder (save_pretrained)")
+    parser.add_argument("--tasks", nargs="+", default=None, metavar="TASK",
+                        help="RULER tasks (default: all): " + ", ".join(TASKS))
+    parser.add_argument("--lengths", nargs="+", type=int, default=[4096, 8192, 16384, 32768],
+                        help="lengths in the model's tokens: each prompt, template included, "
+                             "plus its answer budget fits in its length")
+    parser.add_argument("--num-samples", type=int, default=20,
+                        help="samples per task and length (RULER uses 500)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--template", choices=("base", "chat"), default="base",
+                        help="base: plain text after BOS; chat: the tokenizer's chat template")
+    parser.add_argument("--haystack-dir", default=None,
+                        help="folder of .txt files for the essay haystack; default: generated "
+                             "text")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="answer budget of every task (default: each task's, as RULER: "
+                             "128 niah and kv, 30 vt, 120 cwe, 50 fwe)")
+    parser.add_argument("--output-dir", default=None,
+                        help="where samples.jsonl, scores.csv/.md/.png go; a rerun resumes "
+                             "(default: ruler_output/<model folder name>)")
+    _add_common(parser)
+
+
+def ruler_config(args: argparse.Namespace):
+    """The RulerConfig of the flags, with what else changes the answers (the model folder,
+    dtype as resolved on this machine, RoPE overrides) as its settings."""
+    from ..models import resolve_dtype
+    from .ruler.run import RulerConfig
+    from .ruler.tasks import TASKS
+
+    model = Path(args.model).expanduser()
+    settings = {"model": str(model.resolve()) if model.is_dir() else args.model,
+                "dtype": str(resolve_dtype(args.dtype, rank_device())),
+                "rope_theta": args.rope_theta, "rope_scaling": args.rope_scaling}
+    return RulerConfig(args.tasks or list(TASKS), args.lengths, args.num_samples, args.seed,
+                       args.template, args.haystack_dir, args.max_new_tokens, settings)
+
+
+def _ruler_rank(args: argparse.Namespace, cfg, out: Path) -> list[dict]:
+    from .ruler.run import run_ruler
+
+    # args has no `generate`: _setup switches the model to --parallel-mode, and
+    # easy_context.generation decodes with that method over its group.
+    dev, model, tok, _ = _setup(args, args.model)
+    return run_ruler(model, tok, cfg, out, device=dev, progress=_is_main())
+
+
+def run_eval_ruler(args: argparse.Namespace) -> int:
+    """Run (or resume) the RULER eval; write samples.jsonl, scores.csv/.md/.png; print the
+    table."""
+    from transformers import AutoTokenizer
+
+    from ..models import check_model_path
+    from .needle import read_haystack_dir
+    from .ruler.run import check_lengths, check_resume
+    from .ruler.scoring import markdown_table
+
+    # bad flags, a too short length or haystack, a folder of another run: before any launch
+    _check_common(args, [args.model], tokenizer=True)
+    cfg = ruler_config(args)
+    if cfg.haystack_dir is not None and not read_haystack_dir(cfg.haystack_dir).strip():
+        raise ValueError(f"haystack folder {args.haystack_dir}: its .txt files are empty")
+    out = Path(args.output_dir or Path("ruler_output") / model_name(args.model))
+    check_output_path("--output-dir", out, folder=True)
+    check_resume(out, cfg)
+    tok = AutoTokenizer.from_pretrained(check_model_path(args.model),
+                                        trust_remote_code=args.trust_remote_code)
+    tok.model_max_length = 1 << 40
+    check_lengths(tok, cfg)
+    rows = launch(_ruler_rank, args.nproc_per_node, args, cfg, out)
+    if not _is_main():
+        return 0
+    print(markdown_table(rows), end="")
+    print(f"wrote {out / 'samples.jsonl'}, {out / 'scores.csv'}, {out / 'scores.md'} and "
+          f"{out / 'scores.png'}")
     return 0
 
 

@@ -2,6 +2,7 @@
 
     plot_needle_heatmap("needle/results.json", "needle/heatmap.png")
     plot_ppl(["ppl.csv"], "ppl.png")      # one line per model
+    plot_ruler("ruler/scores.csv", "ruler/scores.png")  # one line per task
 
 matplotlib runs headless (Agg), so plotting works on a cluster node without a display.
 """
@@ -94,4 +95,38 @@ def plot_ppl(csv_paths: list[str | Path], output_png: str | Path, column: str = 
     ax.set_ylim(bottom=ymin, top=ymax)
     ax.grid(alpha=0.3)
     ax.legend()
+    return save_figure(fig, output_png)
+
+
+def plot_ruler(scores_csv: str | Path, output_png: str | Path, title: str | None = None) -> Path:
+    """RULER score (x100) against length from an eval-ruler scores.csv: one line per task,
+    and their average as a thick black line."""
+    from .ruler.scoring import read_scores_csv
+
+    rows = read_scores_csv(scores_csv)
+    if not rows:
+        raise ValueError(f"{scores_csv} has no scores to plot")
+    series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    by_length: dict[int, list[float]] = defaultdict(list)
+    for r in rows:
+        series[r["task"]].append((r["length"], r["score"]))
+        by_length[r["length"]].append(r["score"])
+    lengths = sorted(by_length)
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    colors = plt.get_cmap("tab20").colors  # 12 tasks: the default cycle repeats after 10
+    for i, (task, points) in enumerate(series.items()):
+        xs, ys = zip(*sorted(points))
+        ax.plot(xs, ys, marker="o", linewidth=1, alpha=0.85, color=colors[i % len(colors)],
+                label=task)
+    average = [sum(by_length[n]) / len(by_length[n]) for n in lengths]
+    ax.plot(lengths, average, color="black", linewidth=2.5, marker="s", label="average")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [_short(n) for n in lengths])
+    ax.set_xlabel("Length (tokens)")
+    ax.set_ylabel("Score")
+    ax.set_ylim(-2, 102)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    if title:
+        ax.set_title(title)
     return save_figure(fig, output_png)

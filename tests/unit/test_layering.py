@@ -17,7 +17,7 @@ LAYERS = [
     {"parallel"},
     {"sequence_parallel", "memory"},
     {"integrations"},
-    {"models", "plan", "data"},
+    {"models", "plan", "data", "generation"},
     {"eval", "train"},
     {"recipes"},
     {"demo"},
