@@ -42,6 +42,7 @@ class GenerationResult:
     prefill_seconds: float
     decode_seconds: float
     new_tokens: int  # decode steps run (T)
+    lengths: list[int]  # each row's new tokens up to and including the one that stopped it
     cache_bytes: int  # this rank's KV cache (keys, values, positions, validity)
 
 
@@ -210,7 +211,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
         token = torch.where(done.to(token.device), torch.full_like(token, pad_token_id), token)
         new.append(token.cpu())
         for row in range(b):
-            texts[row].append(int(token[row]))
+            if not done[row]:
+                texts[row].append(int(token[row]))
         done = stops.update(texts, new[-1], done)
         if bool(done.all()) or step == max_new_tokens - 1:
             break
@@ -224,4 +226,5 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
     sequences = torch.cat([input_ids.cpu(), torch.stack(new, dim=1)], dim=1).to(input_ids.device)
     if not return_stats:
         return sequences
-    return GenerationResult(sequences, prefill_s, decode_s, len(new), cache.nbytes())
+    return GenerationResult(sequences, prefill_s, decode_s, len(new),
+                            [len(t) for t in texts], cache.nbytes())

@@ -72,3 +72,52 @@ def test_eos_ends_a_row_and_pads_it(dist2):
             assert ended[1][:second + 1] == free[1][:second + 1]
         else:  # row 1 never meets it: the whole generation is there
             assert ended[1] == free[1] and len(ended[1]) == NEW_TOKENS
+
+
+def test_command_line_on_two_ranks_equals_transformers(tmp_path):
+    """``easy-context generate`` with two prompts of different lengths on 2 spawned ranks:
+    the completions transformers' greedy generate gives in this process, stopped after the
+    stop string, which is kept."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.unit.eval_fixtures import random_model_dir
+
+    folder = random_model_dir(tmp_path / "model")
+    prompts = ["The grass is green and the sky", "Once upon a time"]
+    out = tmp_path / "out.jsonl"
+    repo = Path(__file__).resolve().parents[2]
+    run = subprocess.run(
+        [sys.executable, "-m", "easy_context.cli", "generate", "--model", str(folder),
+         "--prompt", prompts[0], "--prompt", prompts[1], "--max-new-tokens", "12",
+         "--nproc-per-node", "2", "--output", str(out)],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(repo)})
+    assert run.returncode == 0, run.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    tok = AutoTokenizer.from_pretrained(folder, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()
+    batch = tok(prompts, return_tensors="pt", padding=True)
+    want = model.generate(**batch, max_new_tokens=12, do_sample=False,
+                          pad_token_id=tok.pad_token_id)[:, batch["input_ids"].size(1):]
+    for row, ids in zip(rows, want.tolist()):
+        eos = model.generation_config.eos_token_id
+        ids = ids[:ids.index(eos) + 1] if eos in ids else ids
+        assert row["completion"] == tok.decode(ids, skip_special_tokens=True)
+        assert row["ranks"] == 2 and row["new_tokens"] == len(ids)
+    assert rows[0]["prompt_tokens"] == len(tok(prompts[0])["input_ids"])
+    # a stop string: the first completion cut after its first occurrence, which stays
+    text = rows[0]["completion"]
+    assert len(text) >= 6, text  # the fixture's model writes 12 characters here
+    stop = text[3:5]
+    run = subprocess.run(
+        [sys.executable, "-m", "easy_context.cli", "generate", "--model", str(folder),
+         "--prompt", prompts[0], "--max-new-tokens", "12", "--stop", stop],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == text[:text.index(stop) + len(stop)] + "\n"

@@ -67,6 +67,7 @@ def paths(tmp_path_factory) -> dict[str, str]:
 
 
 TRAIN = "train --model {model} --dataset {data} --seq-length 32 --output-dir {tmp}/out"
+GENERATE = "generate --model {emodel} --prompt hello --max-new-tokens 4"
 EVAL_NEEDLE = "eval-needle --model {emodel} --min-context-length 256 --max-context-length 256 " \
               "--output-dir {tmp}/needle"
 EVAL_PPL = "eval-ppl --model {emodel} --tokenized {tokd} --min-tokens 64 --max-tokens 128 " \
@@ -187,6 +188,21 @@ CASES = [
     (EVAL_NEEDLE + " --rope-scaling yarn", "--rope-scaling must be JSON or TYPE:FACTOR"),
     (EVAL_NEEDLE + " --dtype fp8", "argument --dtype: invalid choice"),
     (EVAL_NEEDLE.replace("{tmp}/needle", "{afile}"), "--output-dir {afile} is a file"),
+    # generate
+    ("generate --model {emodel}", "one of the arguments --prompt --prompt-file is required"),
+    (GENERATE.replace("{emodel}", "{missing}"), "model folder {missing} does not exist"),
+    (GENERATE.replace("{emodel}", "{model}"), "has no tokenizer (tokenizer.json)"),
+    (GENERATE.replace("--prompt hello", "--prompt-file {missing}"), "--prompt-file {missing} does not exist"),
+    (GENERATE + " --max-new-tokens 0", "--max-new-tokens must be >= 1"),
+    (GENERATE + " --do-sample --temperature 0", "temperature must be > 0 when sampling"),
+    (GENERATE + " --top-p 0", "top_p must be in (0, 1]"),
+    (GENERATE + " --top-k 0", "top_k must be >= 1"),
+    (GENERATE + " --nproc-per-node 0", "--nproc-per-node must be >= 1"),
+    (GENERATE + " --parallel-mode ulysses_attn --nproc-per-node 3",
+     "4 query heads cannot be split over 3"),
+    (GENERATE + " --max-new-tokens 2000", "exceed the model's RoPE range (max_position_embeddings=1024)"),
+    (GENERATE + " --chat", "--chat: the tokenizer has no chat template"),
+    (GENERATE + " --output {tmp}", "--output {tmp} is a folder"),
     # eval-ppl
     ("eval-ppl --model {emodel}", "one of the arguments --tokenized --dataset is required"),
     (EVAL_PPL.replace("{tokd}", "{missing}"), "--tokenized {missing} does not exist"),
@@ -218,7 +234,8 @@ def _run(argv: str, paths: dict, capsys) -> tuple[int, str]:
 
 def _case_id(argv: str) -> str:
     """The command and what differs from its base line, e.g. "train --batch-size 0"."""
-    for base, name in ((TRAIN, "train"), (EVAL_NEEDLE, "eval-needle"), (EVAL_PPL, "eval-ppl")):
+    for base, name in ((TRAIN, "train"), (EVAL_NEEDLE, "eval-needle"), (EVAL_PPL, "eval-ppl"),
+                       (GENERATE, "generate")):
         if argv.startswith(base):
             return name + argv[len(base):]
     return argv
