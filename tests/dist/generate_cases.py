@@ -84,3 +84,40 @@ def stops(method: str) -> dict:
                         max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=1)
     return {"free": free.tolist(), "eos": eos, "ended": ended[:, ids.size(1):].tolist(),
             "rank": dist.get_rank()}
+
+
+def adapted_model(four_bit: bool):
+    """The tiny Llama as a peft PeftModel with LoRA adapters (B random, so they change the
+    output), its decoder's linear layers optionally in NF4 (the 4-bit base of --lora-4bit)."""
+    from peft import LoraConfig, get_peft_model
+
+    from easy_context.train.qlora import NF4Linear, quantized_linears
+
+    base = tiny_model("llama")
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                            lora_dropout=0.0))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    if four_bit:
+        for name, linear in quantized_linears(model).items():
+            layer = NF4Linear(linear.in_features, linear.out_features, linear.bias)
+            layer.quantize_(linear.weight.detach())
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, layer)
+    return model.eval()
+
+
+def compare_adapted(four_bit: bool, methods: list[str]) -> dict[str, tuple[list, list]]:
+    base = adapted_model(four_bit)
+    ids, mask = prompts(base.config.vocab_size, (13, 9))
+    want = reference(copy.deepcopy(base), ids, mask)
+    plain = reference(tiny_model("llama").eval(), ids, mask)
+    report = {"adapters change the tokens": (True, want.tolist() != plain.tolist())}
+    for method in methods:
+        got = ec.generate(copy.deepcopy(base), ids, attention_mask=mask, method=method,
+                          max_new_tokens=NEW_TOKENS, eos_token_id=[], pad_token_id=0)
+        report[method] = (want[:, ids.size(1):].tolist(), got[:, ids.size(1):].tolist())
+    return report

@@ -11,7 +11,8 @@ import pytest
 
 import easy_context as ec
 
-from .generate_cases import NEW_TOKENS, cache_shares, compare_methods, sampled, stops
+from .generate_cases import (NEW_TOKENS, cache_shares, compare_adapted, compare_methods, sampled,
+                             stops)
 from .hf_cases import FAMILIES, VARIANT_FAMILIES
 
 METHODS = sorted(ec.METHODS)
@@ -121,3 +122,14 @@ def test_command_line_on_two_ranks_equals_transformers(tmp_path):
         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(repo)})
     assert run.returncode == 0, run.stderr
     assert run.stdout == text[:text.index(stop) + len(stop)] + "\n"
+
+
+@pytest.mark.parametrize("four_bit", [False, True], ids=["lora", "lora-nf4-base"])
+def test_lora_adapters_and_a_4bit_base(dist2, four_bit):
+    """A peft PeftModel (adapters on every linear layer), on a full-precision or an NF4 base
+    (bitsandbytes, as --lora-4bit quantizes it): what transformers' generate gives with the
+    same model in one process."""
+    pytest.importorskip("peft")
+    if four_bit:
+        pytest.importorskip("bitsandbytes")
+    _assert_equal(dist2.run(compare_adapted, four_bit, ["zigzag_ring_attn", "ulysses_attn"]))
