@@ -254,12 +254,14 @@ def run_eval_ruler(args: argparse.Namespace) -> int:
     table."""
     from transformers import AutoTokenizer
 
-    from ..models import check_model_path
+    from ..generation.generate import check_rope_range
+    from ..models import check_model_path, load_config
     from .needle import read_haystack_dir
     from .ruler.run import check_lengths, check_resume
     from .ruler.scoring import markdown_table
 
-    # bad flags, a too short length or haystack, a folder of another run: before any launch
+    # bad flags, a folder of another run, lengths past the model's RoPE range or too short
+    # for a task, a haystack folder too short: all before any launch
     _check_common(args, [args.model], tokenizer=True)
     cfg = ruler_config(args)
     if cfg.haystack_dir is not None and not read_haystack_dir(cfg.haystack_dir).strip():
@@ -267,8 +269,10 @@ def run_eval_ruler(args: argparse.Namespace) -> int:
     out = Path(args.output_dir or Path("ruler_output") / model_name(args.model))
     check_output_path("--output-dir", out, folder=True)
     check_resume(out, cfg)
-    tok = AutoTokenizer.from_pretrained(check_model_path(args.model),
-                                        trust_remote_code=args.trust_remote_code)
+    path = check_model_path(args.model)
+    check_rope_range(load_config(path, args.rope_theta, args.rope_scaling,
+                                 args.trust_remote_code), max(cfg.lengths))
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
     tok.model_max_length = 1 << 40
     check_lengths(tok, cfg)
     rows = launch(_ruler_rank, args.nproc_per_node, args, cfg, out)

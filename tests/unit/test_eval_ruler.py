@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from easy_context.eval.ruler.haystack import PromptEncoder, fit_units
-from easy_context.eval.ruler.run import RulerConfig, check_resume, load_records, run_ruler
+from easy_context.eval.ruler.run import (RulerConfig, check_lengths, check_resume, load_records,
+                                         run_ruler)
 from easy_context.eval.ruler.scoring import (markdown_table, postprocess, score_sample,
                                              string_match_all, string_match_part)
 from easy_context.eval.ruler.tasks import _DRAFTS, TASKS, get_task, make_sample
@@ -290,6 +291,10 @@ def test_bad_inputs_are_one_line_errors(tok, tmp_path):
     with pytest.raises(ValueError, match=r"task vt needs (\d+) tokens at least .* above the "
                                          r"length 200; use --lengths of \1 or more"):
         _sample("vt", tok, 200)
+    # cwe's counts grow at 4096 (RULER's 30 and 3 from 6 and 1): checked at every length
+    check_lengths(tok, RulerConfig(tasks=["cwe"], lengths=[3000], max_new_tokens=16))
+    with pytest.raises(ValueError, match=r"task cwe needs \d+ tokens at least .* length 4096"):
+        check_lengths(tok, RulerConfig(tasks=["cwe"], lengths=[3000, 4096], max_new_tokens=16))
     (tmp_path / "a.txt").write_text("A short essay. It has three sentences. That is all.")
     with pytest.raises(ValueError, match=r"haystack folder .* has 3 sentences, \d+ tokens in task "
                                          r"niah_single_2's prompt: too few to fill length 2000"):
@@ -315,12 +320,15 @@ def test_cli_checks_before_launching(model_dir, tmp_path, capsys, monkeypatch):
     from easy_context.eval import cli
 
     monkeypatch.setattr(cli, "launch", lambda *a: pytest.fail("launched despite a bad input"))
-    base = ["eval-ruler", "--model", str(model_dir), "--output-dir", str(tmp_path / "out")]
+    base = ["eval-ruler", "--model", str(model_dir), "--output-dir", str(tmp_path / "out"),
+            "--lengths", "1000"]  # a later --lengths replaces it
     cases = [(["--tasks", "vt", "nope"], "unknown RULER task 'nope'; tasks: niah_single_1, "),
              (["--lengths", "300"], "task niah_single_1 needs "),
              (["--template", "chat"], "has no chat template"),
              (["--haystack-dir", str(tmp_path / "none")], "does not exist"),
-             (["--num-samples", "0"], "--num-samples must be >= 1")]
+             (["--num-samples", "0"], "--num-samples must be >= 1"),
+             (["--lengths", "1000", "2000"], "exceed the model's RoPE range "
+                                             "(max_position_embeddings=1024)")]
     for extra, said in cases:
         assert main(base + extra) == 2, extra
         err = capsys.readouterr().err
@@ -350,7 +358,7 @@ def test_cli_runs_and_resumes_with_a_stand_in_generate(model_dir, tmp_path, caps
     monkeypatch.setitem(sys.modules, "easy_context.generation",
                         types.SimpleNamespace(generate=generate))
     argv = ["eval-ruler", "--model", str(model_dir), "--tasks", "niah_single_1", "kv",
-            "--lengths", "1000", "1500", "--num-samples", "1", "--max-new-tokens", "8",
+            "--lengths", "700", "1000", "--num-samples", "1", "--max-new-tokens", "8",
             "--parallel-mode", "ring_attn", "--output-dir", str(tmp_path)]
     assert main(argv) == 0
     out = capsys.readouterr().out

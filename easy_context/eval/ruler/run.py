@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from .haystack import TEMPLATES, PromptEncoder
 from .scoring import markdown_table, score_rows, score_sample, write_scores_csv
-from .tasks import TASKS, RulerSample, get_task, make_sample
+from .tasks import TASKS, RulerSample, check_length, get_task, make_sample
 
 CONFIG_FILE, SAMPLES_FILE = "config.json", "samples.jsonl"
 # What decides a sample's prompt and answer; a folder's samples are reused only when these
@@ -94,12 +94,14 @@ def check_resume(output_dir: str | Path, cfg: RulerConfig) -> None:
 
 
 def check_lengths(tokenizer, cfg: RulerConfig) -> None:
-    """Build sample 0 of every task at the shortest length (too short for a task's template
-    raises) and, with a haystack folder, of the essay tasks at the longest (a folder too
-    short raises): the errors a run would meet, met before any rank starts."""
+    """The errors a run would meet, met before any rank starts: a length too short for a
+    task's shortest prompt (each task at each length: cwe's counts change at 4096), and a
+    haystack folder too short (sample 0 of the essay tasks at the longest length)."""
     encoder = PromptEncoder(tokenizer, cfg.template)
     for task in cfg.tasks:
-        cfg.sample(task, min(cfg.lengths), 0, encoder)
+        for length in cfg.lengths:
+            check_length(task, length, encoder, seed=cfg.seed, haystack_dir=cfg.haystack_dir,
+                         max_new_tokens=cfg.max_new_tokens)
         spec = TASKS[task]
         if cfg.haystack_dir is not None and spec.kind == "niah" and spec.haystack == "essay":
             cfg.sample(task, max(cfg.lengths), 0, encoder)

@@ -121,34 +121,55 @@ def make_sample(task: str, length: int, index: int, encoder: PromptEncoder, *, s
     """Sample ``index`` of ``task`` at ``length`` tokens (see the module docstring); with
     ``units``, the same sample holding that many haystack units instead of the most that
     fit (to see what one more would do)."""
+    spec, new, draft, tokens = _prepare(task, length, index, encoder, seed, haystack_dir,
+                                        max_new_tokens)
+    limit = draft.units.limit if draft.units is not None else None
+    if units is None:
+        _check_shortest(task, length, new, draft, tokens)
+        units = fit_units(tokens, length - new, draft.low, limit)
+        if units == limit:
+            raise ValueError(f"{draft.units.source} has {limit} sentences, {tokens(limit)} "
+                             f"tokens in task {task}'s prompt: too few to fill length {length} "
+                             f"({new} of them for the answer); add .txt text there or lower "
+                             "--lengths")
+    text = encoder.text(draft.render(units), draft.answer_prefix)
+    return RulerSample(task, length, index, text, draft.references, new, spec.metric,
+                       encoder.ids(text), units)
+
+
+def check_length(task: str, length: int, encoder: PromptEncoder, *, seed: int = 0,
+                 haystack_dir: str | Path | None = None,
+                 max_new_tokens: int | None = None) -> None:
+    """Raise make_sample's error when ``length`` cannot hold even the task's shortest prompt
+    (its template and answers with one haystack unit) and answer budget: one short prompt
+    tokenized, no fit."""
+    _check_shortest(task, length, *_prepare(task, length, 0, encoder, seed, haystack_dir,
+                                             max_new_tokens)[1:])
+
+
+def _prepare(task, length, index, encoder, seed, haystack_dir, max_new_tokens):
     spec = get_task(task)
     new = max_new_tokens or spec.max_new_tokens
     rng = random.Random(f"{seed}:{task}:{length}:{index}")
     draft = _DRAFTS[spec.kind](spec, rng, length, haystack_dir)
-    limit = draft.units.limit if draft.units is not None else None
 
     def tokens(n: int) -> int:
         return len(encoder.ids(encoder.text(draft.render(n), draft.answer_prefix)))
 
-    if units is not None:
-        n = units
-    elif limit is not None and limit < draft.low:
+    return spec, new, draft, tokens
+
+
+def _check_shortest(task: str, length: int, new: int, draft: Draft,
+                    tokens: Callable[[int], int]) -> None:
+    if draft.units is not None and draft.units.limit is not None and \
+            draft.units.limit < draft.low:
         raise ValueError(f"{draft.units.source} holds no sentence; add text to its .txt files")
-    else:
-        n = fit_units(tokens, length - new, draft.low, limit)
-    if n is None:
-        need = tokens(draft.low) + new
+    need = tokens(draft.low) + new
+    if need > length:
         raise ValueError(f"task {task} needs {need} tokens at least (its template, answers and "
                          f"{draft.low} haystack unit(s), plus {new} new tokens), above the "
                          f"length {length}; use --lengths of {need} or more, or a smaller "
                          "--max-new-tokens")
-    if n == limit and units is None:
-        raise ValueError(f"{draft.units.source} has {limit} sentences, {tokens(n)} tokens in "
-                         f"task {task}'s prompt: too few to fill length {length} ({new} of them "
-                         "for the answer); add .txt text there or lower --lengths")
-    text = encoder.text(draft.render(n), draft.answer_prefix)
-    return RulerSample(task, length, index, text, draft.references, new, spec.metric,
-                       encoder.ids(text), n)
 
 
 # ---------------------------------------------------------------- needle in a haystack
