@@ -3,9 +3,10 @@ index), so every rank builds the same prompts and a rerun builds the same ones a
 
 A task draws everything random up front (keys, values, where the needles go, the words),
 then renders its prompt for any number n of haystack units (drawn on demand, each stream in
-its own order, so the n-unit prompt is the same whatever n the fit tried before); ``make_sample`` picks the
-largest n whose prompt fits the length (haystack.fit_units). What fits is counted on the
-exact ids the model gets, template and answer prefix included, plus the answer budget:
+its own order, so the n-unit prompt is the same whatever n the fit tried before);
+``make_sample`` picks the largest n whose prompt fits the length (haystack.fit_units). What
+fits is counted on the exact ids the model gets, template and answer prefix included, plus
+the answer budget:
 
     len(input_ids) + max_new_tokens <= length
 
@@ -19,8 +20,8 @@ Tasks (RULER's names and settings; ``kv`` is ours):
   answer every variable that gets the value.
 - ``cwe``: a numbered list where 10 words appear 30 times and the others 3 (6 and 1 below
   4096 tokens, as RULER), after one worked example; answer the 10 most common.
-- ``fwe``: words drawn Zipf-like (alpha 2) with "..." as the most frequent; answer the
-  three most frequent words.
+- ``fwe``: words with Zipf counts (alpha 2), "..." the most frequent; answer the three
+  most frequent words after it.
 - ``kv``: a JSON object of UUID keys -> UUID values; answer one key's value.
 """
 
@@ -111,7 +112,7 @@ class Draft:
     render: Callable[[int], str]  # n units -> the task's text
     answer_prefix: str
     references: list[str]
-    units: Units | None = None  # the haystack, when a folder limits it
+    units: Units | None = None  # the haystack (limited when it is a folder's sentences)
     low: int = 1
 
 
