@@ -15,6 +15,7 @@ from pathlib import Path
 from ..models import load_model_and_tokenizer
 from ..eval.needle import NeedleConfig, evaluate_needle
 from ..eval.ppl import PplConfig, evaluate_ppl
+from ..eval.ruler import RulerConfig, run_ruler
 from .build import DIGITS, DISTINCT_DIGITS, TEMPLATE, filler_haystack
 
 log = logging.getLogger("easy_context.demo")
@@ -28,6 +29,12 @@ class EvalSettings:
     depth_interval: float = 0.25
     samples: int = 4
     seed: int = 12345  # the training corpus uses other seeds, hence other numbers
+    # RULER's tasks within the tiny model's reach (needles among noise or text, distractor
+    # keys, a variable chain), at the trained length and at 4x, with generated answers
+    ruler_tasks: tuple[str, ...] = ("niah_single_1", "niah_single_2", "niah_multikey_1", "vt")
+    ruler_lengths: tuple[int, ...] = (512, 2048)
+    ruler_samples: int = 4
+    ruler_new_tokens: int = 24  # 7-digit numbers or a few variable names: no 128 needed
 
 
 def needle_config(s: EvalSettings) -> NeedleConfig:
@@ -64,13 +71,23 @@ def evaluate_model(model_dir: Path, label: str, out_dir: Path, settings: EvalSet
         writer.writeheader()
         writer.writerows({"model": label, **r} for r in rows)
 
+    ruler_cfg = RulerConfig(tasks=list(settings.ruler_tasks),
+                            lengths=list(settings.ruler_lengths),
+                            num_samples=settings.ruler_samples, seed=settings.seed,
+                            max_new_tokens=settings.ruler_new_tokens,
+                            settings={"model": label})
+    ruler = run_ruler(model, tokenizer, ruler_cfg, out_dir / f"ruler_{label}", method="local",
+                      progress=False)
+
     by_length: dict[int, list[float]] = {}
     for cell in needle["cells"]:
         by_length.setdefault(cell["context_length"], []).append(cell["score"])
     summary = {"model": label, "needle_average": needle["average_score"],
                "needle_by_length": {n: sum(v) / len(v) for n, v in sorted(by_length.items())},
                "ppl_by_length": {r["context_length"]: r["ppl"] for r in rows},
-               "last_k_ppl_by_length": {r["context_length"]: r["last_k_ppl"] for r in rows}}
+               "last_k_ppl_by_length": {r["context_length"]: r["last_k_ppl"] for r in rows},
+               "ruler": [{k: r[k] for k in ("task", "length", "score", "samples")}
+                         for r in ruler]}
     log.info("%s: needle %s; ppl %s", label,
              {n: round(v, 2) for n, v in summary["needle_by_length"].items()},
              {n: round(v, 3) for n, v in summary["ppl_by_length"].items()})

@@ -19,7 +19,9 @@ from ..recipes.recipe import Recipe  # noqa: E402
 ARTIFACTS = ("report.md", "needle_before.png", "needle_after.png", "ppl.png", "ppl_last_k.png",
              "loss.png", "stages.png", "summary.json", "timings.json",
              "eval/needle_before.json", "eval/needle_after.json", "eval/ppl_before.csv",
-             "eval/ppl_after.csv")
+             "eval/ppl_after.csv", "eval/ruler_before/scores.csv",
+             "eval/ruler_after/scores.csv", "eval/ruler_before/scores.png",
+             "eval/ruler_after/scores.png")
 TARGET_AFTER, TARGET_BEFORE = 0.8, 0.2
 
 
@@ -92,6 +94,31 @@ def _ppl(path: Path) -> dict[int, dict]:
 
 def _fmt(x: float, spec: str = ".3f") -> str:
     return "n/a" if x != x else format(x, spec)
+
+
+def _ruler_lines(summary: dict) -> list[str]:
+    """RULER's tasks before and after the extension: score (x100, RULER's string_match_all)
+    per task and length, generated answers (easy_context.generate)."""
+    before = {(r["task"], r["length"]): r for r in summary["evals"]["before"].get("ruler", [])}
+    after = {(r["task"], r["length"]): r for r in summary["evals"]["after"].get("ruler", [])}
+    if not before:
+        return []
+    lengths = sorted({n for _, n in before})
+    tasks = list(dict.fromkeys(t for t, _ in before))
+    samples = next(iter(before.values()))["samples"]
+    lines = ["## RULER tasks by context length", "",
+             f"Generated answers (greedy, `easy_context.generate`), scored as RULER scores them "
+             f"(string_match_all, x100), {samples} sample(s) per cell; the prompts are RULER's "
+             "wording, which this tiny model was never taught (its needles read "
+             "'The KEY code=VALUE.'): a floor, not its retrieval ability (eval-ruler in "
+             "docs/guides/evaluation.md says how these differ from RULER's own harness).", "",
+             "| task | " + " | ".join(f"{n} before | {n} after" for n in lengths) + " |",
+             "|---|" + "---:|---:|" * len(lengths)]
+    for task in tasks:
+        cells = [f"{before[(task, n)]['score']:.0f} | {after.get((task, n), {}).get('score', float('nan')):.0f}"
+                 for n in lengths]
+        lines.append(f"| {task} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def write_report(out: Path, recipe: Recipe) -> Path:
@@ -169,7 +196,9 @@ def write_report(out: Path, recipe: Recipe) -> Path:
               "|---:|---:|---:|---:|---:|"]
     lines += [f"| {n} | {_fmt(pb[n]['ppl'])} | {_fmt(pa[n]['ppl'])} | {_fmt(pb[n]['last_k_ppl'])} | "
               f"{_fmt(pa[n]['last_k_ppl'])} |" for n in pb]
-    lines += ["", "![ppl](ppl.png) ![ppl last k](ppl_last_k.png)", "",
+    lines += ["", "![ppl](ppl.png) ![ppl last k](ppl_last_k.png)", ""]
+    lines += _ruler_lines(summary)
+    lines += ["",
               "## Training stages", "",
               "| stage | seq | theta | method | ranks | steps | final loss | peak MB/rank | tokens/s | train s |",
               "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]

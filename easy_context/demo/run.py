@@ -57,7 +57,8 @@ class DemoSettings:
     def quick(cls) -> "DemoSettings":
         return cls(steps=(4, 4, 2, 2), heldout_docs=2,
                    eval=EvalSettings(min_length=512, length_step=512, depth_interval=0.5,
-                                     samples=1))
+                                     samples=1, ruler_tasks=("niah_single_1", "vt"),
+                                     ruler_samples=1))
 
 
 def bundled_recipe_path() -> Path:

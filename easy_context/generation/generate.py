@@ -165,6 +165,13 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
     rank = group_rank(settings, world)
     lengths = _left_padded_lengths(input_ids, attention_mask)
     check_rope_range(_text_config(model), int(lengths.max()) + max_new_tokens)
+    rescaling = _rope_types(_text_config(model)) & {"dynamic", "longrope"}
+    if world > 1 and rescaling:
+        # transformers rescales these from the largest position in one forward: a shard's,
+        # not the prompt's, so the ranks would rotate with different frequencies
+        raise ValueError(f"{'/'.join(sorted(rescaling))} RoPE scaling rescales from the longest "
+                         "position a forward sees, which differs from shard to shard: generate "
+                         "on one rank, or use linear or yarn scaling")
 
     device = next(model.parameters()).device
     b, length = input_ids.shape

@@ -107,13 +107,20 @@ def _check_quick_demo(out: Path) -> None:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     report = (out / "report.md").read_text()
     assert "Quick run" in report
-    for section in ("## Targets", "## Needle accuracy", "## Perplexity", "## Training stages",
-                    "## Time"):
+    for section in ("## Targets", "## Needle accuracy", "## Perplexity",
+                    "## RULER tasks by context length", "## Training stages", "## Time"):
         assert section in report
     stages = load_recipe(bundled_recipe_path(), output_root=out).stages
     summary = json.loads((out / "summary.json").read_text())
     assert [s["stage"] for s in summary["stages"]] == [s.name for s in stages]
     assert set(summary["evals"]) == {"before", "after"}
+    from easy_context.demo.run import DemoSettings
+
+    quick = DemoSettings.quick().eval
+    for label in ("before", "after"):  # RULER's table: every task at every length, scored
+        cells = {(r["task"], r["length"]) for r in summary["evals"][label]["ruler"]}
+        assert cells == {(t, n) for t in quick.ruler_tasks for n in quick.ruler_lengths}
+        assert all(0 <= r["score"] <= 100 for r in summary["evals"][label]["ruler"])
     first = [s for s in stages if s.train["seq_length"] == stages[0].train["seq_length"]][-1]
     before = json.loads((out / "eval" / "needle_before.json").read_text())["config"]
     assert first.name in before["model_dir"]

@@ -66,3 +66,23 @@ def test_the_trainer_tables_are_the_benchmark_files():
         assert len(rows) > 6 and _contains_run(guide, rows), f"docs/guides/trainer.md lacks {name}.md"
     assert _contains_run(readme, _table_rows(
         (REPO / "benchmarks" / "results" / "hf_trainer.md").read_text())), "README lacks hf_trainer.md"
+
+
+def test_the_generation_table_is_the_benchmark_file():
+    """benchmarks/results/generate.md is what benchmarks/generate.py makes of its JSON, the
+    generation guide quotes it whole, and the figures the guide, the benchmarks page and the
+    README give in words are that file's."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks import generate
+
+    payload = json.loads((REPO / "benchmarks" / "results" / "generate.json").read_text())
+    stored = (REPO / "benchmarks" / "results" / "generate.md").read_text()
+    assert generate.table(payload) == stored
+    guide = (REPO / "docs" / "guides" / "generation.md").read_text()
+    assert _contains_run(_table_rows(guide), _table_rows(stored))
+    ours = {r["length"]: r for r in payload["measured"] if r["system"] == "ours-2-ranks"}
+    cache, decode = f"{ours[32768]['cache_ratio']}x", f"{ours[32768]['decode_ratio']}x"
+    for page in ("docs/guides/generation.md", "docs/benchmarks.md", "README.md"):
+        text = (REPO / page).read_text()
+        assert cache in text and decode in text, page
+    assert payload["tokens_equal"] is True
