@@ -7,6 +7,7 @@ evals need no sequence parallelism (the eval package supports it for long contex
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import logging
 from dataclasses import asdict, dataclass
@@ -16,6 +17,7 @@ from ..models import load_model_and_tokenizer
 from ..eval.needle import NeedleConfig, evaluate_needle
 from ..eval.ppl import PplConfig, evaluate_ppl
 from ..eval.ruler import RulerConfig, run_ruler
+from ..generation import generate
 from .build import DIGITS, DISTINCT_DIGITS, TEMPLATE, filler_haystack
 
 log = logging.getLogger("easy_context.demo")
@@ -76,8 +78,10 @@ def evaluate_model(model_dir: Path, label: str, out_dir: Path, settings: EvalSet
                             num_samples=settings.ruler_samples, seed=settings.seed,
                             max_new_tokens=settings.ruler_new_tokens,
                             settings={"model": label})
+    # "before" answers at 4x the length it was trained for, past its RoPE range on purpose
     ruler = run_ruler(model, tokenizer, ruler_cfg, out_dir / f"ruler_{label}", method="local",
-                      progress=False)
+                      progress=False, generate_fn=functools.partial(generate,
+                                                                    beyond_rope_range=True))
 
     by_length: dict[int, list[float]] = {}
     for cell in needle["cells"]:

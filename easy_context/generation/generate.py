@@ -126,7 +126,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
              top_p: float = 1.0, top_k: int | None = None, seed: int = 0,
              eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
              stop_strings: str | list[str] | None = None, tokenizer=None,
-             return_stats: bool = False) -> Tensor | GenerationResult:
+             return_stats: bool = False,
+             beyond_rope_range: bool = False) -> Tensor | GenerationResult:
     """Generate up to ``max_new_tokens`` after each of the (B, L) prompts, sequence-parallel.
 
     Every rank of the group calls this with the same ``input_ids`` (and ``attention_mask``,
@@ -138,7 +139,10 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
     number of ranks. A row stops at an EOS token (``eos_token_id``, default the model's
     generation config) or after a stop string (needs ``tokenizer``); stopped rows are filled
     with ``pad_token_id``. Returns (B, L + T) on every rank, or a GenerationResult with
-    timings and this rank's cache bytes when ``return_stats``.
+    timings and this rank's cache bytes when ``return_stats``. A prompt plus its new tokens
+    beyond the model's RoPE range (``max_position_embeddings`` with plain RoPE) is refused
+    unless ``beyond_rope_range``: for probing where a model breaks down on purpose (the demo
+    asks its model, trained at 512 tokens, for answers at 2048 before extending it).
     """
     if input_ids.dim() != 2 or input_ids.dtype != torch.long:
         raise ValueError(f"input_ids must be (batch, length) int64, got {tuple(input_ids.shape)} "
@@ -164,7 +168,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
     world = 1 if m.layout == "whole" else group_size(settings.group)
     rank = group_rank(settings, world)
     lengths = _left_padded_lengths(input_ids, attention_mask)
-    check_rope_range(_text_config(model), int(lengths.max()) + max_new_tokens)
+    if not beyond_rope_range:
+        check_rope_range(_text_config(model), int(lengths.max()) + max_new_tokens)
     rescaling = _rope_types(_text_config(model)) & {"dynamic", "longrope"}
     if world > 1 and rescaling:
         # transformers rescales these from the largest position in one forward: a shard's,

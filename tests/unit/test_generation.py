@@ -123,6 +123,8 @@ def test_refusals_say_what_to_change():
         ec.generate(model, ids, attention_mask=right, method="local")
     with pytest.raises(ValueError, match=r"exceed the model's RoPE range \(max_position_embeddings=64\)"):
         ec.generate(model, ids, method="local", max_new_tokens=60)
+    probe = ec.generate(model, ids, method="local", max_new_tokens=60, beyond_rope_range=True)
+    assert probe.shape == (2, 70)  # past the range on purpose, when asked
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         ec.generate(model, ids, method="local", max_new_tokens=0)
     with pytest.raises(ValueError, match="not switched to sequence-parallel attention"):

@@ -1,0 +1,48 @@
+"""``easy-context eval-ruler`` as a user runs it, on 2 spawned ranks: the answers equal the
+same run in one process, and a run stopped part-way (samples.jsonl cut inside a line)
+continues where it stopped, redoing only the samples that were not written whole, with the
+same answers (rank 0 tells the other rank which samples are done)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.unit.eval_fixtures import random_model_dir
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _ruler(model: Path, out: Path, ranks: int) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "easy_context.cli", "eval-ruler", "--model", str(model),
+         "--tasks", "niah_single_1", "vt", "--lengths", "600", "--num-samples", "3",
+         "--max-new-tokens", "6", "--nproc-per-node", str(ranks), "--output-dir", str(out)],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def _records(out: Path) -> dict:
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    return {(r["task"], r["length"], r["index"]): r["prediction"] for r in rows}
+
+
+def test_two_ranks_equal_one_and_resume(tmp_path):
+    model = random_model_dir(tmp_path / "model")
+    one, two = tmp_path / "one", tmp_path / "two"
+    run = _ruler(model, one, 1)
+    assert run.returncode == 0, run.stderr[-3000:]
+    run = _ruler(model, two, 2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert _records(two) == _records(one) and len(_records(one)) == 6
+    # stopped after two samples and half of the third: the rerun does the other four
+    lines = (two / "samples.jsonl").read_text().splitlines(keepends=True)
+    (two / "samples.jsonl").write_text("".join(lines[:2]) + lines[2][:25])
+    run = _ruler(model, two, 2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert _records(two) == _records(one)
+    assert len((two / "samples.jsonl").read_text().splitlines()) == 6  # the cut line dropped
+    assert (two / "scores.csv").read_text() == (one / "scores.csv").read_text()
