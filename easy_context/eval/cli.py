@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ..parallel import SEQUENCE_PARALLEL, get_method
+from ..parallel import get_method
 from ..launch import device as rank_device
 from ..launch import launch
 from ..utils.paths import check_output_path, model_name
@@ -31,21 +31,9 @@ logger = logging.getLogger(__name__)
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--parallel-mode", default="zigzag_ring_attn",
-                        help="sequence-parallel method: " + ", ".join(SEQUENCE_PARALLEL)
-                             + " (the original's names work too); data_parallel: one process")
-    parser.add_argument("--ring-degree", type=int, default=None, help="usp_attn only")
-    parser.add_argument("--nproc-per-node", type=int, default=1,
-                        help="ranks to spawn (ignored under torchrun, which sets them)")
-    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
-                        help="default: bf16 on CUDA, fp32 on CPU")
-    parser.add_argument("--rope-theta", type=float, default=None,
-                        help="override the RoPE base (config.rope_parameters['rope_theta'])")
-    parser.add_argument("--rope-scaling", default=None,
-                        help="override RoPE scaling: JSON ('{\"rope_type\": \"yarn\", "
-                             "\"factor\": 4}') or TYPE:FACTOR ('linear:4')")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="run the model folder's own Python code (off by default)")
+    from ..generation.cli import add_model_run_flags
+
+    add_model_run_flags(parser)
 
 
 def _setup(args: argparse.Namespace, path: str, tokenizer: bool = True):

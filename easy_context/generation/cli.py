@@ -42,9 +42,15 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
                         help="stop a completion after this string; repeat for several")
     parser.add_argument("--output", default=None,
                         help="write completions as JSON lines here instead of printing them")
+    add_model_run_flags(parser)
+
+
+def add_model_run_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags every command that loads a model folder and runs it on N ranks shares
+    (generate here; eval-needle, eval-ppl and eval-ruler mount them too)."""
     parser.add_argument("--parallel-mode", default="zigzag_ring_attn",
-                        help="method of the prefill: " + ", ".join(SEQUENCE_PARALLEL)
-                             + "; data_parallel: one process")
+                        help="sequence-parallel method: " + ", ".join(SEQUENCE_PARALLEL)
+                             + " (the original's names work too); data_parallel: one process")
     parser.add_argument("--ring-degree", type=int, default=None, help="usp_attn only")
     parser.add_argument("--nproc-per-node", type=int, default=1,
                         help="ranks to spawn (ignored under torchrun, which sets them)")
@@ -53,7 +59,8 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rope-theta", type=float, default=None,
                         help="override the RoPE base (config.rope_parameters['rope_theta'])")
     parser.add_argument("--rope-scaling", default=None,
-                        help="override RoPE scaling: JSON or TYPE:FACTOR ('yarn:4')")
+                        help="override RoPE scaling: JSON ('{\"rope_type\": \"yarn\", "
+                             "\"factor\": 4}') or TYPE:FACTOR ('linear:4')")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the model folder's own Python code (off by default)")
 
