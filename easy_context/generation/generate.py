@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..integrations.hf import apply_sequence_parallel, output_head
+from ..integrations.hf import KV_CACHE_KWARG, apply_sequence_parallel, output_head
 from ..mesh import group_size, process_group
 from ..parallel import get_method
 from ..parallel.settings import SequenceParallelSettings, module_settings
@@ -199,7 +199,7 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
     decoder = decoder_of(model)
     start = time.perf_counter()
     hidden = decoder(input_ids=ids_l, position_ids=pos_l, use_cache=False,
-                     sharded_kv_cache=cache).last_hidden_state  # (B, S_local, D)
+                     **{KV_CACHE_KWARG: cache}).last_hidden_state  # (B, S_local, D)
     # each prompt's last token: on one rank; summed over the group, the others add zeros
     last = (pos_l == (lengths.to(device) - 1)[:, None]) & valid_l  # (B, S_local)
     h = hidden[torch.arange(b, device=device), last.int().argmax(dim=1)]  # (B, D)
@@ -231,7 +231,7 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
         query = (lengths + step).to(device)  # the new token's position in each row
         cache.start_decode(step, query)
         hidden = decoder(input_ids=token[:, None], position_ids=query[:, None],
-                         use_cache=False, sharded_kv_cache=cache).last_hidden_state[:, -1]
+                         use_cache=False, **{KV_CACHE_KWARG: cache}).last_hidden_state[:, -1]
         cache.finish_decode()
         logits = _next_logits(model, hidden)
     decode_s = time.perf_counter() - start
