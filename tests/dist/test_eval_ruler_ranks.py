@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 def _ruler(model: Path, out: Path, ranks: int) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "easy_context.cli", "eval-ruler", "--model", str(model),
-         "--tasks", "niah_single_1", "vt", "--lengths", "400", "--num-samples", "2",
+         "--tasks", "niah_single_1", "vt", "--lengths", "500", "--num-samples", "2",
          "--max-new-tokens", "6", "--nproc-per-node", str(ranks), "--output-dir", str(out)],
         capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHONPATH": str(REPO)})
