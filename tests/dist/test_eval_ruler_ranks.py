@@ -1,5 +1,5 @@
 """``easy-context eval-ruler`` as a user runs it, on 2 spawned ranks: the answers equal the
-same run in one process, and a run stopped part-way (samples.jsonl cut inside a line)
+same evaluation in this process (plain attention), and a run stopped part-way (samples.jsonl cut inside a line)
 continues where it stopped, redoing only the samples that were not written whole, with the
 same answers (rank 0 tells the other rank which samples are done)."""
 
@@ -30,11 +30,21 @@ def _records(out: Path) -> dict:
     return {(r["task"], r["length"], r["index"]): r["prediction"] for r in rows}
 
 
+def _one_process(model: Path, out: Path) -> None:
+    """The same evaluation in this process, plain attention: the reference."""
+    from easy_context.eval.ruler import RulerConfig, run_ruler
+    from easy_context.models import load_model_and_tokenizer
+
+    m, tok = load_model_and_tokenizer(str(model))
+    cfg = RulerConfig(tasks=["niah_single_1", "vt"], lengths=[500], num_samples=2,
+                      max_new_tokens=6)
+    run_ruler(m, tok, cfg, out, method="local", progress=False)
+
+
 def test_two_ranks_equal_one_and_resume(tmp_path):
     model = random_model_dir(tmp_path / "model")
     one, two = tmp_path / "one", tmp_path / "two"
-    run = _ruler(model, one, 1)
-    assert run.returncode == 0, run.stderr[-3000:]
+    _one_process(model, one)
     run = _ruler(model, two, 2)
     assert run.returncode == 0, run.stderr[-3000:]
     assert _records(two) == _records(one) and len(_records(one)) == 4
@@ -46,3 +56,4 @@ def test_two_ranks_equal_one_and_resume(tmp_path):
     assert _records(two) == _records(one)
     assert len((two / "samples.jsonl").read_text().splitlines()) == 4  # the cut line dropped
     assert (two / "scores.csv").read_text() == (one / "scores.csv").read_text()
+    assert json.loads((two / "config.json").read_text())["settings"]["model"] == str(model)
