@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..integrations.hf import KV_CACHE_KWARG, apply_sequence_parallel, output_head
+from ..integrations.hf import (KV_CACHE_KWARG, RESCALING_ROPE, apply_sequence_parallel,
+                                output_head, rope_types)
 from ..mesh import group_size, process_group
 from ..parallel import get_method
 from ..parallel.settings import SequenceParallelSettings, module_settings
@@ -63,18 +64,11 @@ def _text_config(model: nn.Module):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def _rope_types(config) -> set[str]:
-    params = getattr(config, "rope_parameters", None) or {}
-    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
-        return {str(v.get("rope_type", "default")) for v in params.values()}  # per layer type
-    return {str(params.get("rope_type", "default"))} if isinstance(params, dict) else {"default"}
-
-
 def check_rope_range(config, longest: int) -> None:
     """A prompt plus its new tokens beyond ``max_position_embeddings`` with plain RoPE is a
     length the model was not made for: refuse it, saying what to change."""
     limit = getattr(config, "max_position_embeddings", None)
-    if isinstance(limit, int) and longest > limit and _rope_types(config) <= {"default"}:
+    if isinstance(limit, int) and longest > limit and rope_types(config) <= {"default"}:
         raise ValueError(
             f"prompt plus new tokens ({longest}) exceed the model's RoPE range "
             f"(max_position_embeddings={limit}) with no RoPE scaling: shorten the prompt, give "
@@ -170,10 +164,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
     lengths = _left_padded_lengths(input_ids, attention_mask)
     if not beyond_rope_range:
         check_rope_range(_text_config(model), int(lengths.max()) + max_new_tokens)
-    rescaling = _rope_types(_text_config(model)) & {"dynamic", "longrope"}
-    if world > 1 and rescaling:
-        # transformers rescales these from the largest position in one forward: a shard's,
-        # not the prompt's, so the ranks would rotate with different frequencies
+    rescaling = rope_types(_text_config(model)) & RESCALING_ROPE
+    if world > 1 and rescaling:  # a model switched before it was refused there too
         raise ValueError(f"{'/'.join(sorted(rescaling))} RoPE scaling rescales from the longest "
                          "position a forward sees, which differs from shard to shard: generate "
                          "on one rank, or use linear or yarn scaling")

@@ -131,6 +131,20 @@ def _text_config(model: nn.Module):
 
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+# RoPE types that transformers rescales from the largest position one forward sees: on a
+# shard that is the shard's, so the ranks would rotate with different frequencies.
+RESCALING_ROPE = frozenset({"dynamic", "longrope"})
+
+
+def rope_types(config) -> set[str]:
+    """The RoPE types of a (text) config: one, or one per layer type (Gemma 3's nested
+    rope_parameters)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if not isinstance(params, dict):
+        return {"default"}
+    if params and all(isinstance(v, dict) for v in params.values()):
+        return {str(v.get("rope_type", "default")) for v in params.values()}
+    return {str(params.get("rope_type", "default"))}
 
 
 def check_model_supported(model: nn.Module) -> None:
@@ -221,6 +235,13 @@ def apply_sequence_parallel(model: nn.Module, method: str, group=None,
     if world > 1:
         heads = config.num_attention_heads
         m.check(heads, getattr(config, "num_key_value_heads", None) or heads, world, ring_degree)
+        rescaling = rope_types(config) & RESCALING_ROPE
+        if rescaling and m.layout != "whole":
+            raise ValueError(
+                f"{'/'.join(sorted(rescaling))} RoPE scaling rescales from the longest position "
+                "one forward sees, which is a shard's under sequence parallelism (each rank "
+                "would rotate with other frequencies): use linear or yarn scaling, or run on "
+                "one rank")
     modules = _attention_modules(model)
     if not modules:
         raise ValueError(f"found no attention layers in {type(model).__name__}: its attention "

@@ -102,3 +102,30 @@ def test_shard_sequence_usp_length_not_divisible():
         ec.shard_sequence(torch.randn(1, 10, 2, 4), "usp_attn", 0, 4, ring_degree=2)
     with pytest.raises(ValueError, match="needs ring_degree"):
         ec.shard_sequence(torch.randn(1, 8, 2, 4), "usp_attn", 0, 4)
+
+
+def rescaling_rope_refused(rope_type):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    scaling = {"rope_type": rope_type, "factor": 2.0}
+    if rope_type == "longrope":
+        scaling.update(short_factor=[1.0] * 4, long_factor=[2.0] * 4,
+                       original_max_position_embeddings=64)
+    config = AutoConfig.for_model("llama", vocab_size=50, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=1, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=128,
+                                  rope_scaling=scaling)
+    model = AutoModelForCausalLM.from_config(config)
+    try:
+        ec.apply_sequence_parallel(model, "zigzag_ring_attn")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_rope_scaling_that_rescales_per_forward_is_refused(dist2, rope_type):
+    """transformers rescales dynamic and longrope RoPE from the largest position in one
+    forward: a shard's under sequence parallelism, so the ranks would disagree."""
+    _assert_all(dist2.run(rescaling_rope_refused, rope_type), f"{rope_type} RoPE scaling",
+                "use linear or yarn scaling")
