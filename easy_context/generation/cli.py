@@ -107,6 +107,7 @@ def _check(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     from ..models import check_model_path as local_path, load_config
+    from ..utils.decoder import text_config
     from .generate import check_rope_range
 
     config = load_config(local_path(args.model), args.rope_theta, args.rope_scaling,
@@ -115,8 +116,7 @@ def _check(args: argparse.Namespace) -> None:
                                         trust_remote_code=args.trust_remote_code)
     tok.model_max_length = 1 << 40
     ids, _ = encode(tok, prompts, args.chat)
-    check_rope_range(config.get_text_config() if hasattr(config, "get_text_config") else config,
-                     ids.size(1) + args.max_new_tokens)
+    check_rope_range(text_config(config), ids.size(1) + args.max_new_tokens)
 
 
 def encode(tokenizer, prompts: list[str], chat: bool):

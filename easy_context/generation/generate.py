@@ -28,7 +28,7 @@ from ..mesh import group_size, process_group
 from ..parallel import get_method
 from ..parallel.settings import SequenceParallelSettings, module_settings
 from ..sequence_parallel import required_multiple, shard_sequence
-from ..utils.decoder import decoder_of
+from ..utils.decoder import decoder_of, text_config
 from .cache import ShardedKVCache, group_rank
 from .sampling import SamplingConfig, StopCriteria, TokenChooser
 
@@ -57,11 +57,6 @@ def _settings(model: nn.Module, method: str | None, group, ring_degree: int | No
                          "method= (and group=), or call easy_context.apply_sequence_parallel "
                          "first")
     return found
-
-
-def _text_config(model: nn.Module):
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def check_rope_range(config, longest: int) -> None:
@@ -163,8 +158,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
     rank = group_rank(settings, world)
     lengths = _left_padded_lengths(input_ids, attention_mask)
     if not beyond_rope_range:
-        check_rope_range(_text_config(model), int(lengths.max()) + max_new_tokens)
-    rescaling = rope_types(_text_config(model)) & RESCALING_ROPE
+        check_rope_range(text_config(model.config), int(lengths.max()) + max_new_tokens)
+    rescaling = rope_types(text_config(model.config)) & RESCALING_ROPE
     if world > 1 and rescaling:  # a model switched before it was refused there too
         raise ValueError(f"{'/'.join(sorted(rescaling))} RoPE scaling rescales from the longest "
                          "position a forward sees, which differs from shard to shard: generate "

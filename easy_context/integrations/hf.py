@@ -28,7 +28,7 @@ from ..mesh import SPGroup, group_size, process_group, usp_groups
 from ..parallel import METHODS, get_method
 from ..parallel.settings import SequenceParallelSettings, module_settings, store_settings
 from ..sequence_parallel import sequence_parallel_attention
-from ..utils.decoder import decoder_of
+from ..utils.decoder import decoder_of, text_config
 
 Tensor = torch.Tensor
 
@@ -126,8 +126,7 @@ _HF_NAMES = frozenset(hf_attention_name(m) for m in METHODS)
 
 
 def _text_config(model: nn.Module):
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+    return text_config(model.config)
 
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})

@@ -33,6 +33,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..utils.decoder import text_config
+
 
 def _fsync(path: Path) -> None:
     """Flush a file's data, or a folder's entries, to stable storage."""
@@ -160,8 +162,7 @@ def export_hf(model, state_dict: dict, tokenizer, out_dir: Path,
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
-        else model.config
+    config = text_config(model.config)
     limit = getattr(config, "max_position_embeddings", None)
     if trained_length and isinstance(limit, int) and limit < trained_length:
         config.max_position_embeddings = trained_length

@@ -1,4 +1,5 @@
-"""The decoder (the stack of layers under the LM head) of a transformers causal LM."""
+"""The decoder (the stack of layers under the LM head) of a transformers causal LM, and the
+text part of its config."""
 
 from __future__ import annotations
 
@@ -15,3 +16,9 @@ def decoder_of(model: nn.Module) -> nn.Module:
     if decoder is model and isinstance(getattr(model, "model", None), nn.Module):
         return model.model
     return decoder
+
+
+def text_config(config):
+    """The text model's config: ``get_text_config()`` where the config has one (multimodal
+    and nested configs), else the config itself."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
