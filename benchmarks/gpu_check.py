@@ -19,6 +19,9 @@ Sections (each item records its error instead of stopping the run):
    collective check, for each engine, offload setting, checkpointing kind, LoRA, QLoRA and
    max-length mode (with and without offloaded inputs): a tiny model, and with the full run
    a 2-layer model of Llama-3-8B's widths at 16K tokens.
+5. generate (gpu_check_generate.py): easy_context.generate's tokens against transformers'
+   greedy generate for every method (tiny llama, gemma2, gpt_oss, fp32), and a 2-layer
+   Llama-3-8B-shaped model with a 32K prompt: prefill and decode time, cache and peak memory.
 Writes benchmarks/results/gpu_check.json (with --cpu: gpu_check_cpu.json). Imports nothing
 that the lent GPU machine lacks (no datasets, deepspeed or flash-attn needed).
 """
@@ -192,8 +195,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu", action="store_true", help="run on the CPU (CI: with --tiny)")
     p.add_argument("--tiny", action="store_true", help="small shapes: the same code in seconds")
-    p.add_argument("--sections", default="kernels,methods,train,engine",
-                   help="comma-separated: kernels, methods, train, engine")
+    p.add_argument("--sections", default="kernels,methods,train,engine,generate",
+                   help="comma-separated: kernels, methods, train, engine, generate")
     p.add_argument("--budget-s", type=float, default=450,
                    help="stop starting training lengths after this many seconds")
     p.add_argument("--output", default=None)
@@ -281,6 +284,13 @@ def main(argv=None) -> int:
                 sec["full_width"] = gpu_check_engine.run(device, False, log)
         report["sections"]["engine"] = sec
         report["seconds"]["engine"] = round(time.time() - t0, 1)
+        save()
+    if "generate" in sections:
+        from benchmarks import gpu_check_generate
+
+        t0 = time.time()
+        report["sections"]["generate"] = gpu_check_generate.run(device, args.tiny, log)
+        report["seconds"]["generate"] = round(time.time() - t0, 1)
     save()
     print(json.dumps({"elapsed_s": report["elapsed_s"], "seconds": report["seconds"],
                       "output": str(output)}))
