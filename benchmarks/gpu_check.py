@@ -11,9 +11,11 @@ Sections (each item records its error instead of stopping the run):
 2. methods: every method end to end at N=1 on the device; at N=2 on the one device when a
    backend allows it: gloo with device tensors is tried (two processes on one GPU), and NCCL
    with two ranks on one GPU is probed and its answer recorded.
-3. train (gpu_check_train.py): one step of a Llama-3-8B-shaped model (2 layers, bf16) at
-   128K, 256K and 512K tokens: peak memory against the planner, tokens/s, MFU; attention
-   TFLOP/s at 32K against torch's scaled_dot_product_attention.
+3. attention (gpu_check_train.py): TFLOP/s at 32K, easy_context's kernel against torch's
+   scaled_dot_product_attention (its default and each backend forced), and aten's cuDNN op
+   with its log-sum-exp probed against the flash op (a candidate kernel).
+   train (gpu_check_train.py): one step of a Llama-3-8B-shaped model (2 layers, bf16) at
+   128K, 256K and 512K tokens: peak memory against the planner, tokens/s, MFU.
 4. engine (gpu_check_engine.py): one step of the trainer's model and engine at one rank,
    started as ``easy-context train`` starts it (NCCL + gloo group) under the strict
    collective check, for each engine, offload setting, checkpointing kind, LoRA, QLoRA and
@@ -195,8 +197,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu", action="store_true", help="run on the CPU (CI: with --tiny)")
     p.add_argument("--tiny", action="store_true", help="small shapes: the same code in seconds")
-    p.add_argument("--sections", default="kernels,methods,train,engine,generate",
-                   help="comma-separated: kernels, methods, train, engine, generate")
+    p.add_argument("--sections", default="kernels,methods,attention,train,engine,generate",
+                   help="comma-separated: kernels, methods, attention, train, engine, generate")
     p.add_argument("--budget-s", type=float, default=450,
                    help="stop starting training lengths after this many seconds")
     p.add_argument("--output", default=None)
@@ -234,13 +236,19 @@ def main(argv=None) -> int:
         report["seconds"]["methods"] = round(time.time() - t0, 1)
         log("methods: two ranks done")
         save()
+    if "attention" in sections:
+        from benchmarks import gpu_check_train
+
+        t0 = time.time()
+        report["sections"]["attention"] = gpu_check_train.attention_tflops(device, args.tiny)
+        report["seconds"]["attention"] = round(time.time() - t0, 1)
+        log("attention: TFLOP/s done")
+        save()
     if "train" in sections:
         from benchmarks import gpu_check_train
 
         t0 = time.time()
-        sec = {"attention_tflops": gpu_check_train.attention_tflops(device, args.tiny),
-               "steps": []}
-        log("train: attention TFLOP/s done")
+        sec = {"steps": []}
         for length in TINY_TRAIN_LENGTHS if args.tiny else TRAIN_LENGTHS:
             if time.time() - t_start > args.budget_s:
                 sec["steps"].append({"L": length, "skipped": f"time budget {args.budget_s} s"})

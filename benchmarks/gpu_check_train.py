@@ -183,12 +183,73 @@ def attention_tflops(device: torch.device, tiny: bool, repeats: int = 5) -> dict
         times.sort()
         return times[len(times) // 2]
 
+    def sdpa_on(backend):
+        from torch.nn.attention import sdpa_kernel
+
+        def run():
+            with sdpa_kernel([backend]):
+                sdpa()
+        return run
+
     out = {"L": s, "heads": hq, "kv_heads": hkv, "head_dim": d, "dtype": "bf16",
            "kernel": select_kernel(q).name}
-    for name, fn in (("easy_context", ours), ("torch_sdpa", sdpa)):
+    contenders = [("easy_context", ours), ("torch_sdpa", sdpa)]
+    if device.type == "cuda":  # which of sdpa's backends its default picks, by their times
+        from torch.nn.attention import SDPBackend
+
+        contenders += [(f"torch_sdpa_{b.name.lower()}", sdpa_on(b)) for b in
+                       (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                        SDPBackend.CUDNN_ATTENTION)]
+        contenders.append(("cudnn_op_with_lse", lambda: cudnn_op(q, k, v, do)))
+    for name, fn in contenders:
         try:
             t = timed(fn)
             out[name] = {"fwd_bwd_s": round(t, 5), "tflops_per_s": round(flops / t / 1e12, 4)}
         except Exception as e:  # noqa: BLE001 - recorded
             out[name] = {"failed": f"{type(e).__name__}: {e}"[:400]}
+    if device.type == "cuda":
+        try:
+            out["cudnn_op_against_flash_op"] = cudnn_against_flash(q, k, v, do)
+        except Exception as e:  # noqa: BLE001 - recorded
+            out["cudnn_op_against_flash_op"] = {"failed": f"{type(e).__name__}: {e}"[:400]}
     return out
+
+
+def _cudnn(q, k, v, do):
+    """aten's cuDNN attention op with its log-sum-exp, forward and backward, K/V repeated to
+    the query heads: (out, lse, dq, dk, dv), heads first. A probe for a cuDNN kernel behind
+    easy_context's contract (not one yet): does it run, how fast, what lse layout."""
+    qh = q.transpose(1, 2)
+    g = q.size(2) // k.size(2)
+    kh, vh = (t.repeat_interleave(g, dim=2).transpose(1, 2) for t in (k, v))
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(qh, kh, vh, None, True, 0.0, True,
+                                                            False)
+    out, lse, cq, ck, mq, mk, seed, offset = res[:8]
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        do.transpose(1, 2), qh, kh, vh, out, lse, seed, offset, None, cq, ck, mq, mk, 0.0, True)
+    return out, lse, dq, dk, dv
+
+
+def cudnn_op(q, k, v, do):
+    _cudnn(q, k, v, do)
+
+
+def cudnn_against_flash(q, k, v, do) -> dict:
+    """The cuDNN op's output, lse and gradients against the flash op's (easy_context's path
+    on this GPU), as max |difference| / max |flash|; the lse's shape and strides."""
+    from easy_context.attention.cuda_ops import cuda_backward, cuda_forward
+
+    out, lse, dq, dk, dv = _cudnn(q, k, v, do)
+    f_out, f_lse = cuda_forward(q, k, v, True, path="flash")
+    f_dq, f_dk, f_dv = cuda_backward(do, q, k, v, f_out, f_lse, True, path="flash")
+    hkv, g = k.size(2), q.size(2) // k.size(2)
+    fold = lambda t: t.transpose(1, 2).unflatten(2, (hkv, g)).sum(3)  # noqa: E731
+
+    def rel(a, b):
+        a, b = a.float(), b.float()
+        return round(((a - b).abs().max() / b.abs().max()).item(), 6)
+
+    return {"lse_shape": list(lse.shape), "lse_stride": list(lse.stride()),
+            "lse_dtype": str(lse.dtype), "out": rel(out.transpose(1, 2), f_out),
+            "lse": rel(lse.reshape(f_lse.shape), f_lse), "dq": rel(dq.transpose(1, 2), f_dq),
+            "dk": rel(fold(dk), f_dk), "dv": rel(fold(dv), f_dv)}

@@ -78,7 +78,7 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
     # max-length mode is exact: the same first loss as the plain step (fp32, same data)
     assert fused["tokens_per_s"] > 0, fused
     assert abs(fused["loss"] - steps[-1]["loss"]) <= 1e-5 * abs(steps[-1]["loss"]), fused
-    tf = train["attention_tflops"]
+    tf = data["sections"]["attention"]
     assert tf["easy_context"]["fwd_bwd_s"] > 0 and tf["torch_sdpa"]["fwd_bwd_s"] > 0
     # the engine section: every setup took its step in a group made as the trainer makes it,
     # under the strict collective check; the first loss is the model's before any update,
@@ -98,6 +98,14 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
     if "skipped" not in rows["deepspeed"]:
         assert sum(rows["deepspeed"]["collectives"].values()) > 0
     assert engine["summary"]["offloaded_over_kept_step"] > 0
+    # generate: every method's greedy tokens equal transformers' (fp32 on the CPU)
+    gen = data["sections"]["generate"]
+    for family, rows in gen["tokens"].items():
+        assert set(rows) == set(METHODS), (family, rows)
+        assert all(r.get("equal") for r in rows.values()), (family, rows)
+    speed = gen["speed"]
+    assert speed["tokens_agree"] == speed["new_tokens"], speed
+    assert speed["easy_context"]["cache_bytes"] > 0, speed
 
 
 def test_maxlen_benchmark_runs_and_ratios(monkeypatch):

@@ -61,3 +61,32 @@ def test_deepspeed_is_told_the_device_backend_of_the_two_backend_group(monkeypat
         monkeypatch.setattr(engine.dist, "get_backend", lambda group=None, b=group_backend: b)
         engine._start_deepspeed_comm()
         assert told[-1] == want
+
+
+def test_offloaded_fsdp_shards_are_made_in_host_memory_and_buffers_on_the_device():
+    """With --offload on a GPU the meta model's shards get host memory (FSDP2's
+    CPUOffloadPolicy keeps them there; made on the GPU they failed the first step on an H200)
+    and the rotary tables go to the compute device. "meta" stands in for the GPU here."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from easy_context.train.engines.fsdp import materialise
+    from easy_context.train.weights import params_on_meta
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    for offload, params_on in ((True, "cpu"), (False, "meta")):
+        with params_on_meta():
+            model = LlamaForCausalLM(config)
+        buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+        assert buffers, "the model has rotary buffers to keep"
+        materialise(model, model, buffers, torch.device("meta"), offload)
+        assert {p.device.type for p in model.parameters()} == {params_on}
+        assert {b.device.type for b in model.buffers()} == {"meta"}
+        assert set(dict(model.named_buffers())) == set(buffers)
+    # on one device (the CPU) the buffers keep their values
+    with params_on_meta():
+        model = LlamaForCausalLM(config)
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    materialise(model, model, buffers, torch.device("cpu"), True)
+    for name, value in buffers.items():
+        torch.testing.assert_close(model.get_buffer(name), value, rtol=0, atol=0)

@@ -67,6 +67,25 @@ def shard_rows(param: torch.Tensor) -> tuple[int, int]:
     return start, min(start + chunk, n)
 
 
+def materialise(root: nn.Module, model: nn.Module, buffers: dict[str, torch.Tensor],
+                device: torch.device, offload: bool) -> None:
+    """Give a meta model's shards memory (values come after) and put its real ``buffers``
+    (rotary tables) back, on ``device``.
+
+    Offloaded shards are made in host memory: FSDP2's CPUOffloadPolicy keeps them there and
+    copies them to the device for each all-gather. Made on the GPU instead, FSDP moves each
+    local tensor to pinned host memory under a parameter that still points at the GPU, and
+    the model fails before its first step ("Attempted to set the storage of a tensor on
+    device "cpu" to a storage on different device "cuda:0"", benchmarks/gpu_check.py on an
+    H200). Buffers are not sharded and stay on the compute device either way.
+    """
+    root.to_empty(device=torch.device("cpu") if offload else device)
+    with torch.no_grad():
+        for name, value in buffers.items():
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner)._buffers[leaf] = value.to(device)
+
+
 class FSDPEngine:
     name = "fsdp"
 
@@ -107,12 +126,7 @@ class FSDPEngine:
                 m.set_force_sum_reduction_for_comms(True)
         self.model = model
         if meta:
-            # Every shard gets memory on this rank's device (with --offload on a GPU, FSDP
-            # then moves the shards to pinned host memory), then its values.
-            self.loss_module.to_empty(device=device)
-            with torch.no_grad():
-                for name, value in buffers.items():
-                    model.get_buffer(name).copy_(value)
+            materialise(self.loss_module, model, buffers, device, offload != "none")
             self._load_pretrained(pretrained)
         # Frozen parameters (LoRA's base) have no optimizer state; checkpoints leave them out.
         self.frozen = any(not p.requires_grad for p in model.parameters())
