@@ -26,18 +26,20 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def kernels_to_check(device: torch.device) -> dict[str, Kernel]:
-    """CUDA: torch's flash op, its efficient op, and every installed flash-attn adapter;
-    CPU: torch's CPU flash op."""
+    """CUDA: torch's ops as easy_context picks them per call (cuda_torch), each of its cuDNN,
+    flash and efficient ops, and every installed flash-attn adapter; CPU: torch's CPU flash op."""
     if device.type != "cuda":
         return {"cpu_flash": CPU_FLASH}
-    names = ("cuda_torch_flash", "cuda_torch_efficient", "flash_attn", "flash_attn_4")
+    names = ("cuda_torch", "cuda_torch_cudnn", "cuda_torch_flash", "cuda_torch_efficient",
+             "flash_attn", "flash_attn_4")
     found = available_kernels()
     return {n: found[n] for n in names if n in found}
 
 
 def supports(name: str, dtype: torch.dtype, d: int, device: torch.device) -> str | None:
     """Why ``name`` cannot run this case (None: it can)."""
-    if name in ("cuda_torch_flash", "flash_attn", "flash_attn_4") and dtype == torch.float32:
+    if name in ("cuda_torch_cudnn", "cuda_torch_flash", "flash_attn", "flash_attn_4") and \
+            dtype == torch.float32:
         return "fp16/bf16 only"
     if name == "flash_attn_4" and device.type == "cuda":
         from easy_context.attention.flash_attn_adapters import usable
@@ -155,7 +157,11 @@ def run(device: torch.device, tiny: bool, log) -> dict:
         except Exception as e:  # noqa: BLE001
             docs.append({"kernel": name, "dtype": dt, "failed": f"{type(e).__name__}: {e}"[:500]})
     ran = [r for r in rows if "error" in r]
+    from easy_context.attention import cuda_ops
+
     return {"kernels": list(kernels), "rows": rows, "documents": docs,
+            # (dtype, head dim, causal) that cuda_torch sent from cuDNN to the flash op
+            "cudnn_fell_back": [list(map(str, k)) for k in sorted(cuda_ops._CUDNN_FAILED, key=str)],
             "failed": [f"{r['kernel']} {r['dtype']} D{r['head_dim']}" for r in rows if "failed" in r]
             + [d["kernel"] for d in docs if "failed" in d],
             "worst_ratio_to_plain": max((r["ratio_to_plain"] for r in ran), default=None)}

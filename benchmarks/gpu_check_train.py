@@ -174,6 +174,12 @@ def attention_tflops(device: torch.device, tiny: bool, repeats: int = 5) -> dict
     def timed(fn):
         fn()
         _sync(device)
+        if device.type == "cuda":  # what one call adds above its inputs, at its peak
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            fn()
+            _sync(device)
+            peaks.append(torch.cuda.max_memory_allocated(device) - base)
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -191,8 +197,14 @@ def attention_tflops(device: torch.device, tiny: bool, repeats: int = 5) -> dict
                 sdpa()
         return run
 
+    from easy_context.attention.workspace import backward_workspace
+
     out = {"L": s, "heads": hq, "kv_heads": hkv, "head_dim": d, "dtype": "bf16",
-           "kernel": select_kernel(q).name}
+           "kernel": select_kernel(q).name,
+           # what the head-group budget counts for one backward call (flash op, and cuDNN's
+           # assumed the same): to read beside the measured peaks
+           "modelled_backward_workspace_bytes": backward_workspace("flash2", 1, s, s, hq, hkv,
+                                                                   d, 2)}
     contenders = [("easy_context", ours), ("torch_sdpa", sdpa)]
     if device.type == "cuda":  # which of sdpa's backends its default picks, by their times
         from torch.nn.attention import SDPBackend
@@ -203,8 +215,10 @@ def attention_tflops(device: torch.device, tiny: bool, repeats: int = 5) -> dict
         contenders.append(("cudnn_op_with_lse", lambda: cudnn_op(q, k, v, do)))
     for name, fn in contenders:
         try:
+            peaks = []
             t = timed(fn)
-            out[name] = {"fwd_bwd_s": round(t, 5), "tflops_per_s": round(flops / t / 1e12, 4)}
+            out[name] = {"fwd_bwd_s": round(t, 5), "tflops_per_s": round(flops / t / 1e12, 4),
+                         "peak_above_inputs_bytes": peaks[0] if peaks else None}
         except Exception as e:  # noqa: BLE001 - recorded
             out[name] = {"failed": f"{type(e).__name__}: {e}"[:400]}
     if device.type == "cuda":

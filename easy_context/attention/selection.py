@@ -15,7 +15,7 @@ import logging
 import torch
 
 from .contract import Kernel
-from .cuda_ops import CUDA_TORCH, CUDA_TORCH_EFFICIENT, CUDA_TORCH_FLASH
+from .cuda_ops import CUDA_TORCH, CUDA_TORCH_CUDNN, CUDA_TORCH_EFFICIENT, CUDA_TORCH_FLASH
 from .flash_attn_adapters import installed_flash_attn_kernels, usable
 from .kernels import CPU_FLASH, KERNELS, REFERENCE
 from .variants import adapt
@@ -29,7 +29,8 @@ _TRIALS: dict[tuple[str, tuple], str] = {}
 def available_kernels() -> dict[str, Kernel]:
     """Every kernel this machine can name: the CPU ones, torch's CUDA ops, and the installed
     flash-attn adapters (whether a GPU is present or not)."""
-    return {**KERNELS, **{k.name: k for k in (CUDA_TORCH, CUDA_TORCH_FLASH, CUDA_TORCH_EFFICIENT)},
+    return {**KERNELS, **{k.name: k for k in (CUDA_TORCH, CUDA_TORCH_CUDNN, CUDA_TORCH_FLASH,
+                                          CUDA_TORCH_EFFICIENT)},
             **{k.name: k for k in installed_flash_attn_kernels()}}
 
 
@@ -38,8 +39,8 @@ def select_kernel(q: Tensor, name: str | None = None) -> Kernel:
 
     CPU: torch's flash op (float64: the reference). CUDA, fp16/bf16: flash-attn-4 on sm90+
     where its version runs the head dim, flash-attn 2.6+ on sm80+, when installed
-    (flash_attn_adapters.usable), then torch's CUDA ops, which pick their flash or
-    memory-efficient kernel per call and fall back to the reference rather than fail
+    (flash_attn_adapters.usable), then torch's CUDA ops, which pick their cuDNN (sm90+),
+    flash or memory-efficient kernel per call and fall back to the reference rather than fail
     (cuda_ops.py), each dropped for the key if its first call raises (first_that_runs).
     Anything else: the reference.
     """

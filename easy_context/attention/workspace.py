@@ -95,10 +95,15 @@ def runtime_family(kernel: Kernel, q: Tensor) -> str | None:
     if name.startswith("cuda_torch"):
         from .cuda_ops import choose_path, device_capability
 
-        path = {"cuda_torch_flash": "flash", "cuda_torch_efficient": "efficient"}.get(name)
+        path = {"cuda_torch_flash": "flash", "cuda_torch_efficient": "efficient",
+                "cuda_torch_cudnn": "cudnn"}.get(name)
         if path is None:
             path = choose_path(q, device_capability(q)) if q.is_cuda else "flash"
-        return {"flash": "flash2", "efficient": "efficient"}.get(path, "reference")
+        # cuDNN's backward is counted as the flash op's (an assumption, not a measurement:
+        # the flash figure with GQA counts dK/dV expanded to the query heads, which cuDNN's
+        # native GQA may not make)
+        return {"flash": "flash2", "cudnn": "flash2", "efficient": "efficient"}.get(
+            path, "reference")
     return None
 
 

@@ -60,7 +60,41 @@ def _aligned(t: Tensor, what: str) -> None:
 
 
 class TorchCudaOps:
-    """aten's four SDPA ops that return the lse, as the CUDA build has them."""
+    """aten's six SDPA ops that return the lse, as the CUDA build has them."""
+
+    @staticmethod
+    def _scaled_dot_product_cudnn_attention(query, key, value, attn_bias, compute_log_sumexp,
+                                            dropout_p=0.0, is_causal=False,
+                                            return_debug_mask=False, *, scale=None):
+        CALLS.append("cudnn_fwd")
+        assert query.dtype in (torch.float16, torch.bfloat16), "cudnn: fp16/bf16 only"
+        assert attn_bias is None and compute_log_sumexp and dropout_p == 0.0
+        for t in (query, key, value):
+            assert t.stride(-1) == 1, "cudnn: the head dim must be contiguous"
+        assert query.size(1) % key.size(1) == 0  # native GQA
+        out, lse = reference_forward(_bshd(query), _bshd(key), _bshd(value), is_causal, scale)
+        # its softmax statistics: (B, H, Sq, 1) float32
+        return (_bshd(out.contiguous()), lse.float().unsqueeze(-1).contiguous(), None, None,
+                query.size(2), key.size(2), torch.zeros(()), torch.zeros(()), None)
+
+    @staticmethod
+    def _scaled_dot_product_cudnn_attention_backward(grad_out, query, key, value, out,
+                                                     logsumexp, philox_seed, philox_offset,
+                                                     attn_bias, cum_seq_q, cum_seq_k, max_q,
+                                                     max_k, dropout_p, is_causal, *, scale=None):
+        CALLS.append("cudnn_bwd")
+        # a defined cum_seq_q would send it down the nested (varlen) path
+        assert cum_seq_q is None and cum_seq_k is None and attn_bias is None
+        b, h, sq, _ = query.shape
+        assert tuple(logsumexp.shape) == (b, h, sq, 1) and logsumexp.dtype == torch.float32
+        assert logsumexp.is_contiguous()
+        assert (max_q, max_k) == (query.size(2), key.size(2))  # its s_q and s_kv
+        for t in (grad_out, query, key, value, out):
+            assert t.stride(-1) == 1
+        grads = reference_backward(_bshd(grad_out).contiguous(), _bshd(query), _bshd(key),
+                                   _bshd(value), _bshd(out).contiguous(), logsumexp[..., 0],
+                                   is_causal, scale)
+        return tuple(_bshd(g) for g in grads)
 
     @staticmethod
     def _scaled_dot_product_flash_attention(query, key, value, dropout_p=0.0, is_causal=False,

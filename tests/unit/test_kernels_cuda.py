@@ -18,7 +18,8 @@ from .kernel_standins import CALLS, TorchCudaOps
 from .test_kernels import check_kernel, views
 
 TOL = {torch.float32: 5e-6, torch.float16: 5e-3, torch.bfloat16: 3e-2}
-AMPERE, TURING = (8, 0), (7, 5)
+AMPERE, TURING, HOPPER = (8, 0), (7, 5), (9, 0)
+YES, NO = (lambda *a: True), (lambda *a: False)  # stand-ins for torch's cuDNN check
 
 
 @pytest.mark.parametrize("dtype,capability,path", [
@@ -32,6 +33,55 @@ def test_torch_cuda_ops_contract(dtype, capability, path, causal, d):
     errs = check_kernel(kernel, dtype, causal, d=d)
     assert CALLS == [f"{path}_fwd", f"{path}_bwd"]
     assert max(errs.values()) <= TOL[dtype], errs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("d", [64, 128])
+def test_cudnn_op_contract_on_hopper(dtype, causal, d):
+    """sm90+: the cuDNN op where torch accepts the call (its lse (B, H, S, 1) in and out,
+    dense lengths, native GQA), else the flash op."""
+    CALLS.clear()
+    errs = check_kernel(make_cuda_kernel(TorchCudaOps, HOPPER, cudnn_check=YES), dtype, causal, d=d)
+    assert CALLS == ["cudnn_fwd", "cudnn_bwd"]
+    assert max(errs.values()) <= TOL[dtype], errs
+    CALLS.clear()
+    check_kernel(make_cuda_kernel(TorchCudaOps, HOPPER, cudnn_check=NO), dtype, causal, d=d)
+    assert CALLS == ["flash_fwd", "flash_bwd"]
+
+
+def test_a_failing_cudnn_call_falls_back_to_flash_once_and_for_all(caplog):
+    """A cuDNN call that raises sends that (dtype, head dim, causal) to the flash op, with one
+    log line; the lse of either op serves the other's backward. Forced cuDNN raises."""
+    from easy_context.attention import cuda_ops
+
+    class Broken(TorchCudaOps):
+        @staticmethod
+        def _scaled_dot_product_cudnn_attention(*a, **k):
+            CALLS.append("cudnn_fwd")
+            raise RuntimeError("cuDNN Frontend error: no valid execution plans")
+
+    cuda_ops._CUDNN_FAILED.clear()
+    try:
+        CALLS.clear()
+        kernel = make_cuda_kernel(Broken, HOPPER, cudnn_check=YES)
+        errs = check_kernel(kernel, torch.bfloat16, True, d=64)
+        assert CALLS == ["cudnn_fwd", "flash_fwd", "flash_bwd"]
+        assert max(errs.values()) <= TOL[torch.bfloat16]
+        assert sum("cuDNN attention failed" in r.message for r in caplog.records) == 1
+        CALLS.clear()
+        check_kernel(kernel, torch.bfloat16, True, d=64)
+        assert CALLS == ["flash_fwd", "flash_bwd"]
+        # the other causal setting is still tried on cuDNN
+        CALLS.clear()
+        check_kernel(make_cuda_kernel(TorchCudaOps, HOPPER, cudnn_check=YES), torch.bfloat16,
+                     False, d=64)
+        assert CALLS == ["cudnn_fwd", "cudnn_bwd"]
+        forced = make_cuda_kernel(Broken, HOPPER, path="cudnn", cudnn_check=YES)
+        with pytest.raises(RuntimeError, match="no valid execution plans"):
+            check_kernel(forced, torch.bfloat16, True, d=64)
+    finally:
+        cuda_ops._CUDNN_FAILED.clear()
 
 
 def test_efficient_backward_reads_out_rows_as_contiguous():
@@ -68,7 +118,9 @@ def test_efficient_backward_refuses_unaligned_lse():
     (64, torch.bfloat16, AMPERE, "flash"), (256, torch.bfloat16, AMPERE, "flash"),
     (264, torch.bfloat16, AMPERE, "efficient"), (60, torch.bfloat16, AMPERE, "reference"),
     (60, torch.float32, AMPERE, "reference"), (64, torch.float64, AMPERE, "reference"),
-    (64, torch.bfloat16, TURING, "efficient"), (64, torch.float32, (9, 0), "efficient")])
+    (64, torch.bfloat16, TURING, "efficient"), (64, torch.float32, (9, 0), "efficient"),
+    (128, torch.bfloat16, HOPPER, "cudnn"), (256, torch.float16, HOPPER, "cudnn"),
+    (264, torch.bfloat16, HOPPER, "efficient"), (60, torch.bfloat16, HOPPER, "reference")])
 def test_path_choice(d, dtype, capability, path):
     assert choose_path(torch.empty(1, 4, 2, d, dtype=dtype), capability) == path
 
@@ -91,4 +143,16 @@ def test_real_op_schemas_on_meta(dtype, capability):
     out, lse = cuda_forward(q, k, k, True, 0.1, capability=capability)
     assert out.shape == q.shape and tuple(lse.shape) == (b, 2, s) and lse.dtype == torch.float32
     dq, dk, dv = cuda_backward(q, q, k, k, out, lse, True, 0.1, capability=capability)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+
+
+def test_real_cudnn_op_schemas_on_meta():
+    """The cuDNN calls against the real aten schemas: GQA views, 13 rows, the lse reshaped."""
+    b, s, d = 2, 13, 64
+    q = torch.empty(b, s, 8, d, device="meta", dtype=torch.bfloat16)[:, :, 2:6]
+    k = torch.empty(b, s, 4, d, device="meta", dtype=torch.bfloat16)[:, :, 1:3]
+    kw = dict(capability=HOPPER, path="cudnn")
+    out, lse = cuda_forward(q, k, k, True, 0.1, **kw)
+    assert out.shape == q.shape and tuple(lse.shape) == (b, 4, s) and lse.dtype == torch.float32
+    dq, dk, dv = cuda_backward(q, q, k, k, out, lse, True, 0.1, **kw)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
