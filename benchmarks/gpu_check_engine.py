@@ -133,6 +133,8 @@ def child(model_dir: str, length: int, out: str) -> None:
                 torch.cuda.synchronize(device)
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
+                # what earlier setups in this process left allocated (the peak includes it)
+                row["allocated_before_bytes"] = torch.cuda.memory_allocated(device)
             with StrictCollectives() as seen:
                 model, engine = build_model_and_engine(config, device, mesh)
                 with PeakMemory(device) as peak:

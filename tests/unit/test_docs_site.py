@@ -86,3 +86,31 @@ def test_the_generation_table_is_the_benchmark_file():
         text = (REPO / page).read_text()
         assert cache in text and decode in text, page
     assert payload["tokens_equal"] is True
+
+
+def test_the_gpu_table_is_the_h200_result_files():
+    """docs/cuda.md quotes benchmarks/results/gpu_check_h200.md whole, and that table is what
+    benchmarks/gpu_check_table.py makes of the H200 result files."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks import gpu_check_table
+
+    files = [REPO / "benchmarks" / "results" / n for n in gpu_check_table.DEFAULT]
+    made = gpu_check_table.table(gpu_check_table.load(files))
+    assert made == (REPO / "benchmarks" / "results" / "gpu_check_h200.md").read_text()
+    assert _contains_run(_table_rows((REPO / "docs" / "cuda.md").read_text()), _table_rows(made))
+    # the figures the text around it gives in words
+    text = (REPO / "docs" / "cuda.md").read_text()
+    first, fix, cudnn = (json.loads(f.read_text())["sections"] for f in
+                         (files[0], files[2], files[3]))
+    assert f"FA2, {fix['attention']['easy_context']['tflops_per_s']:.0f} TFLOP/s" in text
+    assert f"picks cuDNN ({fix['attention']['torch_sdpa']['tflops_per_s']:.0f})" in text
+    before, after = (s["train"]["steps"][0] for s in (first, cudnn))
+    assert before["L"] == after["L"] == 131072
+    assert f"from {before['forward_backward_s']:.1f} s to {after['forward_backward_s']:.1f} s" in text
+    assert f"at {first['train']['max_length_mode']['measured_over_predicted']}x" in text
+    worst = max(r["peak_over_planned"] for r in fix["engine"]["full_width"]["rows"] if "loss" in r)
+    assert f"up to {worst:.1f}x" in text
+    att = cudnn["attention"]
+    assert (f"{att['easy_context']['tflops_per_s']:.0f} TFLOP/s (torch's cuDNN op behind our "
+            f"kernel; torch SDPA {att['torch_sdpa']['tflops_per_s']:.0f})") in \
+        (REPO / "README.md").read_text()
