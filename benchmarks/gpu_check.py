@@ -45,6 +45,13 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 
+# the modules whose change makes these results stale: its sections together (kernels, every
+# method, the training step and the planner, the trainer's engines, generate)
+MEASURES = ["easy_context/attention", "easy_context/parallel", "easy_context/memory",
+            "easy_context/plan", "easy_context/train", "easy_context/generation",
+            "easy_context/integrations", "easy_context/utils", "easy_context/launch.py",
+            "easy_context/mesh.py", "easy_context/layouts.py", "easy_context/models.py",
+            "easy_context/sequence_parallel.py"]
 TRAIN_LENGTHS = (131072, 262144, 524288)
 TINY_TRAIN_LENGTHS = (128, 256, 512)
 

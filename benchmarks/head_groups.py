@@ -26,6 +26,11 @@ import torch  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 
+# the modules whose change makes these results stale (plan/shapes.py: the planned rows'
+# model shapes; memory/peak.py: the memory figures)
+MEASURES = ["easy_context/parallel", "easy_context/attention", "easy_context/sequence_parallel.py",
+            "easy_context/layouts.py", "easy_context/plan/shapes.py",
+            "easy_context/memory/peak.py"]
 HEADS, KV_HEADS, HEAD_DIM = 8, 8, 64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MB = 2**20

@@ -4,7 +4,7 @@ One script, the same for every system (``--worker``): TRL's SFTTrainer, launched
 N gloo ranks, on the tiny model with Llama-3-8B's proportions that benchmarks/maxlen.py uses
 (hidden 256, intermediate 896, 4 layers, 8 query / 2 KV heads, vocabulary 32000; fp32), one
 pre-tokenized random sequence of L tokens per step, batch 1, no accumulation, AdamW, DeepSpeed
-ZeRO-3 (its config passed in SFTConfig), two optimizer steps (the second is the one timed: a
+ZeRO-3 (the config `easy-context train` runs with, passed in SFTConfig), two optimizer steps (the second is the one timed: a
 callback's wall time from step begin to step end, the slowest rank). Systems:
 
 - ``ours-untiled``: ``enable_sequence_parallel(trainer, "zigzag_ring_attn", checkpointing="full")``;
@@ -58,7 +58,8 @@ MB = 2**20
 MODEL = "llama3-tiny"
 # What the figures measure: a results file older than the last change to these is stale.
 MEASURES = ["easy_context/integrations", "easy_context/parallel", "easy_context/attention",
-            "easy_context/memory", "easy_context/models"]
+            "easy_context/memory", "easy_context/models.py", "easy_context/train",
+            "easy_context/utils", "easy_context/launch.py"]
 OURS = {
     "ours-untiled": dict(checkpointing="full"),
     "ours-maxlen": dict(max_length=True, mlp_tile=1024, head_chunk=4),
@@ -93,9 +94,16 @@ def _tokenizer_dir() -> Path:
 
 
 def _deepspeed_config() -> dict:
-    return {"zero_optimization": {"stage": 3}, "bf16": {"enabled": False},
-            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto", "train_batch_size": "auto"}
+    """The ZeRO-3 config ``easy-context train`` runs with (its default file, the offload
+    sections dropped as its ``--offload none`` drops them): the same engine settings on both
+    sides of the step-time comparison. Its "auto" entries the Trainer resolves as ours does
+    (buckets from the hidden size, batch, accumulation and clipping from the arguments)."""
+    from easy_context.train.engines.deepspeed import DEFAULT_CONFIG
+
+    config = json.loads(DEFAULT_CONFIG.read_text())
+    for key in ("offload_optimizer", "offload_param"):
+        config["zero_optimization"].pop(key, None)
+    return config
 
 
 def worker(system: str, seq_len: int, out: Path) -> None:

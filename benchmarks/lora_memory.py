@@ -25,6 +25,11 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from benchmarks import common, plan_validation as pv  # noqa: E402
 
+# the modules whose change makes these results stale: the planner's predictions and the
+# measured step (plan_validation.py's harness with train/lora.py's adapters)
+MEASURES = ["easy_context/plan", "easy_context/train/lora.py", "easy_context/train/config.py",
+            "easy_context/integrations", "easy_context/parallel", "easy_context/attention",
+            "easy_context/memory", "easy_context/sequence_parallel.py", "easy_context/layouts.py"]
 RANK = 16
 POINTS = [
     pv.Point("ring_attn", 1, 8192, "none"),

@@ -27,6 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import common  # noqa: E402
 
+# the modules whose change makes these results stale
+MEASURES = ["easy_context/memory/loss.py", "easy_context/memory/peak.py"]
 RESULTS = Path(__file__).resolve().parent / "results" / "loss_memory.json"
 TARGET_RATIO = 0.1
 
@@ -103,6 +105,7 @@ def main() -> None:
                          / abs(runs["logits"]["loss"]),
         "device": "cpu", "torch": torch.__version__, "cpus": os.cpu_count(),
         "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]],
+        "machine": common.machine_info(),
     }
     for mode in ("chunked", "logits"):
         r = runs[mode]

@@ -45,6 +45,13 @@ if __package__ in (None, ""):
 from benchmarks import common  # noqa: E402
 from benchmarks.trainer_runs import TrainRun, import_baseline, model_dir, predict, run_train  # noqa: E402
 
+# the modules whose change makes these results stale: `easy-context train` end to end (its
+# imports), the planner for the fit part
+MEASURES = ["easy_context/train", "easy_context/parallel", "easy_context/attention",
+            "easy_context/memory", "easy_context/integrations", "easy_context/plan",
+            "easy_context/utils", "easy_context/launch.py", "easy_context/mesh.py",
+            "easy_context/layouts.py", "easy_context/models.py",
+            "easy_context/sequence_parallel.py"]
 MB = 2**20
 TILED = dict(mlp_tile=1024, head_chunk=4)  # one KV head (4 query heads) per chunk
 SYSTEMS = {

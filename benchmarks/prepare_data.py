@@ -27,17 +27,26 @@ import logging
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import datasets
-import numpy as np
-import torch
-from transformers import AutoTokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from easy_context.data import PrepareConfig, SyntheticConfig, generate, prepare_data, train_bpe_tokenizer
-from easy_context.data.synthetic import generate_texts
+import datasets  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from easy_context.data import (PrepareConfig, SyntheticConfig, generate, prepare_data,  # noqa: E402
+                               train_bpe_tokenizer)
+from easy_context.data.synthetic import generate_texts  # noqa: E402
+
+# the modules whose change makes these results stale: prepare-data's pipeline (sources,
+# tokenizing, packing, checks; the corpus generator and the BPE tokenizer it trains)
+MEASURES = ["easy_context/data", "easy_context/utils/progress.py"]
 
 
 def write_corpus(path: Path, total_chars: int, doc_chars: int, seed: int) -> tuple[int, int]:
@@ -191,7 +200,8 @@ def main() -> None:
             # The machine may be shared: a load average well above the core count means the
             # figures are depressed and noisy.
             "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
-            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+            "machine": {**common.machine_info(),  # the commit and CPU, as every results file
+                        "cpus": os.cpu_count(), "python": platform.python_version(),
                         "torch": torch.__version__, "datasets": datasets.__version__},
         }
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)

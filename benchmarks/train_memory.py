@@ -58,6 +58,11 @@ from benchmarks import common  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+# the modules whose change makes these results stale (ours: apply_sequence_parallel,
+# checkpointing, the chunked loss, the inputs' sharding; plain: none of it)
+MEASURES = ["easy_context/integrations", "easy_context/parallel", "easy_context/attention",
+            "easy_context/memory", "easy_context/compat.py", "easy_context/sequence_parallel.py",
+            "easy_context/layouts.py"]
 RESULTS = REPO / "benchmarks" / "results" / "train_memory.json"
 BENCH_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 MODEL = dict(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
@@ -372,7 +377,8 @@ def main(argv=None) -> int:
             "plain": "transformers sdpa, model(input_ids, labels=...) full logits, AdamW, one "
                      "process with 2 threads; kind none or hf_checkpointing",
         },
-        "machine": {"cpus": os.cpu_count(), "mem_total_gib": round(common.meminfo_bytes("MemTotal") / 2**30, 1),
+        "machine": {**common.machine_info(),  # the commit and CPU, as every results file
+                    "cpus": os.cpu_count(), "mem_total_gib": round(common.meminfo_bytes("MemTotal") / 2**30, 1),
                     "torch": torch.__version__, "load_average_before": load_before,
                     "load_average_after": [round(x, 2) for x in os.getloadavg()],
                     "note": "a shared 2-core machine, heavily loaded by other jobs: times are "

@@ -26,9 +26,14 @@ are sent as they lie (no copy for batch 1), the own one is copied into the outpu
 others travel, and each received chunk is copied into its heads once. The transfers of q, k
 and v (or of their gradients) are all posted before any is waited on. On gloo this beat
 all_to_all_single and DeepSpeed's DistributedAttention side by side (benchmarks/attention.py,
-benchmarks/results/attention.json); fusing q, k, v into one buffer saved no time but forced
-either an unpacking copy or head-strided inputs (a slower kernel), and the list form of
-all_to_all was slower still.
+benchmarks/all_to_all.py for the exchanges alone); fusing q, k, v into one buffer saved no
+time but forced either an unpacking copy or head-strided inputs (a slower kernel), and the
+list form of all_to_all was slower still.
+
+Every device type runs this same exchange. On CUDA, ``batch_isend_irecv`` hands NCCL the
+sends and receives of one tensor as one group call, which NCCL schedules as it schedules an
+all-to-all, and the copies it saves are device-memory copies there; whether a fused
+``all_to_all_single`` beats it on NCCL has not been measured (no multi-GPU machine here).
 """
 
 from __future__ import annotations
