@@ -1,0 +1,211 @@
+"""Figures the documentation quotes in words are the ones their source holds: a results file
+under benchmarks/results/ or the bound a test asserts. Each test reads the source (JSON, or a
+test module's text parsed with ``ast``; nothing is run or imported), computes the figure as the
+page writes it and checks that the page says exactly that. Tables quoted whole are checked in
+tests/unit/test_docs_site.py."""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def _text(path: str) -> str:
+    """The page with every run of whitespace made one space (sentences wrap anywhere)."""
+    return " ".join((REPO / path).read_text().split())
+
+
+def _results(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def _pct_range(values: list[float]) -> str:
+    """min-max of fractions as the pages write them: '0.7-9.7%'."""
+    return f"{100 * min(values):.1f}-{100 * max(values):.1f}%"
+
+
+def _module(path: str) -> tuple[str, ast.Module]:
+    source = (REPO / path).read_text()
+    return source, ast.parse(source)
+
+
+def _constant(tree: ast.Module, name: str) -> float:
+    """A module-level ``NAME = <arithmetic on literals>``, evaluated without running the module."""
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets
+                                             if isinstance(t, ast.Name)] == [name]:
+            return eval(compile(ast.Expression(node.value), name, "eval"), {"__builtins__": {}})
+    raise AssertionError(f"no module-level {name}")
+
+
+def _function(source: str, tree: ast.Module, name: str) -> str:
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    return " ".join(ast.get_source_segment(source, node).split())
+
+
+# ------------------------------------------------------------------ docs/benchmarks.md
+def test_packed_documents_table_and_the_two_bf16_runs():
+    """Every cell of the packed-documents table is packed_attention.json's row; of the two
+    concurrent bf16 32K runs the file lists, it keeps the row of the later one only (its load
+    average at the end is that run's), so the page quotes no figure of the other."""
+    data = _results("packed_attention.json")
+    page = (REPO / "docs" / "benchmarks.md").read_text()
+    start = page.index("| L | dtype | documents | work |")
+    table = [l for l in page[start:].split("\n\n")[0].splitlines()][2:]
+    assert len(table) == len(data["rows"]) == 3
+    by = {(r["L"], r["dtype"]): r for r in data["rows"]}
+    for line in table:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        r = by[(int(cells[0].rstrip("K")) * 1024, cells[1])]
+        assert cells[2:] == [
+            str(r["documents"]), f"{r['work_fraction']:.2f}",
+            f"{r['unpacked']['time_s']:.1f}", f"{r['packed']['time_s']:.1f}",
+            f"**{r['time_ratio']:.3f}**", f"{r['unpacked']['peak_mb']:.0f}",
+            f"{r['packed']['peak_mb']:.0f}", f"**{r['peak_ratio']:.3f}**"], line
+    assert all(t["status"] == "PASS" for t in data["targets"]) and len(data["targets"]) == 6
+    bf16_runs = [r for r in data["runs"] if "bf16" in r["argv"]]
+    bf16_rows = [r for r in data["rows"] if r["dtype"] == "bf16"]
+    assert len(bf16_runs) == 2 and len(bf16_rows) == 1
+    last = max(bf16_runs, key=lambda r: r["date"])
+    assert bf16_rows[0]["load_average_at_end"] == last["machine"]["load_average_1_5_15"]
+    text = _text("docs/benchmarks.md")
+    assert "All six targets pass" in text
+    assert ("Two bf16 32K runs ran at the same time; the file lists both under `runs` but "
+            "keeps the row of the one that finished last (the table's)") in text
+
+
+def _trainer_validation() -> tuple[int, str]:
+    """(runs, '0.7-9.7%'): plan_validation.json's trainer runs, prediction over measured."""
+    data = _results("plan_validation.json")
+    rows = data["trainer_rows"]
+    assert all(r["ok"] for r in rows) and data["trainer_all_within_tolerance"]
+    over = [r["predicted_mb"] / r["measured_mb"] - 1 for r in rows]
+    assert all(abs(o - r["error"]) < 1e-9 for o, r in zip(over, rows))
+    assert min(over) > 0  # every prediction above its measurement: "above" is right
+    return len(rows), _pct_range(over)
+
+
+def test_maxlen_section_names_the_file_that_holds_predictions():
+    """maxlen.json records no prediction for its ALST-comparison runs; the page says so and
+    quotes plan_validation.json's trainer runs instead."""
+    maxlen = _results("maxlen.json")
+    assert not any("predict" in key for row in maxlen["alst"]["rows"] for key in row)
+    n, fig = _trainer_validation()
+    text = _text("docs/benchmarks.md")
+    assert "The file records no planner prediction for these runs" in text
+    assert (f"`benchmarks/results/plan_validation.json` (`trainer_rows`: in {n} of {n} runs "
+            f"the prediction was {fig} above the measured peak") in text
+
+
+def test_maxlen_ratio_and_fit_figures():
+    """The 16K tiled/untiled pairs and the planned longest length (maxlen.json)."""
+    ratio, fit = (_results("maxlen.json")[k] for k in ("ratio", "fit"))
+    above = ratio["peak_above_baseline_mb"]
+    steps = ratio["median_step_s"]
+    pairs = ", ".join(f"{p:.2f}" for p in ratio["per_pair_time_ratios"])
+    measured = max(fit["row"]["rank_peaks_bytes"]) / 2**20 - _results("maxlen.json")["rank_baseline_mb"]
+    text = _text("docs/benchmarks.md")
+    assert (f"peak above a rank's imports {above['ours-maxlen']:.1f} MB tiled against "
+            f"{above['ours-untiled']:.1f} MB untiled ({ratio['peak_per_token_ratio']:.2f}x per "
+            f"token), median step {steps['ours-maxlen']:.1f} s against {steps['ours-untiled']:.1f} s: "
+            f"**{ratio['time_ratio']:.2f}x** (target <= 1.15; pairs {pairs})") in text
+    assert (f"longest tiled length is {fit['tiled_longest_planned']:,} tokens") in text
+    assert f"predicted {fit['tiled_predicted_mb']:.1f} MB above the imports" in text
+    assert f"measured {measured:.1f} MB, inside the budget (step {fit['row']['step_s']:.0f} s)" in text
+    assert measured <= fit["budget_above_baseline_mb"]
+
+
+def test_demo_seeds_claims():
+    """demo_seeds.json holds one run per seed and kernel set (so the page claims no repeat of
+    a seed), and the generic-kernel row's figures are the file's."""
+    runs = _results("demo_seeds.json")["runs"]
+    keys = [(r["seed"], r.get("kernels")) for r in runs]
+    assert len(keys) == len(set(keys)) == 6
+    text = _text("docs/benchmarks.md")
+    assert "run twice" not in text
+    assert ("The file holds one run of each seed on these kernels, so it does not show whether "
+            "a seed's figures repeat") in text
+    (generic,) = [r for r in runs if r.get("kernels") == "default"]
+    minutes, seconds = divmod(round(generic["wall_s"]), 60)
+    assert (f"gave {generic['needle_4x_before']:.0%} before, {generic['needle_4x_after']:.0%} "
+            f"after, {generic['digits_4x_before']:.0%} -> {generic['digits_4x_after']:.0%} of "
+            f"digits, {minutes} min {seconds} s wall") in text
+
+
+# ------------------------------------------------------------ planner guide and README
+def test_planner_guide_and_readme_quote_the_trainer_validation():
+    n, fig = _trainer_validation()
+    planner = _text("docs/guides/planner.md")
+    assert f"in {n} of {n} runs the prediction was {fig} above the measured peak" in planner
+    measured = (REPO / "README.md").read_text().split("## Measured", 1)[1].split("\n## ", 1)[0]
+    (row,) = [l for l in measured.splitlines() if l.startswith("| planner:")]
+    assert f"predictions {fig} above the measured peaks of {n} `easy-context train` runs" in row
+    assert "`benchmarks/results/plan_validation.json`" in row
+
+
+def test_planner_guide_step_validation():
+    """The 13 step configurations of plan_validation.json (``rows``): worst |error| as a whole
+    percent, rounded up (a bound)."""
+    data = _results("plan_validation.json")
+    worst = max(abs(r["error"]) for r in data["rows"])
+    assert abs(worst - data["max_abs_error"]) < 1e-12
+    assert (f"within {math.ceil(100 * worst)}% of measured CPU training steps for a tiny Llama "
+            f"in {len(data['rows'])} configurations (`rows` of "
+            "`benchmarks/results/plan_validation.json`)") in _text("docs/guides/planner.md")
+
+
+def test_planner_guide_lora_validation():
+    """lora_memory.json: the LoRA steps' worst |error| rounded up to 0.1% (a bound), and the
+    range of predictions below measured."""
+    data = _results("lora_memory.json")
+    errors = [r["lora"]["error"] for r in data["rows"]]
+    assert all(e < 0 for e in errors)  # every prediction below its measurement
+    worst = max(abs(e) for e in errors)
+    bound = math.ceil(1000 * worst) / 10
+    assert (f"LoRA steps of a tiny Llama on CPU peaked within {bound}% of these predictions "
+            f"({len(errors)} configurations, each prediction {_pct_range([-e for e in errors])} "
+            "below the measured peak; `benchmarks/results/lora_memory.json`)") \
+        in _text("docs/guides/planner.md")
+
+
+# ------------------------------------------------------- bounds the tests assert, quoted
+def test_training_guide_quotes_the_sharded_loading_bound():
+    """tests/dist/test_sharded_loading.py: on 2 ranks, FSDP setup's peak per rank at most half
+    the model plus its largest tensor plus 16 MB; the model size and that bound as the
+    training guide gives them."""
+    source, tree = _module("tests/dist/test_sharded_loading.py")
+    m, largest = _constant(tree, "M_MB"), _constant(tree, "L_MB")
+    body = _function(source, tree, "test_fsdp_rank_memory_is_half_the_model")
+    assert "assert peak <= 0.5 * M_MB + L_MB + 16, r" in body
+    assert "DistPool(2," in source
+    bound = 0.5 * m + largest + 16
+    assert bound < m
+    assert (f"For a {m:.0f} MB (fp32) model on 2 ranks, `tests/dist/test_sharded_loading.py` "
+            f"asserts that FSDP setup raises no rank's peak by more than half the model plus its "
+            f"largest tensor plus 16 MB ({bound:.0f} MB), less than the whole model.") \
+        in _text("docs/guides/training.md")
+
+
+def test_max_length_guide_quotes_the_asserted_tolerances():
+    """tests/dist/test_maxlen.py's TOL on loss and gradients, test_train_maxlen.py's loss
+    tolerances, and no measured figure that no file holds."""
+    source, tree = _module("tests/dist/test_maxlen.py")
+    tol = _constant(tree, "TOL")
+    assert "le <= TOL and ge <= TOL" in _function(source, tree, "_assert")
+    assert all(f"({pool}, " in source for pool in ("dist1", "dist2", "dist4"))
+    train_source, train_tree = _module("tests/dist/test_train_maxlen.py")
+    same = _function(train_source, train_tree, "_same")
+    assert "abs(got[0] - want[0]) <= 1e-6 * abs(want[0])" in same
+    assert "abs(g - w) <= 1e-4 * abs(w)" in same
+    text = _text("docs/guides/max-length.md")
+    assert "measured ~" not in text
+    assert (f"tests/dist/test_maxlen.py asserts, in fp32, the loss within {tol:.0e} relative "
+            f"and each parameter's gradient within {tol:.0e} of its largest |gradient|") \
+        .replace("e-05", "e-5") in text
+    assert ("first-step loss is within 1e-6 relative of the untiled trainer's, later steps "
+            "within 1e-4") in text
