@@ -51,10 +51,12 @@ WRITTEN_BY = {
     "attention_16k_recheck.json": "attention.py",
     "attention_sliding.json": "attention.py",
     "attention_ulysses_deepspeed.json": "attention.py",
+    "attention_ulysses_deepspeed_epyc.json": "attention.py",
     "gpu_check_h200_cudnn.json": "gpu_check.py",
     "gpu_check_h200_first.json": "gpu_check.py",
     "gpu_check_h200_first_methods.json": "gpu_check.py",
     "gpu_check_h200_offload_fix.json": "gpu_check.py",
+    "hf_trainer_2k_maxlen.json": "hf_trainer.py",
     "hf_trainer_2k_repeats.json": "hf_trainer.py",
 }
 
