@@ -191,9 +191,31 @@ def split_window(name: str) -> tuple[str, int | None]:
     return base, int(window) if tag else None
 
 
+STAGES_TAG = "@stages="
+
+
+def _with_stages(attn: Callable, stages: int) -> Callable:
+    """``attn`` with Ulysses' stage limit set to ``stages`` for the call (the pipeline of one
+    call is fixed in its forward)."""
+    from easy_context.parallel import ulysses
+
+    def staged(q, k, v):
+        saved = dict(ulysses.STAGES)
+        ulysses.STAGES.update({kind: stages for kind in saved})
+        try:
+            return attn(q, k, v)
+        finally:
+            ulysses.STAGES.update(saved)
+    return staged
+
+
 def _variant(name: str, ring_degree: int | None, rank: int, world: int):
     """(shard function for a full (B, L, H, D) tensor, attention function on the shards)."""
     name, window = split_window(name)
+    name, tag, stages = name.partition(STAGES_TAG)
+    if tag:
+        shard, attn = _variant(name, ring_degree, rank, world)
+        return shard, _with_stages(attn, int(stages))
     if name == SINGLE:
         return (lambda x: x), (lambda q, k, v: local_attention(
             q, k, v, causal=True, variant=None if window is None else Variant(window)))
@@ -518,6 +540,10 @@ def parse_args(argv=None):
                         "rows, ring_degree=1 (Ulysses over 2) and ring_degree=N (pure ring)")
     p.add_argument("--no-deepspeed", action="store_true",
                    help="do not run DeepSpeed's DistributedAttention beside ulysses_attn")
+    p.add_argument("--ulysses-stages", default="",
+                   help="comma-separated stage limits (parallel/ulysses.py STAGES) to run as "
+                        "contenders ulysses_attn@stages=K beside ulysses_attn and DeepSpeed "
+                        "(1: the exchange unpipelined); '' for none")
     p.add_argument("--gqa-lengths", default="4096",
                    help="lengths at which to add rows with 2 KV heads (GQA 8/2); '' for none")
     p.add_argument("--repeats", type=int, default=3,
@@ -542,6 +568,7 @@ def parse_args(argv=None):
     args.lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     args.gqa_lengths = [int(x) for x in args.gqa_lengths.split(",") if x.strip()]
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    args.ulysses_stages = [int(x) for x in args.ulysses_stages.split(",") if x.strip()]
     unknown = [m for m in args.methods if m not in SEQUENCE_PARALLEL]
     if unknown:
         p.error(f"unknown methods {unknown}; choose from {list(SEQUENCE_PARALLEL)}")
@@ -643,8 +670,10 @@ def main(argv=None) -> int:
                 for m in methods:
                     if m == "usp_attn":
                         jobs += [[(m, 1)], [(m, world)]]
-                    elif m == "ulysses_attn" and ds.get("installed"):
-                        jobs.append([(m, None), (DEEPSPEED, None)])
+                    elif m == "ulysses_attn":
+                        jobs.append([(m, None)] + [(f"{m}{STAGES_TAG}{n}", None)
+                                                   for n in args.ulysses_stages]
+                                    + ([(DEEPSPEED, None)] if ds.get("installed") else []))
                     else:
                         jobs.append([(m, None)])
                 if args.sliding_window:  # each global layer beside its sliding one
@@ -735,8 +764,10 @@ def main(argv=None) -> int:
                         rd = row.get("ring_degree")
                         row["computed_fraction"] = _r(computed_fraction(
                             plain.split("[")[0], world, length, window, rd), 4)
-                if "ulysses_attn" in new and DEEPSPEED in new:
-                    ours, theirs = new["ulysses_attn"], new[DEEPSPEED]
+                for ours in [r for n, r in new.items() if n.startswith("ulysses_attn")]:
+                    if DEEPSPEED not in new:
+                        break
+                    theirs = new[DEEPSPEED]
                     ours["time_ratio_vs_deepspeed"] = _r(ours["time_ms"] / theirs["time_ms"], 3)
                     # paired: the two alternate inside each round, so each round gives a ratio
                     per_round = [a / b for a, b in zip(ours["time_ms_iters"], theirs["time_ms_iters"])]

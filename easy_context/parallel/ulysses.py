@@ -23,16 +23,26 @@ replicated KV head is packed once for its N/Hkv ranks) and the own chunk is copi
 into the output while they travel; for batch 1 each peer's tokens are received in place
 (the output is (B, N, s, h, D)), so nothing is unpacked. Back towards the sequence, chunks
 are sent as they lie (no copy for batch 1), the own one is copied into the output while the
-others travel, and each received chunk is copied into its heads once. The transfers of q, k
-and v (or of their gradients) are all posted before any is waited on. On gloo this beat
+others travel, and each received chunk is copied into its heads once. On gloo this beat
 all_to_all_single and DeepSpeed's DistributedAttention side by side (benchmarks/attention.py,
 benchmarks/all_to_all.py for the exchanges alone); fusing q, k, v into one buffer saved no
 time but forced either an unpacking copy or head-strided inputs (a slower kernel), and the
 list form of all_to_all was slower still.
 
+The exchange runs in stages of heads (:data:`STAGES`, :func:`pipeline_stages`): every
+stage's q, k and v are posted at once, and stage c is attended as soon as its own have
+arrived, while the later stages' travel and stage c - 1's output travels back; backward
+posts every stage's output gradient, and each stage's dq, dk, dv leave as soon as its
+backward is done, while the next stage's runs. Only the first stage's inputs and the last
+stage's output (and, in backward, the reverse) wait without compute beside them. Heads are
+independent, so the stages change no value. A single KV head per rank (Hkv <= N) is not cut:
+it travels with the first stage, every stage attends to it, and its gradient, summed over
+the stages by autograd, returns after the last.
+
 Every device type runs this same exchange. On CUDA, ``batch_isend_irecv`` hands NCCL the
 sends and receives of one tensor as one group call, which NCCL schedules as it schedules an
-all-to-all, and the copies it saves are device-memory copies there; whether a fused
+all-to-all, on its own stream: a stage's transfers run beside the attention kernels of
+another, and the copies it saves are device-memory copies there; whether a fused
 ``all_to_all_single`` beats it on NCCL has not been measured (no multi-GPU machine here).
 """
 
@@ -54,94 +64,244 @@ from .method import AttentionDims, Method, standard_saved_per_token
 Tensor = torch.Tensor
 
 
-def _heads_for(j: int, h: int, rep: int) -> slice:
-    """The source heads rank j receives: its h heads, or (rep > 1, h == 1) its KV head's replica."""
-    return slice(j * h, (j + 1) * h) if rep == 1 else slice(j // rep, j // rep + 1)
+def _source_heads(j: int, h: int, rep: int, c: int = 0, n: int = 1) -> slice:
+    """The source heads rank j receives in stage c of n: its h heads cut in n, or (rep > 1,
+    h == 1, n == 1) its KV head's replica."""
+    if rep > 1:
+        return slice(j // rep, j // rep + 1)
+    hc = h // n
+    return slice(j * h + c * hc, j * h + (c + 1) * hc)
+
+
+class _Pending:
+    """Transfers posted and not yet waited on, with the copies that follow their arrival."""
+
+    def __init__(self, exchange: Exchange, unpack: list[tuple[Tensor, Tensor]]):
+        self.exchange, self.unpack = exchange, unpack
+
+    def wait(self) -> None:
+        self.exchange.wait()
+        for dst, buf in self.unpack:
+            dst.copy_(buf)
+        self.unpack = []
+
+
+def _post_to_heads(x: Tensor, r: int, group, world: int, c: int = 0, n: int = 1
+                   ) -> tuple[Tensor, _Pending]:
+    """Start moving stage c of n of the heads: (B, s, H, D) sequence shard -> (B, N*s, h/n, D)
+    head shard (h = H*r/N, this rank's heads), valid once the returned transfers are waited
+    on. It is laid out heads first, (B, h/n, N*s, D) in memory: each head's sequence is one
+    block, which the CPU flash kernel reads 5-7% faster than rows strided by the heads."""
+    rank = dist.get_rank(group)
+    b, s, hx, d = x.shape
+    h = hx * r // world
+    out = x.new_empty(b, h // n, world, s, d)
+    ex, packed, unpack = Exchange(group), {}, []
+    peers = [(rank + i) % world for i in range(1, world)]
+    for j in peers:  # one packing copy per distinct head slice (a KV head goes to rep ranks)
+        heads = _source_heads(j, h, r, c, n)
+        if heads.start not in packed:  # messages are heads first too: (B, h/n, s, D)
+            packed[heads.start] = x[:, :, heads].transpose(1, 2).contiguous()
+        ex.send(packed[heads.start], j)  # the exchange holds the send buffers until its wait
+    for j in peers:  # for B == 1 and one head a stage, peer j's tokens land in place
+        if out[:, :, j].is_contiguous():
+            ex.recv_into(out[:, :, j], j)
+        else:
+            unpack.append((out[:, :, j], ex.recv(out[:, :, j], j)))
+    ex.start()
+    out[:, :, rank].copy_(x[:, :, _source_heads(rank, h, r, c, n)].transpose(1, 2))  # meanwhile
+    return out.view(b, h // n, world * s, d).transpose(1, 2), _Pending(ex, unpack)
+
+
+def _post_to_seq(x: Tensor, y: Tensor, group, world: int, c: int = 0, n: int = 1) -> _Pending:
+    """Start moving stage c of n back: x (B, N*s, h/n, D), this rank's stage-c heads of the
+    whole sequence, into y (B, s, N, h, D), every rank's heads of our tokens. Messages are
+    heads first, (B, h/n, s, D): as the attention kernels lay out their results from heads-first
+    inputs, so that a stage of one head (B == 1) is sent without a copy."""
+    rank = dist.get_rank(group)
+    b, full, hc, d = x.shape
+    chunks = x.transpose(1, 2).unflatten(2, (world, full // world))  # (B, h/n, N, s, D)
+    into = y.unflatten(3, (n, hc))[:, :, :, c]  # (B, s, N, h/n, D): stage c of each rank's heads
+    ex, unpack = Exchange(group), []
+    peers = [(rank + i) % world for i in range(1, world)]
+    for j in peers:
+        ex.send(chunks[:, :, j], j)  # a copy only where that is not one block
+    for j in peers:
+        unpack.append((into[:, :, j], ex.recv(chunks[:, :, j], j).transpose(1, 2)))
+    ex.start()
+    into[:, :, rank].copy_(chunks[:, :, rank].transpose(1, 2))  # while the exchange runs
+    return _Pending(ex, unpack)
+
+
+def _seq_target(x: Tensor, world: int, stages: int = 1) -> Tensor:
+    """The (B, s, N, h, D) tensor that :func:`_post_to_seq` fills from head shards like x
+    (x one of ``stages`` stages of the heads)."""
+    b, full, h, d = x.shape
+    return x.new_empty(b, full // world, world, h * stages, d)
+
+
+def _seq_result(y: Tensor, r: int) -> Tensor:
+    """(B, s, N, h, D) -> (B, s, N*h / r, D): replicated heads (r > 1) summed in float32."""
+    b, s, world, h, d = y.shape
+    y = y.view(b, s, world * h, d)
+    if r > 1:
+        y = y.unflatten(2, (y.size(2) // r, r)).sum(3, dtype=torch.float32).to(y.dtype)
+    return y
 
 
 def _seq_to_heads(xs: list[Tensor], reps: list[int], group, world: int) -> list[Tensor]:
-    """(B, s, H_i, D) sequence shards -> (B, N*s, H_i*rep_i/N, D) head shards."""
-    rank = dist.get_rank(group)
-    peers = [(rank + i) % world for i in range(1, world)]
-    outs, posted, unpack = [], [], []
-    for x, r in zip(xs, reps):
-        b, s, hx, d = x.shape
-        h = hx * r // world
-        out = x.new_empty(b, world, s, h, d)  # (B, N*s, h, D) once flattened
-        ex, packed = Exchange(group), {}
-        for j in peers:  # one packing copy per distinct head slice (a KV head goes to rep ranks)
-            heads = _heads_for(j, h, r)
-            if heads.start not in packed:
-                packed[heads.start] = x[:, :, heads].contiguous()
-            ex.send(packed[heads.start], j)
-        for j in peers:  # for B == 1 peer j's tokens land in place
-            if out[:, j].is_contiguous():
-                ex.recv_into(out[:, j], j)
-            else:
-                unpack.append((out[:, j], ex.recv(out[:, j], j)))
-        posted.append(ex.start())
-        del packed  # the exchange holds the send buffers until its wait
-        out[:, rank].copy_(x[:, :, _heads_for(rank, h, r)])  # our own tokens, while it runs
-        outs.append(out.view(b, world * s, h, d))
-    for ex in posted:
-        ex.wait()
-    for dst, buf in unpack:
-        dst.copy_(buf)
-    return outs
+    """(B, s, H_i, D) sequence shards -> (B, N*s, H_i*rep_i/N, D) head shards, all transfers
+    posted before any is waited on."""
+    posted = [_post_to_heads(x, r, group, world) for x, r in zip(xs, reps)]
+    for _, pending in posted:
+        pending.wait()
+    return [out for out, _ in posted]
 
 
 def _heads_to_seq(xs: list[Tensor], reps: list[int], group, world: int) -> list[Tensor]:
     """Inverse of :func:`_seq_to_heads`; replicated heads (rep > 1) are summed in float32."""
-    rank = dist.get_rank(group)
-    peers = [(rank + i) % world for i in range(1, world)]
-    ys, posted, unpack = [], [], []
-    for x, r in zip(xs, reps):
-        b, full, h, d = x.shape
-        s = full // world
-        chunks = x.unflatten(1, (world, s))  # chunk j: rank j's tokens, our heads
-        y = x.new_empty(b, s, world, h, d)  # (B, s, N*h, D): rank j's heads at [:, :, j]
-        ex = Exchange(group)
-        for j in peers:
-            ex.send(chunks[:, j], j)  # no copy for B == 1
-        for j in peers:
-            unpack.append((y[:, :, j], ex.recv(y[:, :, j], j)))
-        posted.append(ex.start())
-        y[:, :, rank].copy_(chunks[:, rank])  # while the exchange runs
-        ys.append((y.view(b, s, world * h, d), r))
-    for ex in posted:
-        ex.wait()
-    for dst, buf in unpack:
-        dst.copy_(buf)
-    del unpack
-    outs = []
-    for y, r in ys:
-        if r > 1:
-            y = y.unflatten(2, (y.size(2) // r, r)).sum(3, dtype=torch.float32).to(y.dtype)
-        outs.append(y)
-    return outs
+    ys = [_seq_target(x, world) for x in xs]
+    posted = [_post_to_seq(x, y, group, world) for x, y in zip(xs, ys)]
+    for pending in posted:
+        pending.wait()
+    return [_seq_result(y, r) for y, r in zip(ys, reps)]
 
 
-class _SeqToHeads(torch.autograd.Function):
+# --------------------------------------------------------------------------- the pipeline
+# The heads are independent, so the exchange runs in stages of heads: stage c + 1's q, k, v
+# travel while stage c is attended, and stage c's output travels back while stage c + 1 is;
+# backward likewise, in reverse. Five autograd nodes share one _Pipeline (the transfers in
+# flight): _ToHeads posts every stage's q, k, v; _Arrived(c) waits for stage c's; the inner
+# attention runs; _Leaving(c) posts stage c's output; _Gathered waits for all of them. In
+# backward _Gathered posts every stage's output gradient, _Leaving(c) waits for stage c's,
+# the inner backward runs, _Arrived(c) posts stage c's q, k, v gradients, and _ToHeads waits
+# for all. Autograd reaches the stages in reverse order of their creation, the same on every
+# rank, so the transfers pair up in order as the ring's do. A node that passes a tensor on
+# before its transfer is waited on hands it only to the node that waits on it.
+# At most this many stages of heads, by device kind. CPU: one KV head a stage (the head-group
+# budget runs one KV head per kernel call there anyway, from a few thousand tokens up), so
+# every stage's exchange but the first hides behind attention and each head's sequence
+# arrives as one block. CUDA: two, unmeasured (no GPU pair here): a stage is one kernel launch
+# per head group, and a stage of few heads over a short sequence would leave SMs idle.
+STAGES = {"cpu": 16, "cuda": 2}
+
+
+def stage_limit(device: torch.device | str) -> int:
+    return STAGES.get(torch.device(device).type, STAGES["cuda"])
+
+
+def pipeline_stages(local_heads: int, local_kv_heads: int, most: int) -> int:
+    """Stages of a rank's heads: the most, up to ``most``, that divide its query heads and
+    either divide its KV heads (each stage its own) or leave one KV head (every stage uses
+    it: it travels with the first and its gradient returns after the last)."""
+    return next(n for n in range(max(1, min(most, local_heads)), 0, -1)
+                if local_heads % n == 0 and (local_kv_heads % n == 0 or local_kv_heads == 1))
+
+
+class _Pipeline:
+    """One Ulysses call's transfers between its autograd nodes (see the comment above)."""
+
+    def __init__(self, group, world: int, reps: list[int], stages: int, splits: list[bool]):
+        self.group, self.world, self.reps, self.stages, self.splits = group, world, reps, stages, splits
+        self.arriving: list = [None] * stages  # per stage: its inputs' transfers to heads
+        self.leaving: list = [None] * stages  # per stage: its output's transfers to the sequence
+        self.out: Tensor | None = None  # the output's (B, s, N, h, Dv)
+        self.dout: list = [None] * stages  # per stage: (its output gradient, its transfers)
+        self.grads: list = [None] * stages  # per stage: its inputs' gradients' transfers
+        self.grad_targets: list[Tensor] | None = None  # (B, s, N, h_i, D) per input
+
+    def members(self, c: int) -> list[int]:
+        """The inputs (0 q, 1 k, 2 v) that travel in stage c: split ones in every stage,
+        whole ones in the first."""
+        return [i for i, split in enumerate(self.splits) if split or c == 0]
+
+    def cut(self, i: int, c: int) -> tuple[int, int]:
+        return (c, self.stages) if self.splits[i] else (0, 1)
+
+
+class _ToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, group, world, reps, *xs):
-        ctx.group, ctx.world, ctx.reps = group, world, reps
-        return tuple(_seq_to_heads(list(xs), reps, group, world))
+    def forward(ctx, pipe: _Pipeline, *xs):
+        ctx.pipe = pipe
+        parts = []
+        for c in range(pipe.stages):
+            posted = [_post_to_heads(xs[i], pipe.reps[i], pipe.group, pipe.world, *pipe.cut(i, c))
+                      for i in pipe.members(c)]
+            pipe.arriving[c] = [p for _, p in posted]
+            parts.extend(out for out, _ in posted)
+        return tuple(parts)
+
+    @staticmethod
+    def backward(ctx, *_placeholders):
+        pipe = ctx.pipe  # the gradients came through the transfers _Arrived posted
+        for c in range(pipe.stages):
+            for pending in pipe.grads[c]:
+                pending.wait()
+        grads = [_seq_result(y, r) for y, r in zip(pipe.grad_targets, pipe.reps)]
+        pipe.grads, pipe.grad_targets = [None] * pipe.stages, None
+        return (None, *grads)
+
+
+class _Arrived(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, pipe: _Pipeline, c: int, *parts):
+        ctx.pipe, ctx.c = pipe, c
+        for pending in pipe.arriving[c]:
+            pending.wait()
+        pipe.arriving[c] = None
+        return parts
 
     @staticmethod
     def backward(ctx, *grads):
-        # (autograd materializes the gradient of an unused output as zeros)
-        return (None, None, None, *_heads_to_seq(grads, ctx.reps, ctx.group, ctx.world))
+        pipe, c = ctx.pipe, ctx.c
+        if pipe.grad_targets is None:  # the first stage backward reaches: the last
+            pipe.grad_targets = [None] * 3
+        posted = []
+        for i, g in zip(pipe.members(c), grads):
+            if pipe.grad_targets[i] is None:
+                pipe.grad_targets[i] = _seq_target(g, pipe.world, pipe.cut(i, c)[1])
+            posted.append(_post_to_seq(g.contiguous(), pipe.grad_targets[i], pipe.group,
+                                       pipe.world, *pipe.cut(i, c)))
+        pipe.grads[c] = posted
+        return (None, None, *grads)  # placeholders: _ToHeads reads the transfers
 
 
-class _HeadsToSeq(torch.autograd.Function):
+class _Leaving(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, group, world, x):
-        ctx.group, ctx.world = group, world
-        return _heads_to_seq([x], [1], group, world)[0]
+    def forward(ctx, pipe: _Pipeline, c: int, out):
+        ctx.pipe, ctx.c = pipe, c
+        if pipe.out is None:
+            pipe.out = _seq_target(out, pipe.world, pipe.stages)
+        pipe.leaving[c] = _post_to_seq(out, pipe.out, pipe.group, pipe.world, c, pipe.stages)
+        return out
+
+    @staticmethod
+    def backward(ctx, _placeholder):
+        grad, pending = ctx.pipe.dout[ctx.c]
+        pending.wait()
+        ctx.pipe.dout[ctx.c] = None
+        return None, None, grad
+
+
+class _Gathered(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, pipe: _Pipeline, *outs):
+        ctx.pipe = pipe
+        for pending in pipe.leaving:
+            pending.wait()
+        y, pipe.out, pipe.leaving = pipe.out, None, [None] * pipe.stages
+        return _seq_result(y, 1)
 
     @staticmethod
     def backward(ctx, grad):
-        return None, None, _seq_to_heads([grad], [1], ctx.group, ctx.world)[0]
+        pipe = ctx.pipe
+        grad = grad.contiguous()
+        for c in reversed(range(pipe.stages)):  # autograd reaches the last stage first
+            pipe.dout[c] = _post_to_heads(grad, 1, pipe.group, pipe.world, c, pipe.stages)
+        if torch.is_anomaly_enabled():  # it reads what we return: no placeholders then
+            for _, pending in pipe.dout:
+                pending.wait()
+        return (None, *(buf for buf, _ in pipe.dout))
 
 
 def kv_replication(hq: int, hkv: int, world: int, method: str = "ulysses_attn") -> int:
@@ -174,21 +334,37 @@ def gather_documents(doc: Tensor | None, group, world: int) -> Tensor | None:
 
 def ulysses_apply(q: Tensor, k: Tensor, v: Tensor, group, inner: Callable[..., Tensor],
                   document_ids: Tensor | None = None, method: str = "ulysses_attn",
-                  sinks: Tensor | None = None) -> Tensor:
+                  sinks: Tensor | None = None, stages: int | None = None) -> Tensor:
     """All-to-all to head shards, ``inner(q, k, v, document_ids, sinks)`` on the whole
-    sequence of the group (``sinks``: those of the rank's query heads), all-to-all back."""
+    sequence of the group (``sinks``: those of the call's query heads), all-to-all back; in
+    up to ``stages`` stages of heads (default: the device's :data:`STAGES`), each stage's exchange
+    overlapping another's attention."""
     check_inputs(q, k, v, document_ids, sinks)
     world = dist.get_world_size(group)
     rep = kv_replication(q.size(2), k.size(2), world, method)
     if world == 1:
         return inner(q, k, v, document_ids, sinks)
     docs = gather_documents(document_ids, group, world)
-    qh, kh, vh = _SeqToHeads.apply(group, world, [1, rep, rep], q, k, v)
-    if sinks is not None:  # rank j holds query heads [j h, (j + 1) h)
-        h = q.size(2) // world
-        rank = dist.get_rank(group)
-        sinks = sinks[rank * h:(rank + 1) * h]
-    return _HeadsToSeq.apply(group, world, inner(qh, kh, vh, docs, sinks))
+    h, h_kv = q.size(2) // world, k.size(2) * rep // world
+    n = pipeline_stages(h, h_kv, stage_limit(q.device) if stages is None else stages)
+    kv_split = h_kv % n == 0 and n > 1
+    pipe = _Pipeline(group, world, [1, rep, rep], n, [True, kv_split, kv_split])
+    parts = list(_ToHeads.apply(pipe, q, k, v))
+    rank, hc = dist.get_rank(group), h // n
+    outs = []
+    for c in range(n):
+        mine = _Arrived.apply(pipe, c, *parts[:len(pipe.members(c))])
+        del parts[:len(pipe.members(c))]
+        if c == 0:
+            qh, kh, vh = mine
+            kv = (kh, vh)
+        else:
+            qh, kh, vh = mine if kv_split else (mine[0], *kv)
+        # rank j holds query heads [j h, (j + 1) h), stage c the c-th h / n of them
+        first = rank * h + c * hc
+        sk = None if sinks is None else sinks[first:first + hc]
+        outs.append(_Leaving.apply(pipe, c, inner(qh, kh, vh, docs, sk)))
+    return _Gathered.apply(pipe, *outs)
 
 
 def ulysses_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = True,
