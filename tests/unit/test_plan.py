@@ -88,12 +88,38 @@ def test_table_lists_every_component():
     for name in e.components():
         assert name.replace("_", " ") in text
     assert "total (peak)" in text
-    held = e.parameters + e.optimizer + e.runtime
-    layer = max(e.mlp_backward, e.attention_backward + e.attention_buffers)
-    backward = (e.gathered_parameters + e.gradients_in_backward + e.stored_activations
-                + max(layer, e.loss))
-    # the gathered weights are resharded before the optimizer step
-    assert e.total == held + max(backward, e.gradients + e.optimizer_step)
+
+
+def test_total_of_a_hand_counted_step():
+    """Every byte of one fp32 step of a 2-layer model in one process, counted by hand from
+    what the step holds (the module docstrings of plan/estimate.py and plan/states.py), not
+    from the planner's own formulas."""
+    shape = ModelShape("t", 64, 2, 4, 4, 128, 256, False)  # H=64, 4 heads of 16, I=128, V=256
+    e = estimate_memory(shape, 1024, 1, "local", engine="replicated", checkpointing="none",
+                        dtype="fp32", loss_chunk=64, runtime_bytes=0, device="cpu")
+    # parameters: a layer has q, k, v, o (4 x 64 x 64 = 16384), gate/up/down (3 x 64 x 128 =
+    # 24576) and two norms (128): 41088; two layers, untied embeddings (2 x 256 x 64 = 32768)
+    # and the final norm (64): 115008
+    p = 115008
+    assert e.parameters == e.gradients == e.optimizer_step == 4 * p  # fp32; AdamW's temporary
+    assert e.optimizer == 8 * p  # two fp32 moments
+    assert e.gradients_in_backward == 4 * (256 * 64 + 41088)  # the head's and one layer's
+    # saved per token and layer: two norms (fp32 input 4 + normed 4 + output 4 bytes, x 64 =
+    # 768 each); attention: q, k, v, out (4 x 64 x 4 = 1024) and the lse (4 heads x 4 = 16);
+    # the MLP's gate, SiLU(gate), up and product (4 x 128 x 4 = 2048): 4624; over 2 layers,
+    # plus the final norm's 768 and the RoPE tables (2 x 16 x 4 = 128): 10144 per token
+    assert e.stored_activations == 10144 * 1024
+    # the last layer's MLP backward: the residual gradient in and out (2 x 64 x 4) and one
+    # 128-wide intermediate gradient (128 x 4): 1024 per token. Its attention half (q, k, v,
+    # out gradients and a kernel call's: 2304) fits in the 2816 the MLP's saved tensors free
+    assert e.mlp_backward == 1024 * 1024 and e.attention_backward == 0
+    # the loss: a 64-row block of fp32 logits (64 x 256 x 4), the head's gradient product
+    # (256 x 64 x 4), the hidden states' gradient (1024 x 64 x 4), the lse (1024 x 4)
+    assert e.loss == 65536 + 65536 + 262144 + 4096 < e.mlp_backward
+    # peak in backward: parameters, moments, the first gradients, every stored activation and
+    # the MLP backward; the optimizer step (gradients + its temporary) is smaller
+    assert e.total == 4 * p + 8 * p + 4 * (256 * 64 + 41088) + 10144 * 1024 + 1024 * 1024
+    assert e.total == 13_046_016
 
 
 def test_choose_method_reasons():
