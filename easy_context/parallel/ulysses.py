@@ -260,7 +260,7 @@ class _Arrived(torch.autograd.Function):
         for i, g in zip(pipe.members(c), grads):
             if pipe.grad_targets[i] is None:
                 pipe.grad_targets[i] = _seq_target(g, pipe.world, pipe.cut(i, c)[1])
-            posted.append(_post_to_seq(g.contiguous(), pipe.grad_targets[i], pipe.group,
+            posted.append(_post_to_seq(g, pipe.grad_targets[i], pipe.group,
                                        pipe.world, *pipe.cut(i, c)))
         pipe.grads[c] = posted
         return (None, None, *grads)  # placeholders: _ToHeads reads the transfers
