@@ -178,12 +178,18 @@ def _heads_to_seq(xs: list[Tensor], reps: list[int], group, world: int) -> list[
 # for all. Autograd reaches the stages in reverse order of their creation, the same on every
 # rank, so the transfers pair up in order as the ring's do. A node that passes a tensor on
 # before its transfer is waited on hands it only to the node that waits on it.
-# At most this many stages of heads, by device kind. CPU: one KV head a stage (the head-group
-# budget runs one KV head per kernel call there anyway, from a few thousand tokens up), so
-# every stage's exchange but the first hides behind attention and each head's sequence
-# arrives as one block. CUDA: two, unmeasured (no GPU pair here): a stage is one kernel launch
+# At most this many stages of heads, by device kind. CPU: up to one KV head a stage (the
+# head-group budget runs one KV head per kernel call there anyway, from a few thousand tokens
+# up), so every stage's exchange but the first hides behind attention, the receive buffers of
+# one stage are alive at a time (at 16K, 85 MB a rank against 104 in one stage) and each
+# head's sequence arrives as one block. CUDA: two, unmeasured (no GPU pair here): a stage is one kernel launch
 # per head group, and a stage of few heads over a short sequence would leave SMs idle.
 STAGES = {"cpu": 16, "cuda": 2}
+# ... and no more than one stage per this many bytes of the rank's query heads (the whole
+# sequence's): a stage's transfers have fixed costs (about 1 ms a message on gloo here) that
+# a short sequence's attention cannot hide. At 4K tokens and 4 heads a rank on this CPU, four
+# stages took 1.03x DeepSpeed's time and one 0.98x; from 8K on both are below it.
+STAGE_MIN_BYTES = 2 * 2**20
 
 
 def stage_limit(device: torch.device | str) -> int:
@@ -337,8 +343,8 @@ def ulysses_apply(q: Tensor, k: Tensor, v: Tensor, group, inner: Callable[..., T
                   sinks: Tensor | None = None, stages: int | None = None) -> Tensor:
     """All-to-all to head shards, ``inner(q, k, v, document_ids, sinks)`` on the whole
     sequence of the group (``sinks``: those of the call's query heads), all-to-all back; in
-    up to ``stages`` stages of heads (default: the device's :data:`STAGES`), each stage's exchange
-    overlapping another's attention."""
+    up to ``stages`` stages of heads, each stage's exchange overlapping another's attention
+    (default: the device's :data:`STAGES`, one per :data:`STAGE_MIN_BYTES` of query heads)."""
     check_inputs(q, k, v, document_ids, sinks)
     world = dist.get_world_size(group)
     rep = kv_replication(q.size(2), k.size(2), world, method)
@@ -346,7 +352,9 @@ def ulysses_apply(q: Tensor, k: Tensor, v: Tensor, group, inner: Callable[..., T
         return inner(q, k, v, document_ids, sinks)
     docs = gather_documents(document_ids, group, world)
     h, h_kv = q.size(2) // world, k.size(2) * rep // world
-    n = pipeline_stages(h, h_kv, stage_limit(q.device) if stages is None else stages)
+    if stages is None:
+        stages = min(stage_limit(q.device), max(1, q.numel() * q.element_size() // STAGE_MIN_BYTES))
+    n = pipeline_stages(h, h_kv, stages)
     kv_split = h_kv % n == 0 and n > 1
     pipe = _Pipeline(group, world, [1, rep, rep], n, [True, kv_split, kv_split])
     parts = list(_ToHeads.apply(pipe, q, k, v))

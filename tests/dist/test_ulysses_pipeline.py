@@ -19,12 +19,13 @@ CASES = [(shape, causal, dtype) for shape in [(1, 3, 8, 8, 16), (1, 3, 12, 4, 16
 
 
 def _with_stages(stages, method, ring_degree):
-    saved = dict(ulysses.STAGES)
-    ulysses.STAGES["cpu"] = stages
+    saved, least = dict(ulysses.STAGES), ulysses.STAGE_MIN_BYTES
+    ulysses.STAGES["cpu"], ulysses.STAGE_MIN_BYTES = stages, 1  # tiny tensors: stage them all
     try:
         return check_method(method, ring_degree, CASES)
     finally:
         ulysses.STAGES.update(saved)
+        ulysses.STAGE_MIN_BYTES = least
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
@@ -47,6 +48,32 @@ def test_stage_counts():
     assert ulysses.pipeline_stages(6, 3, 4) == 3
     assert ulysses.pipeline_stages(1, 1, 4) == 1
     assert ulysses.pipeline_stages(4, 2, 8) == 2
+
+
+def _default_stages(shape, dtype):
+    """The stages ulysses_apply picks by default for q of ``shape`` on this rank's CPU."""
+    got = []
+    q, k, v = (torch.zeros(shape, dtype=dtype) for _ in range(3))
+    real = ulysses._Pipeline.__init__
+
+    def record(self, group, world, reps, stages, splits):
+        got.append(stages)
+        real(self, group, world, reps, stages, splits)
+
+    ulysses._Pipeline.__init__ = record
+    try:
+        ulysses.ulysses_apply(q, k, v, dist.group.WORLD, lambda qh, kh, vh, d, s: qh)
+    finally:
+        ulysses._Pipeline.__init__ = real
+    return got[0]
+
+
+def test_default_stages_follow_the_size(dist2):
+    # 8 heads of 64 on 2 ranks, bf16: a rank's 4 heads of the whole sequence are 2 MiB at 4K
+    # tokens (one stage), 4 MiB at 8K (two), 8 MiB at 16K (four: one KV head each)
+    for length, stages in ((4096, 1), (8192, 2), (16384, 4), (65536, 4)):
+        got = dist2.run(_default_stages, (1, length // 2, 8, 64), torch.bfloat16)
+        assert got == [stages, stages], (length, got)
 
 
 def _schedule(stages: int):
