@@ -190,6 +190,8 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "deepspeed": _package_version("deepspeed"),
         "cuda": torch.cuda.is_available(),
+        # the instruction set of the CPU kernels torch runs (ATEN_CPU_CAPABILITY can lower it)
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "git_commit": _git_commit(),
         "env": {k: os.environ.get(k) for k in BENCH_ENV},
         "load_average_1_5_15": load_average(),
