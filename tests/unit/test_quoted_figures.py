@@ -123,6 +123,14 @@ def test_ulysses_against_deepspeed_table():
         for r in _results(name)["rows"]:
             if r["method"] == "ulysses_attn":
                 assert r["time_ratio_vs_deepspeed_spread"]["max"] < 1, (name, r["L"])
+    # the README's row: the paired medians and the peak ratio at 16K, on the CPU it names
+    rows = {(r["method"], r["L"]): r for r in _results("attention_ulysses_deepspeed_epyc.json")["rows"]}
+    p16, p32 = (rows[("ulysses_attn", n)]["time_ratio_vs_deepspeed_spread"]["median"]
+                for n in (16384, 32768))
+    peak = rows[("ulysses_attn", 16384)]["peak_mb"] / rows[("deepspeed_ulysses", 16384)]["peak_mb"]
+    assert (f"on an AMD EPYC (AVX-512 BF16) | {p16:.3f}x the time at 16K, {p32:.3f}x at 32K "
+            f"(per-round medians), {peak:.2f}x the peak memory per rank") in _text("README.md")
+    assert native["cpu"] == "AMD EPYC" and "AVX-512 BF16" in native["cpu_description"]
 
 
 def test_all_to_all_figures():
