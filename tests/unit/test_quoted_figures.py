@@ -133,6 +133,14 @@ def test_ulysses_against_deepspeed_table():
     assert native["cpu"] == "AMD EPYC" and "AVX-512 BF16" in native["cpu_description"]
 
 
+def test_readme_zigzag_row():
+    r = next(r for r in _results("attention.json")["rows"]
+             if (r["method"], r["L"], r["kv_heads"]) == ("zigzag_ring_attn", 16384, 8))
+    assert (f"| zigzag ring attention, 2 ranks vs one process, 16K tokens, bf16 | "
+            f"{r['time_ratio_vs_single']:.2f}x the time, {r['mem_ratio_vs_single']:.2f}x the peak "
+            f"memory per rank |") in _text("README.md")
+
+
 def test_all_to_all_figures():
     """The exchanges alone: ours and DeepSpeed's medians at 16K and 32K from both files, and
     the ratios the page gives for them."""

@@ -48,7 +48,6 @@ REGISTRY = RESULTS / "STALE.json"
 # written under another name (``--output``) and the script that wrote each:
 WRITTEN_BY = {
     "all_to_all_avx2.json": "all_to_all.py",
-    "attention_16k_recheck.json": "attention.py",
     "attention_sliding.json": "attention.py",
     "attention_ulysses_deepspeed.json": "attention.py",
     "attention_ulysses_deepspeed_epyc.json": "attention.py",
