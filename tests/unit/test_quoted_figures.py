@@ -133,6 +133,27 @@ def test_ulysses_against_deepspeed_table():
     assert native["cpu"] == "AMD EPYC" and "AVX-512 BF16" in native["cpu_description"]
 
 
+def test_sliding_window_table():
+    """Every line of the sliding-window table is attention_sliding.json's pair of rows."""
+    data = _results("attention_sliding.json")
+    rows = {r["method"]: r for r in data["rows"]}
+    page = (REPO / "docs" / "benchmarks.md").read_text()
+    lines = [l for l in page[page.index("| method | global | sliding |"):].split("\n\n")[0]
+             .splitlines()[2:]]
+    assert len(lines) == len(rows) // 2 == 8, lines
+    ratios = []
+    for line in lines:
+        m = line.strip("|").split("|")[0].strip()
+        g, w = rows[m], rows[f"{m}@window=512"]
+        assert line == (f"| {m} | {g['time_ms'] / 1e3:.2f} s | {w['time_ms'] / 1e3:.2f} s | "
+                        f"{w['time_ratio_vs_global']:.3f} | {w['computed_fraction']:.4f} | "
+                        f"{g['peak_mb']:.1f} / {w['peak_mb']:.1f} MB |"), line
+        ratios.append(w["time_ratio_vs_global"])
+    text = _text("docs/benchmarks.md")
+    assert (f"costs {100 * min(ratios):.0f}-{100 * max(ratios):.0f}% of the time here") in text
+    assert f"at commit {data['machine']['git_commit']}" in text
+
+
 def test_readme_zigzag_row():
     r = next(r for r in _results("attention.json")["rows"]
              if (r["method"], r["L"], r["kv_heads"]) == ("zigzag_ring_attn", 16384, 8))

@@ -52,6 +52,7 @@ WRITTEN_BY = {
     "attention_ulysses_deepspeed.json": "attention.py",
     "attention_ulysses_deepspeed_epyc.json": "attention.py",
     "attention_ulysses_deepspeed_epyc_avx2.json": "attention.py",
+    "attention_ulysses_deepspeed_epyc_short.json": "attention.py",
     "gpu_check_h200_cudnn.json": "gpu_check.py",
     "gpu_check_h200_first.json": "gpu_check.py",
     "gpu_check_h200_first_methods.json": "gpu_check.py",
