@@ -9,7 +9,9 @@ its figures stale. A file is stale when:
 - it records no commit or no CPU model (in any of its machine records);
 - a commit it records is not in this checkout's history (HEAD does not descend from it);
 - a path in ``MEASURES`` changed after a commit it records: in a commit HEAD has and that one
-  has not, or uncommitted in the working tree (what the tests are running against).
+  has not, or uncommitted in the working tree (what the tests are running against). For a
+  Python file the change must be to its code: comments and docstrings are left out of the
+  comparison (:func:`code_of`), since mending a comment changes no figure.
 
 A stale file must be listed in STALE.json ``{"file.json": "why, and what re-running it
 needs"}``; the entry of a file that records no commit or no CPU model says so in those words
@@ -172,6 +174,24 @@ def _git_usable() -> str | None:
     return None
 
 
+def code_of(source: str | None) -> str | None:
+    """A Python module's code as ``ast.dump`` gives it, docstrings left out (comments are not
+    in the tree); None for no file or one that does not parse."""
+    if source is None:
+        return None
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and body and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
 def _under(path: str, measures: tuple[str, ...]) -> bool:
     return any(path == m or path.startswith(m.rstrip("/") + "/") for m in measures)
 
@@ -205,6 +225,26 @@ class GitHistory:
     def in_history(self, commit: str) -> bool:
         return _git("merge-base", "--is-ancestor", commit, "HEAD", repo=self.repo).returncode == 0
 
+    def _at(self, commit: str, path: str) -> str | None:
+        """The file's text at ``commit``, or None where it did not exist."""
+        shown = _git("show", f"{commit}:{path}", repo=self.repo)
+        return shown.stdout if shown.returncode == 0 else None
+
+    def _now(self, path: str) -> str | None:
+        try:
+            return (self.repo / path).read_text()
+        except (OSError, UnicodeDecodeError):
+            return None
+
+    @lru_cache(maxsize=None)
+    def code_changed(self, commit: str, path: str) -> bool:
+        """Whether what runs changed: for a Python file, its code without comments and
+        docstrings (so mending a comment leaves the figures fresh); any other file, its text."""
+        before, now = self._at(commit, path), self._now(path)
+        if path.endswith(".py"):
+            return code_of(before) is None or code_of(before) != code_of(now)
+        return before is None or before != now
+
     @lru_cache(maxsize=None)
     def changed_since(self, commit: str, measures: tuple[str, ...]) -> str | None:
         if not self.in_history(commit):
@@ -212,13 +252,17 @@ class GitHistory:
         log = _git("log", "--format=%x01%h", "--name-only", f"{commit}..HEAD", "--", *measures,
                    repo=self.repo)
         assert log.returncode == 0, log.stderr
-        commits, files = [], []
+        touched: dict[str, list[str]] = {}  # commit -> the measured files it touched
         for line in log.stdout.splitlines():
             if line.startswith("\x01"):
-                commits.append(line[1:])
-            elif line.strip() and line not in files:
-                files.append(line)
-        dirty = sorted(p for p in self.dirty if _under(p, measures))
+                current = touched.setdefault(line[1:], [])
+            elif line.strip():
+                current.append(line)
+        files = sorted({f for fs in touched.values() for f in fs
+                        if f not in self.dirty and self.code_changed(commit, f)})
+        commits = [c for c, fs in touched.items() if set(fs) & set(files)]
+        dirty = sorted(p for p in self.dirty if _under(p, measures)
+                       and self.code_changed(commit, p))
         said = []
         if commits:
             said.append(f"{_listing(sorted(files))} changed since, in {len(commits)} "
@@ -393,3 +437,32 @@ def test_git_history_on_a_scratch_repository(tmp_path):
     (tmp_path / "pkg" / "new.py").write_text("")  # untracked
     why = GitHistory(tmp_path).changed_since(measured, ("pkg/a.py", "pkg/new.py"))
     assert why == "uncommitted changes to pkg/a.py, pkg/new.py"
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_comments_and_docstrings_do_not_make_results_stale(tmp_path):
+    def git(*args):
+        done = _git("-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false",
+                    *args, repo=tmp_path)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    def commit(text, path="pkg/m.py"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+        git("add", "-A")
+        git("commit", "-q", "-m", "change")
+        return git("rev-parse", "--short", "HEAD")
+
+    git("init", "-q")
+    measured = commit('"""A module."""\n\ndef f(x):\n    """Twice x."""\n    return 2 * x  # why\n')
+    commit('"""A module, reworded."""\n\n\ndef f(x):\n    """Twice x, said better."""\n'
+           '    # a new comment\n    return 2 * x  # why, mended\n')
+    assert GitHistory(tmp_path).changed_since(measured, ("pkg",)) is None
+    (tmp_path / "pkg" / "m.py").write_text('def f(x):\n    return 3 * x\n')  # uncommitted code
+    assert GitHistory(tmp_path).changed_since(measured, ("pkg",)) == "uncommitted changes to pkg/m.py"
+    newest = commit('def f(x):\n    return 3 * x\n')
+    why = GitHistory(tmp_path).changed_since(measured, ("pkg",))
+    assert why == f"pkg/m.py changed since, in 2 commits (newest {newest})", why
+    commit("a: 1\n", "pkg/config.yaml")  # not Python: any change counts
+    assert "pkg/config.yaml" in GitHistory(tmp_path).changed_since(newest, ("pkg",))
