@@ -178,12 +178,14 @@ def _heads_to_seq(xs: list[Tensor], reps: list[int], group, world: int) -> list[
 # for all. Autograd reaches the stages in reverse order of their creation, the same on every
 # rank, so the transfers pair up in order as the ring's do. A node that passes a tensor on
 # before its transfer is waited on hands it only to the node that waits on it.
+
 # At most this many stages of heads, by device kind. CPU: up to one KV head a stage (the
 # head-group budget runs one KV head per kernel call there anyway, from a few thousand tokens
-# up), so every stage's exchange but the first hides behind attention, the receive buffers of
-# one stage are alive at a time (at 16K, 85 MB a rank against 104 in one stage) and each
-# head's sequence arrives as one block. CUDA: two, unmeasured (no GPU pair here): a stage is one kernel launch
-# per head group, and a stage of few heads over a short sequence would leave SMs idle.
+# up): every stage's exchange but the first hides behind attention, and a stage of one head
+# (batch 1) is received in place, where a stage of several needs receive buffers and a copy
+# (at 16K, 85 MB a rank against 104 in one stage). CUDA: two, unmeasured (no GPU pair here):
+# a stage is one kernel launch per head group, and a stage of few heads over a short
+# sequence would leave SMs idle.
 STAGES = {"cpu": 16, "cuda": 2}
 # ... and no more than one stage per this many bytes of the rank's query heads (the whole
 # sequence's): a stage's transfers have fixed costs (about 1 ms a message on gloo here) that
