@@ -154,6 +154,35 @@ def test_sliding_window_table():
     assert f"at commit {data['machine']['git_commit']}" in text
 
 
+def test_trainer_figures():
+    """The growths, peaks and step-time ratios the Trainer guide and the README give in words
+    are hf_trainer.json's."""
+    data = _results("hf_trainer.json")
+    m = {(r["system"], r["seq_len"]): r for r in data["measured"]}
+    g = data["growth_mb"]
+    peak = lambda s, n: m[(s, n)]["peak_bytes"] / 2**20  # noqa: E731
+    # ours over easy-context train's same setup (ours-untiled / ec-train-untiled, ...)
+    ratio = lambda s, n: (m[(s, n)]["step_s"]  # noqa: E731
+                          / m[(s.replace("ours", "ec-train"), n)]["step_s"])
+    guide, readme = _text("docs/guides/trainer.md"), _text("README.md")
+    untiled, maxlen, alst = (g[s]["32768"] for s in ("ours-untiled", "ours-maxlen",
+                                                     "accelerate-ulysses"))
+    assert (f"Our growth from 2K to 32K is {untiled:.0f} MB untiled and {maxlen:.0f} MB in "
+            f"max-length mode, against {alst:.0f} MB") in guide
+    assert (f"peak at 32K is {peak('ours-untiled', 32768):.0f} / {peak('ours-maxlen', 32768):.0f}"
+            f" MB against {peak('accelerate-ulysses', 32768):.0f} MB") in guide
+    assert (f"untiled {ratio('ours-untiled', 2048):.3f}x, {ratio('ours-untiled', 16384):.3f}x and "
+            f"{ratio('ours-untiled', 32768):.3f}x at 2K, 16K and 32K, max-length mode "
+            f"{ratio('ours-maxlen', 2048):.3f}x, {ratio('ours-maxlen', 16384):.3f}x and "
+            f"{ratio('ours-maxlen', 32768):.3f}x") in guide
+    alst_over = [m[("accelerate-ulysses", n)]["step_s"] / m[("ours-untiled", n)]["step_s"]
+                 for n in (2048, 16384, 32768)]
+    assert f"ALST takes {min(alst_over):.2f}-{max(alst_over):.2f}x our untiled step time" in guide
+    assert (f"{maxlen:.0f} MB max-length, {untiled:.0f} MB untiled, against {alst:.0f} MB; step "
+            f"{ratio('ours-maxlen', 32768):.3f}x / {ratio('ours-untiled', 32768):.3f}x") in readme
+    assert all(t["result"] == "PASS" for t in data["targets"])
+
+
 def test_readme_zigzag_row():
     r = next(r for r in _results("attention.json")["rows"]
              if (r["method"], r["L"], r["kv_heads"]) == ("zigzag_ring_attn", 16384, 8))
