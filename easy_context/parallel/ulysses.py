@@ -15,19 +15,23 @@ Packed documents: the document ids of the group's whole sequence are all-gathere
 integer per token), and the local attention keeps the documents apart.
 
 The all-to-all is the hot path, so it is written here with point-to-point transfers rather
-than all_to_all_single: a rank's own 1/N never travels, and each tensor is copied once per
-direction in all, where DeepSpeed's DistributedAttention copies 1 + 1/N of it (it packs or
-unpacks the whole tensor, and the collective copies the own chunk once more). Towards
-heads, the chunks for the other ranks are packed (one copy per distinct head slice: a
-replicated KV head is packed once for its N/Hkv ranks) and the own chunk is copied straight
-into the output while they travel; for batch 1 each peer's tokens are received in place
-(the output is (B, N, s, h, D)), so nothing is unpacked. Back towards the sequence, chunks
-are sent as they lie (no copy for batch 1), the own one is copied into the output while the
-others travel, and each received chunk is copied into its heads once. On gloo this beat
-all_to_all_single and DeepSpeed's DistributedAttention side by side (benchmarks/attention.py,
-benchmarks/all_to_all.py for the exchanges alone); fusing q, k, v into one buffer saved no
-time but forced either an unpacking copy or head-strided inputs (a slower kernel), and the
-list form of all_to_all was slower still.
+than all_to_all_single: a rank's own 1/N never travels, and each tensor is copied about once
+per direction, where DeepSpeed's DistributedAttention copies 1 + 1/N of it (it packs or
+unpacks the whole tensor, and the collective copies the own chunk once more). Everything is
+laid out heads first: the received heads as (B, h, N*s, D) in memory, each head's whole
+sequence one block (the CPU flash kernel reads that 5-7% faster than rows strided by the
+heads, which is what the all_to_all_single layout gives it), and the messages as
+(B, h, s, D). Towards heads, the chunks for the other ranks are packed (one copy per
+distinct head slice: a replicated KV head is packed once for its N/Hkv ranks) and the own
+chunk is copied straight into the output while they travel; for batch 1 and one head a stage
+each peer's tokens are received in place, more heads are received into a buffer and copied
+once. Back towards the sequence, a kernel's heads-first result of one head is sent as it lies
+(batch 1), the own chunk is copied into the output while the others travel, and each received
+chunk is copied into its heads once. Side by side on this project's CPU (benchmarks/attention.py)
+this beat DeepSpeed's DistributedAttention, inside the same kernel; the exchanges alone
+(benchmarks/all_to_all.py) beat it too, by less than before the heads-first layout, which
+costs them a transposing copy. Fusing q, k, v into one buffer saved no time but forced either
+an unpacking copy or head-strided inputs, and the list form of all_to_all was slower still.
 
 The exchange runs in stages of heads (:data:`STAGES`, :func:`pipeline_stages`): every
 stage's q, k and v are posted at once, and stage c is attended as soon as its own have
@@ -210,7 +214,8 @@ class _Pipeline:
     """One Ulysses call's transfers between its autograd nodes (see the comment above)."""
 
     def __init__(self, group, world: int, reps: list[int], stages: int, splits: list[bool]):
-        self.group, self.world, self.reps, self.stages, self.splits = group, world, reps, stages, splits
+        self.group, self.world, self.reps, self.stages, self.splits = (group, world, reps,
+                                                                       stages, splits)
         self.arriving: list = [None] * stages  # per stage: its inputs' transfers to heads
         self.leaving: list = [None] * stages  # per stage: its output's transfers to the sequence
         self.out: Tensor | None = None  # the output's (B, s, N, h, Dv)
