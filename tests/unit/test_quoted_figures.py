@@ -183,6 +183,26 @@ def test_trainer_figures():
     assert all(t["result"] == "PASS" for t in data["targets"])
 
 
+def test_trainer_2k_rounds_figures():
+    """The 2K medians and spreads the Trainer guide gives in words, from the two round files."""
+    def med(name):
+        return {r["system"]: r for r in _results(name)["measured"]}
+
+    def fig(rows, ours, theirs):
+        a, b = rows[ours], rows[theirs]
+        return (f"{a['step_s'] / b['step_s']:.3f}x", f"{a['step_s']:.2f}", f"{b['step_s']:.2f}",
+                f"{a['step_s_min']:.2f}-{a['step_s_max']:.2f}",
+                f"{b['step_s_min']:.2f}-{b['step_s_max']:.2f}")
+    rounds, pair = med("hf_trainer_2k_repeats.json"), med("hf_trainer_2k_maxlen.json")
+    u = fig(rounds, "ours-untiled", "ec-train-untiled")
+    m = fig(rounds, "ours-maxlen", "ec-train-maxlen")
+    p = fig(pair, "ours-maxlen", "ec-train-maxlen")
+    guide = _text("docs/guides/trainer.md")
+    assert (f"untiled {u[0]} ({u[1]} s against {u[2]} s; the rounds spread {u[3]} and {u[4]} s), "
+            f"max-length mode {m[0]} ({m[1]} against {m[2]} s; {m[3]} and {m[4]} s), and the "
+            f"pair alone {p[0]} ({p[1]} against {p[2]} s; {p[3]} and {p[4]} s)") in guide
+
+
 def test_readme_zigzag_row():
     r = next(r for r in _results("attention.json")["rows"]
              if (r["method"], r["L"], r["kv_heads"]) == ("zigzag_ring_attn", 16384, 8))
