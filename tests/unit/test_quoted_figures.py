@@ -341,10 +341,11 @@ def test_max_length_guide_quotes_the_asserted_tolerances():
     same = _function(train_source, train_tree, "_same")
     assert "abs(got[0] - want[0]) <= 1e-6 * abs(want[0])" in same
     assert "abs(g - w) <= 1e-4 * abs(w)" in same
+    assert "abs(norms[0][0] - norms[1][0]) <= 1e-5 * norms[1][0]" in same
     text = _text("docs/guides/max-length.md")
     assert "measured ~" not in text
     assert (f"tests/dist/test_maxlen.py asserts, in fp32, the loss within {tol:.0e} relative "
             f"and each parameter's gradient within {tol:.0e} of its largest |gradient|") \
         .replace("e-05", "e-5") in text
     assert ("first-step loss is within 1e-6 relative of the untiled trainer's, later steps "
-            "within 1e-4") in text
+            "within 1e-4, and its first-step gradient norm within 1e-5") in text
