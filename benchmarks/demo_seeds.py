@@ -82,7 +82,9 @@ def run_seed(seed: int, folder: Path, nproc: int) -> dict:
         "wall_s": wall, "cpu_s": sum(t["cpu_s"] for t in timings.values()),
         "idle_estimate_s": sum(t["cpu_s"] / t["processes"] for t in timings.values()),
         "load_average_start": load_start, "load_average_end": load_average(),
-        "phases": timings, "finished": now_iso()}
+        "phases": timings, "finished": now_iso(),
+        # each run its own record: the file merges runs of several calls (other kernels)
+        "machine": machine_info()}
 
 
 def aggregate(rows: list[dict]) -> dict:

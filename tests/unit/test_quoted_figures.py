@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import statistics
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -274,6 +275,52 @@ def test_demo_seeds_claims():
     assert (f"gave {generic['needle_4x_before']:.0%} before, {generic['needle_4x_after']:.0%} "
             f"after, {generic['digits_4x_before']:.0%} -> {generic['digits_4x_after']:.0%} of "
             f"digits, {minutes} min {seconds} s wall") in text
+
+
+def test_demo_figures_in_the_readme():
+    """The README's demo figures are the native-kernel seeds of demo_seeds.json."""
+    agg = _results("demo_seeds.json")["aggregate"]
+    walls = [r["wall_s"] for r in _results("demo_seeds.json")["runs"] if r["kernels"] == "native"]
+    b, a = agg["needle_4x_before"], agg["needle_4x_after"]
+    before = f"{b['min']:.0%}-{b['max']:.0%}".replace("%-", "-")
+    after = f"{a['min']:.0%}-{a['max']:.0%}".replace("%-", "-")
+    readme = _text("README.md")
+    assert (f"went from {before} to {after} over five seeds (median {a['median']:.0%}), in about "
+            f"{round(statistics.median(walls) / 60)} minutes each") in readme
+    assert f"| {before} before, {after} after (five seeds, median {a['median']:.0%}) |" in readme
+    assert agg["seeds"] == [0, 1, 2, 3, 4] and all(agg["targets"].values())
+
+
+def test_demo_table_and_figures():
+    """The demo table's native rows and the figures around it, from demo_seeds.json."""
+    data = _results("demo_seeds.json")
+    nat = [r for r in data["runs"] if r["kernels"] == "native"]
+    page = (REPO / "docs" / "benchmarks.md").read_text()
+    for r in nat:
+        m, sec = divmod(round(r["wall_s"]), 60)
+        line = (f"| {r['seed']} | {r['needle_4x_before']:.0%} | {r['needle_4x_after']:.0%} | "
+                f"{r['needle_first_before']:.0%} -> {r['needle_first_after']:.0%} | "
+                f"{r['digits_4x_before']:.0%} -> {r['digits_4x_after']:.0%} | "
+                f"{r['ppl_4x_before']:.3f} -> {r['ppl_4x_after']:.3f} | {m} min {sec} s |")
+        assert line in page, line
+    agg, text = data["aggregate"], _text("docs/benchmarks.md")
+    a, b = agg["needle_4x_after"], agg["needle_4x_before"]
+    assert (f"median {a['median']:.0%}, worst {a['worst']:.0%} (targets 80% and 60%: met); "
+            f"before it {b['min']:.0%}-{b['max']:.0%}".replace("%-", "-")) in text
+    idle = sorted(r["idle_estimate_s"] for r in nat)
+    lo, hi = (divmod(round(x), 60) for x in (idle[0], idle[-1]))
+    assert f"is {lo[0]} min {lo[1]} s to {hi[0]} min {hi[1]} s (target <= 10 min: met)" in text
+    build = [r["phases"]["build"]["wall_s"] for r in nat]
+    assert f"corpora ({int(min(build))}-{math.ceil(max(build))} s)" in text
+    k1024 = [r["needle_by_length_before"]["1024"] for r in nat]
+    far = [v for r in nat for k, v in r["needle_by_length_before"].items() if int(k) >= 1280]
+    after = [v for r in nat for v in r["needle_by_length_after"].values()]
+    assert (f"finds {min(k1024):.0%}-{max(k1024):.0%} of the needles at 1024 tokens and "
+            f"{min(far):.0%}-{max(far):.0%} from 1280 on; after it, {min(after):.0%}-{max(after):.0%} "
+            "at every length in each seed").replace("%-", "-") in text
+    (commit,) = {r["machine"]["git_commit"] for r in nat}  # the five seeds: one call
+    assert f"measured at commit {commit}" in text
+    assert all(r["machine"]["git_commit"] for r in data["runs"])
 
 
 # ------------------------------------------------------------ planner guide and README
