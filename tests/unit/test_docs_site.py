@@ -86,6 +86,12 @@ def test_the_generation_table_is_the_benchmark_file():
         text = (REPO / page).read_text()
         assert cache in text and decode in text, page
     assert payload["tokens_equal"] is True
+    # the guide's words on decode at 16K and on prefill at both lengths
+    one = {r["length"]: r for r in payload["measured"] if r["system"] == "transformers-1-process"}
+    assert f"{ours[16384]['decode_ratio']:.3f}x at 16K" in guide
+    text = " ".join(guide.split())
+    assert (f"({ours[32768]['prefill_s']:.1f} s against {one[32768]['prefill_s']:.1f} s at 32K, "
+            f"{ours[16384]['prefill_s']:.1f} s against {one[16384]['prefill_s']:.1f} s at 16K)") in text
 
 
 def test_the_gpu_table_is_the_h200_result_files():
