@@ -5,8 +5,9 @@ the kernel's per-block gradients, the float32 dq sum, gathered K/V): several tim
 memory of the bf16 tensors themselves. Attention heads are independent, so the same method
 run on a few KV heads (and their query heads) at a time gives identical results while those
 buffers shrink by the number of groups. The cost is more, smaller messages and kernel calls:
-negligible on a CPU (microseconds per call against milliseconds of compute), but on a GPU
-32 groups (Llama-2) would launch 32 x N small kernels and transfers per layer.
+a few percent on a CPU (8K tokens on 2 ranks, one pass per KV head against one for all 8:
+1.04-1.07x the time, half the peak; benchmarks/head_groups.py), but on a GPU 32 groups
+(Llama-2) would launch 32 x N small kernels and transfers per layer.
 
 So the group size comes from a byte budget for those buffers: the most KV heads whose
 buffers (the method's own formula, ``Method.group_buffers``) fit, all of them when they fit

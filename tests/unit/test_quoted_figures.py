@@ -204,6 +204,28 @@ def test_trainer_2k_rounds_figures():
             f"pair alone {p[0]} ({p[1]} against {p[2]} s; {p[3]} and {p[4]} s)") in guide
 
 
+def test_head_groups_tables():
+    """Both head-group tables and the cost of one pass per KV head, from head_groups.json."""
+    data = _results("head_groups.json")
+    page = (REPO / "docs" / "benchmarks.md").read_text()
+    for r in data["measured"]:
+        assert (f"| {r['method']} | {r['L'] // 1024}K | {r['kv_heads_per_pass']} | "
+                f"{r['passes_per_layer']} | {r['time_s']:.2f} | {r['peak_mb']:.0f} |") in page, r
+    plan: dict = {}
+    for r in data["planned_gpu"]:
+        plan.setdefault((r["model"], r["tokens_per_rank"]), {})[r["method"]] = \
+            f"{r['kv_heads_per_pass']} of {r['kv_heads']}"
+    for (model, tokens), v in plan.items():
+        assert (f"| {model} | {tokens // 1024}K | {v['zigzag_ring_attn']} | {v['dist_flash_attn']}"
+                f" | {v['allgather_attn']} |") in page
+    by = {(r["method"], r["kv_heads_per_pass"]): r["time_s"] for r in data["measured"]}
+    cost = [by[(m, 1)] / by[(m, 8)] for m in ("zigzag_ring_attn", "ring_attn")]
+    assert f"{round(100 * min(cost) - 100)}-{round(100 * max(cost) - 100)}% more time" in _text(
+        "docs/benchmarks.md")
+    assert (f"1.0{round(100 * min(cost) - 100)}-1.0{round(100 * max(cost) - 100)}x the time"
+            in " ".join((REPO / "easy_context/parallel/head_groups.py").read_text().split()))
+
+
 def test_readme_zigzag_row():
     r = next(r for r in _results("attention.json")["rows"]
              if (r["method"], r["L"], r["kv_heads"]) == ("zigzag_ring_attn", 16384, 8))
