@@ -220,6 +220,17 @@ def test_readme_documents_per_call_row():
             f"micro-batch) |") in _text("README.md")
 
 
+def test_loss_memory_figures():
+    d = _results("loss_memory.json")
+    c, l = d["chunked"], d["logits"]
+    assert (f"Chunked loss peak {c['peak_mb']:.0f} MB against {l['peak_mb']:.0f} MB through the "
+            f"logits: **{d['memory_ratio_chunked_over_logits']:.3f}x** (target <= 0.1), the same "
+            f"loss value, {c['time_s']:.1f} s against {l['time_s']:.1f} s for forward + backward; "
+            f"measured with {d['chunk_size']}-row chunks at commit {d['machine']['git_commit']}"
+            ) in _text("docs/benchmarks.md")
+    assert d["loss_rel_diff"] == 0.0 and d["meets_target"]
+
+
 def test_readme_zigzag_row():
     r = next(r for r in _results("attention.json")["rows"]
              if (r["method"], r["L"], r["kv_heads"]) == ("zigzag_ring_attn", 16384, 8))
