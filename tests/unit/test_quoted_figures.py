@@ -231,6 +231,24 @@ def test_loss_memory_figures():
     assert d["loss_rel_diff"] == 0.0 and d["meets_target"]
 
 
+def test_train_memory_table():
+    d = _results("train_memory.json")
+    by = {(r["mode"], r["kind"], r["n"], r["length"]): r for r in d["rows"]}
+
+    def pk(key):
+        return f"{by[key]['step_peak_mb']:.0f} MB" if by.get(key, {}).get("ok") else "-"
+    page = (REPO / "docs" / "benchmarks.md").read_text()
+    for n in (8192, 16384, 32768):
+        assert (f"| {n // 1024}K | {pk(('ours', 'full', 1, n))} | {pk(('ours', 'full', 2, n))} | "
+                f"{pk(('plain', 'none', 1, n))} | {pk(('plain', 'hf_checkpointing', 1, n))} |"
+                ) in page
+    t = {x["target"]: x for x in d["targets"]}
+    assert (f"At 32K: N=2 / N=1 = {t['T1']['ratio']:.2f} (target <= 0.6), ours / plain = "
+            f"{t['T2']['ratio']:.3f} (target <= 0.15), activation memory 32K / 16K = "
+            f"{t['T3']['ratio']:.2f} (target <= 2.1): all three pass") in _text("docs/benchmarks.md")
+    assert all(x["result"] == "PASS" for x in t.values())
+
+
 def test_readme_zigzag_row():
     r = next(r for r in _results("attention.json")["rows"]
              if (r["method"], r["L"], r["kv_heads"]) == ("zigzag_ring_attn", 16384, 8))
