@@ -77,6 +77,17 @@ def test_packed_documents_table():
             in text)
 
 
+def _trainer_validation() -> tuple[int, str]:
+    """(runs, '0.7-9.7%'): plan_validation.json's trainer runs, prediction over measured."""
+    data = _results("plan_validation.json")
+    rows = data["trainer_rows"]
+    assert all(r["ok"] for r in rows) and data["trainer_all_within_tolerance"]
+    over = [r["predicted_mb"] / r["measured_mb"] - 1 for r in rows]
+    assert all(abs(o - r["error"]) < 1e-9 for o, r in zip(over, rows))
+    assert min(over) > 0  # every prediction above its measurement: "above" is right
+    return len(rows), _pct_range(over)
+
+
 def _ulysses_row(path: str, length: int, first: str) -> str:
     """The Ulysses-against-DeepSpeed table's line for one file and length, from its rows."""
     rows = {r["method"]: r for r in _results(path)["rows"] if r["L"] == length}
@@ -118,6 +129,20 @@ def test_ulysses_against_deepspeed_table():
     assert (f"on an AMD EPYC (AVX-512 BF16) | {p16:.3f}x the time at 16K, {p32:.3f}x at 32K "
             f"(per-round medians), {peak:.2f}x the peak memory per rank") in _text("README.md")
     assert native["cpu"] == "AMD EPYC" and "AVX-512 BF16" in native["cpu_description"]
+    # the AMX Xeon of issue 29: its rows, and ours below DeepSpeed in every kept round
+    xeon = _results("attention_ulysses_deepspeed_xeon.json")
+    assert "AMX" in xeon["machine"]["cpu_description"] and xeon["machine"]["cpu_capability"] == "AVX512"
+    cpu = f"{xeon['machine']['cpu_description']} ({xeon['machine']['cpu_capability']})"
+    for line in (_ulysses_row("attention_ulysses_deepspeed_xeon.json", 16384, cpu),
+                 _ulysses_row("attention_ulysses_deepspeed_xeon.json", 32768, "same")):
+        assert line in page, line
+    rows = {(r["method"], r["L"]): r for r in xeon["rows"]}
+    x16, x32 = (rows[("ulysses_attn", n)]["time_ratio_vs_deepspeed_spread"] for n in (16384, 32768))
+    assert x16["max"] < 1 and x32["max"] < 1
+    xpeak = rows[("ulysses_attn", 16384)]["peak_mb"] / rows[("deepspeed_ulysses", 16384)]["peak_mb"]
+    assert (f"on an Intel Xeon with AMX | {x16['median']:.3f}x the time at 16K, "
+            f"{x32['median']:.3f}x at 32K (per-round medians), {xpeak:.2f}x the peak memory per "
+            "rank") in _text("README.md")
 
 
 def test_sliding_window_table():
@@ -273,6 +298,25 @@ def test_all_to_all_figures():
             f"32K (AVX2: {figures[2]}, {figures[3]} ms)") in text
     assert f"{min(ratios):.2f}-{max(ratios):.2f}x now" in text
     assert _results("all_to_all_avx2.json")["machine"]["cpu_capability"] == "AVX2"
+    # the same on the AMX Xeon, with the fused all_to_all_single beside them
+    figures, ratios, fused = [], [], []
+    for name in ("all_to_all_xeon.json", "all_to_all_xeon_avx2.json"):
+        data = _results(name)
+        assert "AMX" in data["machine"]["cpu_description"]
+        rows = {(r["contender"], r["L"]): r for r in data["rows"]}
+        for length in (16384, 32768):
+            ours, ds = rows[("ours", length)]["time_ms"], rows[("deepspeed", length)]["time_ms"]
+            figures.append(f"{ours:.1f} against {ds:.1f}")
+            ratios.append(ours / ds)
+            if name == "all_to_all_xeon.json":
+                fused.append(f"{rows[('fused', length)]['time_ms']:.1f}")
+    assert _results("all_to_all_xeon_avx2.json")["machine"]["cpu_capability"] == "AVX2"
+    (o16, d16), (o32, d32) = (f.split(" against ") for f in figures[:2])
+    text = " ".join(text.split())
+    assert (f"ours {o16} against DeepSpeed's {d16} ms at 16K and {o32} against {d32} ms at 32K "
+            f"(AVX2: {figures[2]}, {figures[3]} ms), {min(ratios):.2f}-{max(ratios):.2f}x; one "
+            f"fused `all_to_all_single` of the same tensors (`fused`) took {fused[0]} and "
+            f"{fused[1]} ms") in text
 
 
 def test_maxlen_section_names_the_file_that_holds_predictions():

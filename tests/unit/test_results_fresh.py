@@ -50,11 +50,12 @@ REGISTRY = RESULTS / "STALE.json"
 # written under another name (``--output``) and the script that wrote each:
 WRITTEN_BY = {
     "all_to_all_avx2.json": "all_to_all.py",
+    "all_to_all_xeon.json": "all_to_all.py",
+    "all_to_all_xeon_avx2.json": "all_to_all.py",
     "attention_sliding.json": "attention.py",
-    "attention_ulysses_deepspeed.json": "attention.py",
     "attention_ulysses_deepspeed_epyc.json": "attention.py",
     "attention_ulysses_deepspeed_epyc_avx2.json": "attention.py",
-    "attention_ulysses_deepspeed_epyc_short.json": "attention.py",
+    "attention_ulysses_deepspeed_xeon.json": "attention.py",
     "gpu_check_h200_cudnn.json": "gpu_check.py",
     "gpu_check_h200_first.json": "gpu_check.py",
     "gpu_check_h200_first_methods.json": "gpu_check.py",
