@@ -364,6 +364,8 @@ def test_demo_seeds_claims():
     assert (f"gave {generic['needle_4x_before']:.0%} before, {generic['needle_4x_after']:.0%} "
             f"after, {generic['digits_4x_before']:.0%} -> {generic['digits_4x_after']:.0%} of "
             f"digits, {minutes} min {seconds} s wall") in text
+    assert "AMX" in generic["machine"]["cpu_description"]
+    assert f"made on the AMX Xeon at commit {generic['machine']['git_commit']}" in text
 
 
 def test_demo_figures_in_the_readme():
