@@ -117,10 +117,12 @@ def test_resume_skips_finished_stages_and_continues_an_interrupted_one(tmp_path,
     assert dist1.run(_run, path, root)[0] == json.loads(json.dumps(first))
     assert _snapshot(out) == before
 
-    # Interrupt stage "two" after its step-2 checkpoint: no done marker, no export, no step 4.
+    # Interrupt stage "two" after its step-3 log line: the last checkpoint is step 2's, no done
+    # marker, no export, no step 4 (neither its checkpoint nor its log line).
     ckpt = out / "two" / "checkpoints"
     assert (ckpt / "step_0000002").is_dir()
     shutil.rmtree(ckpt / "step_0000004")
+    (out / "two" / "metrics.jsonl").write_text("".join(l + "\n" for l in two_metrics[:3]))
     (ckpt / "latest").write_text("step_0000002")
     shutil.rmtree(out / "two" / "final_model")
     for name in ("two", "rope"):
@@ -135,6 +137,7 @@ def test_resume_skips_finished_stages_and_continues_an_interrupted_one(tmp_path,
     # with new timings); steps 3-4 are recomputed from the checkpoint and match the first run.
     assert resumed[:2] == two_metrics[:2]
     assert len(resumed) == len(two_metrics) == 4  # the resumed stage wrote its steps 3-4
+    assert (ckpt / "step_0000004").is_dir()  # ... and trained them: it saved step 4 again
     for old, new in zip(two_metrics[2:], resumed[2:]):
         old, new = json.loads(old), json.loads(new)
         assert new["step"] == old["step"]
