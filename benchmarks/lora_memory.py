@@ -106,7 +106,7 @@ def predict(m: pv.TinyLlama, p: pv.Point, runtime_bytes: int, lora: bool):
     return estimate_memory(pv.model_shape(m), p.seq_len, p.world_size, p.method,
                            engine="replicated", offload="none", checkpointing=p.checkpointing,
                            dtype="fp32", loss_chunk=p.chunk_size, runtime_bytes=runtime_bytes,
-                           lora=LoRASpec(RANK) if lora else None)
+                           lora=LoRASpec(RANK) if lora else None, device="cpu")
 
 
 def main() -> None:

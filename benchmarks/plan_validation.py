@@ -182,7 +182,7 @@ def predict(m: TinyLlama, p: Point, runtime_bytes: int):
 
     return estimate_memory(model_shape(m), p.seq_len, p.world_size, p.method, engine="replicated",
                            offload="none", checkpointing=p.checkpointing, dtype="fp32",
-                           loss_chunk=p.chunk_size, runtime_bytes=runtime_bytes)
+                           loss_chunk=p.chunk_size, runtime_bytes=runtime_bytes, device="cpu")
 
 
 def calibrate() -> dict:
@@ -357,7 +357,8 @@ def main() -> None:
               f"  error {100 * row['error']:+6.1f}%  (above runtime {100 * row['error_above_runtime']:+6.1f}%)"
               f"  {row['seconds']:.0f} s", flush=True)
     rows = common.merge_rows(old.get("rows", []), rows, key=lambda r: r["key"])
-    payload = {"what": "per-rank peak RSS of one steady-state fp32 training step vs the planner",
+    # **old: the --trainer run's keys (trainer_*) stay as that run wrote them
+    payload = {**old, "what": "per-rank peak RSS of one steady-state fp32 training step vs the planner",
                "model": asdict(m), "tolerance": TOLERANCE, "calibration": calib,
                "machine": common.machine_info(), "date": common.now_iso(), "rows": rows,
                "max_abs_error": max(abs(r["error"]) for r in rows),
