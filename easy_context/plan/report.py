@@ -231,7 +231,7 @@ def lora_how_far_markdown() -> str:
            "bf16; the 4-bit base is on every GPU whole (not sharded), which beats a sharded "
            "bf16 base below 4 GPUs. LoRA steps of a tiny Llama on CPU peaked within 4.5% of "
            "these predictions (4 configurations, each prediction 1.8-4.5% below the measured "
-           "peak; `benchmarks/results/lora_memory.json`, measured on an Intel Xeon with AMX): "
+           "peak; `benchmarks/results/lora_memory.json`), measured on an Intel Xeon with AMX: "
            "a LoRA step holds a little more than the planner counts, so leave that margin.", ""]
     for title, kw, lora in LORA_TABLE_SETUPS:
         out += _longest_table(title, budget, dict(kw, lora=LoRASpec(**lora)))
