@@ -114,10 +114,10 @@ def test_cli_writes_results_and_heatmap(tmp_path_factory, tmp_path, monkeypatch)
 def test_trained_tiny_model_beats_chance(trained_needle_model):
     """The tiny model (600 copy-curriculum steps, 200 retrieval steps, 1-2 minutes) retrieves:
     answer digits right and exact matches far above guessing (1 in 10 digits; 1 in 648
-    numbers). The floors sit well below the worst of the 9 runs recorded by
-    benchmarks/needle_test_margin.py (results/needle_test_margin.json: seeds 0-4 on 1
-    thread, seeds 0-1 on 2, seeds 0 and 4 with ATEN_CPU_CAPABILITY=default; digits right
-    0.87-1.0, exact 0.70-1.0), so a machine whose kernels train it differently still passes."""
+    numbers). The floors sit below the worst of the 12 runs recorded by
+    benchmarks/needle_test_margin.py (results/needle_test_margin.json: seeds 0-4 on 1 and 2
+    threads on an AMX Xeon, seeds 0 and 4 with ATEN_CPU_CAPABILITY=default; digits right
+    0.80-0.98, exact 0.57-0.93), so a machine whose kernels train it differently still passes."""
     scores = trained_model_scores(trained_needle_model)
     assert scores["token_accuracy"] >= 0.5, scores
     assert scores["exact"] >= 0.3 and scores["exact"] > 100 * scores["chance_exact"], scores
