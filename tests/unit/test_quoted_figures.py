@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import re
 import statistics
 from pathlib import Path
 
@@ -104,45 +105,50 @@ def _ulysses_row(path: str, length: int, first: str) -> str:
             f"{max(ours['kernel_ms_per_rank']) / 1e3:.2f} / {max(ds['kernel_ms_per_rank']) / 1e3:.2f} s |")
 
 
+def _ulysses_readme_claim(name: str, machine: str) -> str:
+    """The README's Ulysses-against-DeepSpeed sentence for one file: the per-round medians at
+    16K and 32K and the peak ratio at 16K; ours below DeepSpeed in every kept round."""
+    rows = {(r["method"], r["L"]): r for r in _results(name)["rows"]}
+    s16, s32 = (rows[("ulysses_attn", n)]["time_ratio_vs_deepspeed_spread"] for n in (16384, 32768))
+    assert s16["max"] < 1 and s32["max"] < 1, name
+    peak = rows[("ulysses_attn", 16384)]["peak_mb"] / rows[("deepspeed_ulysses", 16384)]["peak_mb"]
+    return (f"on {machine} | {s16['median']:.3f}x the time at 16K, {s32['median']:.3f}x at 32K "
+            f"(per-round medians), {peak:.2f}x the peak memory per rank")
+
+
 def test_ulysses_against_deepspeed_table():
     """Each line of the Ulysses / DeepSpeed table is its file's rows; the CPU and kernels it
     names are the file's record; ours is below DeepSpeed in every kept round."""
     page = (REPO / "docs" / "benchmarks.md").read_text()
+    readme = _text("README.md")
     native = _results("attention_ulysses_deepspeed_epyc.json")["machine"]
     avx2 = _results("attention_ulysses_deepspeed_epyc_avx2.json")["machine"]
+    xeon = _results("attention_ulysses_deepspeed_xeon.json")["machine"]
     assert avx2["cpu_description"] == native["cpu_description"]
     assert native["cpu_capability"] == "AVX512" and avx2["cpu_capability"] == "AVX2"
-    cpu = f"{native['cpu_description']} ({native['cpu_capability']})"
-    for line in (_ulysses_row("attention_ulysses_deepspeed_epyc.json", 16384, cpu),
-                 _ulysses_row("attention_ulysses_deepspeed_epyc.json", 32768, "same"),
-                 _ulysses_row("attention_ulysses_deepspeed_epyc_avx2.json", 16384, "same (AVX2)")):
-        assert line in page, line
-    for name in ("attention_ulysses_deepspeed_epyc.json", "attention_ulysses_deepspeed_epyc_avx2.json"):
+    assert native["cpu"] == "AMD EPYC" and "AVX-512 BF16" in native["cpu_description"]
+    # the AMX Xeon of issue 29
+    assert "AMX" in xeon["cpu_description"] and xeon["cpu_capability"] == "AVX512"
+
+    def cpu(m):
+        return f"{m['cpu_description']} ({m['cpu_capability']})"
+    # the page's lines: each file's first line names its CPU, the next ones say "same"
+    lines = [_ulysses_row("attention_ulysses_deepspeed_epyc.json", 16384, cpu(native)),
+             _ulysses_row("attention_ulysses_deepspeed_epyc.json", 32768, "same"),
+             _ulysses_row("attention_ulysses_deepspeed_epyc_avx2.json", 16384, "same (AVX2)"),
+             _ulysses_row("attention_ulysses_deepspeed_xeon.json", 16384, cpu(xeon)),
+             _ulysses_row("attention_ulysses_deepspeed_xeon.json", 32768, "same")]
+    for name in ("attention_ulysses_deepspeed_epyc.json", "attention_ulysses_deepspeed_epyc_avx2.json",
+                 "attention_ulysses_deepspeed_xeon.json"):
         for r in _results(name)["rows"]:
             if r["method"] == "ulysses_attn":
                 assert r["time_ratio_vs_deepspeed_spread"]["max"] < 1, (name, r["L"])
-    # the README's row: the paired medians and the peak ratio at 16K, on the CPU it names
-    rows = {(r["method"], r["L"]): r for r in _results("attention_ulysses_deepspeed_epyc.json")["rows"]}
-    p16, p32 = (rows[("ulysses_attn", n)]["time_ratio_vs_deepspeed_spread"]["median"]
-                for n in (16384, 32768))
-    peak = rows[("ulysses_attn", 16384)]["peak_mb"] / rows[("deepspeed_ulysses", 16384)]["peak_mb"]
-    assert (f"on an AMD EPYC (AVX-512 BF16) | {p16:.3f}x the time at 16K, {p32:.3f}x at 32K "
-            f"(per-round medians), {peak:.2f}x the peak memory per rank") in _text("README.md")
-    assert native["cpu"] == "AMD EPYC" and "AVX-512 BF16" in native["cpu_description"]
-    # the AMX Xeon of issue 29: its rows, and ours below DeepSpeed in every kept round
-    xeon = _results("attention_ulysses_deepspeed_xeon.json")
-    assert "AMX" in xeon["machine"]["cpu_description"] and xeon["machine"]["cpu_capability"] == "AVX512"
-    cpu = f"{xeon['machine']['cpu_description']} ({xeon['machine']['cpu_capability']})"
-    for line in (_ulysses_row("attention_ulysses_deepspeed_xeon.json", 16384, cpu),
-                 _ulysses_row("attention_ulysses_deepspeed_xeon.json", 32768, "same")):
+    for line in lines:
         assert line in page, line
-    rows = {(r["method"], r["L"]): r for r in xeon["rows"]}
-    x16, x32 = (rows[("ulysses_attn", n)]["time_ratio_vs_deepspeed_spread"] for n in (16384, 32768))
-    assert x16["max"] < 1 and x32["max"] < 1
-    xpeak = rows[("ulysses_attn", 16384)]["peak_mb"] / rows[("deepspeed_ulysses", 16384)]["peak_mb"]
-    assert (f"on an Intel Xeon with AMX | {x16['median']:.3f}x the time at 16K, "
-            f"{x32['median']:.3f}x at 32K (per-round medians), {xpeak:.2f}x the peak memory per "
-            "rank") in _text("README.md")
+    for name, machine in (("attention_ulysses_deepspeed_epyc.json", "an AMD EPYC (AVX-512 BF16)"),
+                          ("attention_ulysses_deepspeed_xeon.json", "an Intel Xeon with AMX")):
+        claim = _ulysses_readme_claim(name, machine)
+        assert claim in readme, claim
 
 
 def test_sliding_window_table():
@@ -487,3 +493,31 @@ def test_max_length_guide_quotes_the_asserted_tolerances():
         .replace("e-05", "e-5") in text
     assert ("first-step loss is within 1e-6 relative of the untiled trainer's, later steps "
             "within 1e-4, and its first-step gradient norm within 1e-5") in text
+
+
+def test_needle_test_margin_figures():
+    """The trained needle test's recorded margin: the page and the test's docstring quote the
+    runs' ranges and the commit, and the floors the test asserts sit below the worst run."""
+    data = _results("needle_test_margin.json")
+    rows = data["rows"]
+    digits = [r["token_accuracy"] for r in rows]
+    exact = [r["exact"] for r in rows]
+    assert min(digits) == data["worst_token_accuracy"] and min(exact) == data["worst_exact"]
+    ranges = (f"digits right {min(digits):.2f}-{max(digits):.2f}, "
+              f"exact {min(exact):.2f}-{max(exact):.2f}")
+    page = _text("docs/benchmarks.md")
+    assert f"was trained {len(rows)} times" in page
+    assert f"on the AMX Xeon at commit {data['machine']['git_commit']}" in page
+    assert "AMX" in data["machine"]["cpu_description"]
+    assert (f"Answer digits right {min(digits):.2f}-{max(digits):.2f}, exact match "
+            f"{min(exact):.2f}-{max(exact):.2f}") in page
+    generic = sorted(r["seed"] for r in rows if r["ATEN_CPU_CAPABILITY"] == "default")
+    assert f"seeds {' and '.join(map(str, generic))} with `ATEN_CPU_CAPABILITY=default`" in page
+    source, tree = _module("tests/unit/test_eval_needle.py")
+    test = _function(source, tree, "test_trained_tiny_model_beats_chance")
+    assert f"the worst of the {len(rows)} runs" in test and ranges in test
+    # the floors as the test asserts them, below the worst recorded run, and as the page quotes them
+    floors = [float(re.search(rf'scores\["{key}"\] >= ([0-9.]+)', test).group(1))
+              for key in ("token_accuracy", "exact")]
+    assert min(digits) > floors[0] and min(exact) > floors[1]
+    assert f"the test asserts >= {floors[0]} and >= {floors[1]}" in page
