@@ -521,3 +521,47 @@ def test_needle_test_margin_figures():
               for key in ("token_accuracy", "exact")]
     assert min(digits) > floors[0] and min(exact) > floors[1]
     assert f"the test asserts >= {floors[0]} and >= {floors[1]}" in page
+
+
+def _maxlen_alst_lines() -> list[str]:
+    """The page's ALST table, rendered from maxlen.json's `alst` part: peak / step per length
+    and system, then the peak growth rows (bold where a max-length setting is at or below
+    ALST's)."""
+    part = _results("maxlen.json")["alst"]
+    systems = ("alst", "ours-untiled", "ours-maxlen", "ours-maxlen-frugal")
+    cell = {(r["system"], r["seq_len"]): r for r in part["rows"] if r["ok"]}
+    lengths = sorted({L for _, L in cell})
+    lines = ["| " + " | ".join(
+        [f"{L // 1024}K"] + [f"{max(cell[(s, L)]['rank_peaks_bytes']) / 2**20:.0f} MB / "
+                             f"{cell[(s, L)]['step_s']:.1f} s" for s in systems]) + " |"
+        for L in lengths]
+
+    def growth_row(label, values):
+        out = []
+        for s in systems:
+            text = f"{values[s]:.1f} MB"
+            out.append(f"**{text}**" if s.startswith("ours-maxlen") and values[s] <= values["alst"]
+                       else text)
+        return f"| {label} | " + " | ".join(out) + " |"
+    first, mid, last = lengths
+    lines.append(growth_row(f"growth {first // 1024}K -> {mid // 1024}K",
+                            {s: part["growth_mb"][s][str(mid)] for s in systems}))
+    lines.append(growth_row(f"growth {first // 1024}K -> {last // 1024}K",
+                            {s: part["growth_mb"][s][str(last)] for s in systems}))
+    lines.append(growth_row(f"growth {mid // 1024}K -> {last // 1024}K",
+                            part["growth_between_longest_mb"]))
+    return lines
+
+
+def test_maxlen_alst_table_and_readme_row():
+    """The max-length / ALST table on the benchmarks page and the README's growth figures are
+    maxlen.json's `alst` rows, every run of which succeeded."""
+    part = _results("maxlen.json")["alst"]
+    assert all(r["ok"] for r in part["rows"])
+    page = (REPO / "docs" / "benchmarks.md").read_text()
+    for line in _maxlen_alst_lines():
+        assert line in page, line
+    g = part["growth_mb"]
+    assert (f"| max-length mode vs DeepSpeed ALST, peak growth from 2K to 32K tokens | "
+            f"{g['ours-maxlen']['32768']:.1f} MB (frugal setting {g['ours-maxlen-frugal']['32768']:.1f} MB) "
+            f"against {g['alst']['32768']:.1f} MB | `benchmarks/results/maxlen.json` |") in _text("README.md")
