@@ -565,3 +565,44 @@ def test_maxlen_alst_table_and_readme_row():
     assert (f"| max-length mode vs DeepSpeed ALST, peak growth from 2K to 32K tokens | "
             f"{g['ours-maxlen']['32768']:.1f} MB (frugal setting {g['ours-maxlen-frugal']['32768']:.1f} MB) "
             f"against {g['alst']['32768']:.1f} MB | `benchmarks/results/maxlen.json` |") in _text("README.md")
+
+
+def test_prepare_data_figures():
+    """The Data paragraph and the README's prepare-data row are prepare_data.json's medians."""
+    data = _results("prepare_data.json")
+    res = data["results"]
+    assert data["same_packed_ids"] and data["machine"]["git_commit"]
+    tokens = res["ours"]["tokens"]
+    assert all(r["tokens"] == tokens for v in res.values() for r in v["runs"])
+
+    def rate(v):
+        return f"{res[v]['median_tokens_per_s'] / 1e6:.2f}M tokens/s"
+    per_repeat = data["ratio_per_repeat"]["ours"]
+    page = _text("docs/benchmarks.md")
+    assert (f"Tokenizing and packing a generated {data['corpus']['characters'] / 1e6:.0f}M-character "
+            f"corpus ({tokens / 1e6:.1f}M tokens, {data['vocab_size'] // 1024}K-token BPE, windows of "
+            f"{data['seq_length'] + 1}) with {data['num_proc']} workers") in page
+    assert (f"{rate('ours')} against {rate('baseline')} for `datasets.map` plus itertools packing"
+            ) in page
+    assert (f"{data['ratio_ours_over_baseline']:.1f}x between medians of {data['repeats']} runs "
+            f"each, {min(per_repeat):.1f}x-{max(per_repeat):.1f}x within each repeat; `--streaming` "
+            f"{rate('ours_streaming')} ({data['ratio_ours_streaming_over_baseline']:.1f}x)") in page
+    assert f"at commit {data['machine']['git_commit']}" in page
+    assert (f"| prepare-data, tokenize and pack {tokens / 1e6:.1f}M tokens | "
+            f"{data['ratio_ours_over_baseline']:.1f}x `datasets.map` with itertools packing |"
+            ) in _text("README.md")
+
+
+def test_planner_guide_trainer_growth():
+    """The planner guide's range for the predicted growth between lengths (``trainer_growth``)
+    and the commit of the trainer runs."""
+    data = _results("plan_validation.json")
+    growth = data["trainer_growth"]
+    errors = [g["error"] for g in growth]
+    measured = [g["measured_growth_mb"] for g in growth]
+    text = _text("docs/guides/planner.md")
+    assert (f"-{-100 * min(errors):.0f}% to +{100 * max(errors):.0f}% over its {len(growth)} steps "
+            f"of {min(measured):.1f}-{max(measured):.1f} MB") in text
+    assert (f"all {len(data['trainer_rows'])} runs in one") in text
+    assert f"at commit {data['trainer_machine']['git_commit']} on the same Xeon" in text
+    assert "AMX" in data["trainer_machine"]["cpu_description"]
