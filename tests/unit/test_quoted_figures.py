@@ -615,3 +615,17 @@ def test_planner_guide_trainer_growth():
     assert (f"all {len(data['trainer_rows'])} runs in one") in text
     assert f"at commit {data['trainer_machine']['git_commit']} on the same Xeon" in text
     assert "AMX" in data["trainer_machine"]["cpu_description"]
+
+
+def test_cuda_page_names_the_gpu_files_commits_and_staleness():
+    """The H200 files are older than code they measure (no GPU to re-run them): the CUDA page
+    names each file's commit and points to STALE.json, which lists every one of them."""
+    text = _text("docs/cuda.md")
+    stale = _results("STALE.json")
+    by_commit = {}
+    for f in sorted(RESULTS.glob("gpu_check_h200_*.json")):
+        by_commit.setdefault(_results(f.name)["machine"]["git_commit"], []).append(f.stem)
+        if f.name in stale:
+            assert "STALE.json" in text
+    for commit, stems in by_commit.items():
+        assert f"{commit} ({', '.join(stems)})" in text, (commit, stems)
