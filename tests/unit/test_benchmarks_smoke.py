@@ -75,7 +75,10 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
         assert s["tokens_per_s"] > 0 and s["predicted_bytes"]["above_weights"] > 0, s
     fused = train["max_length_mode"]
     assert fused["L"] == 512 and fused["max_length_mode"] == {"mlp_tile": 128, "heads_per_chunk": 2}
-    # max-length mode is exact: the same first loss as the plain step (fp32, same data)
+    # max-length mode ran through the GPU check's train code: the plain step's first loss
+    # (bf16, same data and weights). A wiring check, not the exactness test: at random
+    # init the loss hardly depends on the layers (an MLP output scaled by 0.999 moved it by
+    # 2.6e-6 in fp32), so tests/dist/test_maxlen.py compares gradients (it caught that)
     assert fused["tokens_per_s"] > 0, fused
     assert abs(fused["loss"] - steps[-1]["loss"]) <= 1e-5 * abs(steps[-1]["loss"]), fused
     tf = data["sections"]["attention"]
