@@ -151,8 +151,12 @@ def test_python_block_on_2_ranks(dist2, workdir, code, where):
 def test_bash_blocks_in_order(workdir):
     from concurrent.futures import ThreadPoolExecutor
 
+    # this interpreter's scripts (accelerate, torchrun) first on PATH: a venv's python run
+    # without activating the venv otherwise launches another installation's
     env = {**START_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [
-        str(README.parent), START_ENV.get("PYTHONPATH")]))}
+        str(README.parent), START_ENV.get("PYTHONPATH")])),
+        "PATH": os.pathsep.join(filter(None, [str(Path(sys.executable).parent),
+                                              START_ENV.get("PATH")]))}
     # The README's commands call `easy-context`; here it is this interpreter's CLI, so the
     # checkout under test runs whether or not its console script is on PATH.
     prelude = f'easy-context() {{ "{sys.executable}" -m easy_context.cli "$@"; }}\n'
