@@ -107,10 +107,10 @@ def _ulysses_row(path: str, length: int, first: str) -> str:
 
 def _ulysses_readme_claim(name: str, machine: str) -> str:
     """The README's Ulysses-against-DeepSpeed sentence for one file: the per-round medians at
-    16K and 32K and the peak ratio at 16K; ours below DeepSpeed in every kept round."""
+    16K and 32K and the peak ratio at 16K (every kept round below DeepSpeed's is checked by
+    test_ulysses_against_deepspeed_table over all of the file's rows)."""
     rows = {(r["method"], r["L"]): r for r in _results(name)["rows"]}
     s16, s32 = (rows[("ulysses_attn", n)]["time_ratio_vs_deepspeed_spread"] for n in (16384, 32768))
-    assert s16["max"] < 1 and s32["max"] < 1, name
     peak = rows[("ulysses_attn", 16384)]["peak_mb"] / rows[("deepspeed_ulysses", 16384)]["peak_mb"]
     return (f"on {machine} | {s16['median']:.3f}x the time at 16K, {s32['median']:.3f}x at 32K "
             f"(per-round medians), {peak:.2f}x the peak memory per rank")
