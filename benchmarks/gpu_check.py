@@ -15,7 +15,8 @@ Sections (each item records its error instead of stopping the run):
    scaled_dot_product_attention (its default and each backend forced), and aten's cuDNN op
    with its log-sum-exp probed against the flash op (a candidate kernel).
    train (gpu_check_train.py): one step of a Llama-3-8B-shaped model (2 layers, bf16) at
-   128K, 256K and 512K tokens: peak memory against the planner, tokens/s, MFU.
+   128K, 256K and 512K tokens: peak memory against the planner, tokens/s, MFU; at 128K and
+   256K a second step under torch.profiler, its top kernels by GPU time.
 4. engine (gpu_check_engine.py): one step of the trainer's model and engine at one rank,
    started as ``easy-context train`` starts it (NCCL + gloo group) under the strict
    collective check, for each engine, offload setting, checkpointing kind, LoRA, QLoRA and
@@ -269,7 +270,10 @@ def main(argv=None) -> int:
                 continue
             free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
             try:
-                sec["steps"].append(gpu_check_train.train_step(length, device, args.tiny, free))
+                # the two shorter steps profiled (top kernels): where their time goes
+                profile = length in (TINY_TRAIN_LENGTHS if args.tiny else TRAIN_LENGTHS)[:2]
+                sec["steps"].append(gpu_check_train.train_step(length, device, args.tiny, free,
+                                                               profile=profile))
             except Exception as e:  # noqa: BLE001 - an OOM is a finding, not a crash
                 sec["steps"].append({"L": length, "failed": f"{type(e).__name__}: {e}"[:800]})
                 if device.type == "cuda":

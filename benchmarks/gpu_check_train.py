@@ -81,11 +81,36 @@ def predicted(config, length: int, device, maxlen: dict | None = None) -> dict:
             "gradients_in_backward_bf16": grads_at_start, "above_weights": above_weights}
 
 
+def top_ops(device: torch.device, run, top: int = 15) -> dict:
+    """What ``run()`` spends its time in, from torch.profiler: the ``top`` operators (on a GPU:
+    kernels) by self time on the device that runs them, each with its calls, milliseconds and
+    share of the total; the next GPU run then says where a step's time went."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        run()
+        _sync(device)
+    # torch >= 2.4 names the device column self_device_time_total (self_cuda_time_total before)
+    attr = next((a for a in ("self_device_time_total", "self_cuda_time_total")
+                 if cuda and hasattr(prof.key_averages()[0], a)), "self_cpu_time_total")
+    events = [e for e in prof.key_averages() if getattr(e, attr) > 0]
+    total_us = sum(getattr(e, attr) for e in events)
+    events.sort(key=lambda e: getattr(e, attr), reverse=True)
+    return {"clock": attr, "total_ms": round(total_us / 1e3, 3),
+            "top": [{"name": e.key[:120], "calls": e.count,
+                     "self_ms": round(getattr(e, attr) / 1e3, 3),
+                     "share": round(getattr(e, attr) / total_us, 4) if total_us else None}
+                    for e in events[:top]]}
+
+
 def train_step(length: int, device: torch.device, tiny: bool, free_bytes: int | None,
-               maxlen: dict | None = None) -> dict:
+               maxlen: dict | None = None, profile: bool = False) -> dict:
     """One step at ``length``; ``maxlen`` ({"mlp_tile": T, "heads_per_chunk": C}): in
     max-length mode (easy_context.memory.maxlen, full checkpointing) instead of the plain
-    layers with full activation checkpointing."""
+    layers with full activation checkpointing. ``profile``: after the timed step, one more
+    forward + backward under torch.profiler (top_ops), so the timing itself is unprofiled."""
     from transformers import AutoModelForCausalLM
 
     import easy_context as ec
@@ -144,6 +169,11 @@ def train_step(length: int, device: torch.device, tiny: bool, free_bytes: int | 
         "measured_over_predicted": round(fb.peak_bytes / pred["above_weights"], 3),
         "model_tflops_per_s": round(flops / (t2 - t0) / 1e12, 4),
         "mfu": None if pf is None else round(flops / (t2 - t0) / pf, 3)})
+    if profile:
+        def step():
+            ec.causal_lm_loss(model, inputs, pos, targets).backward()
+        row["profile"] = top_ops(device, step)
+        opt.zero_grad(set_to_none=True)
     del model, opt, loss
     _reset(device)
     return row

@@ -301,7 +301,8 @@ def causal_lm_loss(model: nn.Module, input_ids: Tensor, position_ids: Tensor, ta
     ``chunked`` (default: when the vocabulary has >= 16384 entries and the head is a plain
     linear layer) computes the loss from the last hidden states chunk by chunk, never
     building the (tokens x vocab) logits; ``chunk_size`` rows at a time (default: about
-    64 MiB of float32 logits per chunk, so the chunk does not dominate at any length).
+    64 MiB of float32 logits per chunk on a CPU; 2,048 rows on a GPU, where fewer, larger
+    chunks keep the head's matmuls compute-bound: easy_context.memory.loss.default_chunk_size).
 
     ``token_stats``, a (3,) float64 tensor, gets this rank's (entropy sum, top-1 hits, valid
     targets) added, from the same logits chunks (easy_context.memory.loss.lse_).
@@ -317,7 +318,7 @@ def causal_lm_loss(model: nn.Module, input_ids: Tensor, position_ids: Tensor, ta
     extra = {} if document_ids is None else {"document_ids": document_ids}
     if chunked:
         if chunk_size is None:
-            chunk_size = default_chunk_size(head.out_features)
+            chunk_size = default_chunk_size(head.out_features, head.weight.device)
         from ..utils.fsdp import unshard_for_direct_use
 
         unshard_for_direct_use(head)  # read directly below, never called

@@ -37,13 +37,73 @@ Tensor = torch.Tensor
 ProcessGroup = dist.ProcessGroup if dist.is_available() else object
 
 
+# Rows per chunk. On a CPU, about 64 MiB of float32 logits: the matmuls are compute-bound at
+# any row count there, and the block stays small next to a step's memory. On a GPU each
+# chunk's GEMMs re-read the whole (V, H) head, so a chunk of C rows does about C H / (C + H)
+# FLOP per byte: at 130 rows (64 MiB at a 128K vocabulary) that is ~126, below an
+# H100/H200's balance point (~200-300), and a 128K-token step ran about 1,000 chunks, each
+# also rewriting the fp32 head gradient (2 GB at Llama-3-8B's head). 2,048 rows give ~1,365
+# at H = 4096 (compute-bound; 64 chunks per 128K tokens), capped at 1 GiB of float32 logits
+# for the largest vocabularies (1,024 rows at 256K).
 LOSS_CHUNK_BYTES = 64 * 2**20
+LOSS_CHUNK_BYTES_GPU = 2**30
+GPU_CHUNK_ROWS = 2048
+MIN_CHUNK_ROWS = 128
 
 
-def default_chunk_size(vocab_size: int) -> int:
-    """Rows per chunk so that a chunk's float32 logits take about 64 MiB (at least 128 rows):
-    small enough never to dominate a step's memory, large enough for efficient matmuls."""
-    return max(128, LOSS_CHUNK_BYTES // (4 * vocab_size))
+def default_chunk_size(vocab_size: int, device: torch.device | str = "cpu") -> int:
+    """Rows per chunk of the loss on ``device`` (a torch device, or the planner's "gpu" /
+    "cpu"): on a CPU about LOSS_CHUNK_BYTES (64 MiB) of float32 logits; on an accelerator
+    GPU_CHUNK_ROWS (2,048), at most LOSS_CHUNK_BYTES_GPU (1 GiB) of them; at least 128."""
+    kind = device if isinstance(device, str) else device.type
+    if kind.split(":")[0] == "cpu":
+        rows = LOSS_CHUNK_BYTES // (4 * vocab_size)
+    else:
+        rows = min(GPU_CHUNK_ROWS, LOSS_CHUNK_BYTES_GPU // (4 * vocab_size))
+    return max(MIN_CHUNK_ROWS, rows)
+
+
+# (device type, input dtype, accumulator dtype) -> whether torch.addmm(acc, a, b,
+# out_dtype=acc.dtype, out=acc) runs and is right there (see add_matmul_).
+_OUT_DTYPE_ADDMM: dict[tuple[str, torch.dtype, torch.dtype], bool] = {}
+
+
+def _out_dtype_addmm_works(acc: Tensor, a: Tensor) -> bool:
+    """Whether this device's addmm takes bf16/fp16 inputs into a float32 accumulator in place
+    (``out_dtype``: CUDA kernels of torch >= 2.8; the CPU has none). The op's checks changed
+    across releases (some ask ``self`` to have the inputs' dtype), so it is tried once on
+    small tensors against a float64 product, and any error or mismatch means no."""
+    key = (acc.device.type, a.dtype, acc.dtype)
+    if key not in _OUT_DTYPE_ADDMM:
+        ok = False
+        try:
+            g = torch.Generator().manual_seed(0)
+            x, y = (torch.randn(s, generator=g) for s in ((24, 40), (40, 16)))
+            base = torch.randn(24, 16, generator=g)
+            want = base.double() + x.to(a.dtype).double() @ y.to(a.dtype).double()
+            out = base.to(device=acc.device, dtype=acc.dtype)
+            xd, yd = (t.to(device=acc.device, dtype=a.dtype) for t in (x, y))
+            got = torch.addmm(out, xd, yd, out_dtype=acc.dtype, out=out)
+            ok = (got.data_ptr() == out.data_ptr()
+                  and torch.allclose(out.double().cpu(), want, rtol=1e-5, atol=1e-4))
+        except (RuntimeError, TypeError, NotImplementedError):
+            ok = False
+        _OUT_DTYPE_ADDMM[key] = ok
+    return _OUT_DTYPE_ADDMM[key]
+
+
+def add_matmul_(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``acc += a @ b``, accumulated inside the GEMM (beta = 1) where the dtypes allow it:
+    no (M, N) product is formed, written and read back. ``acc`` is the float32 (or float64)
+    accumulator of a head gradient; ``a`` and ``b`` are in the matmul dtype. Same dtype:
+    ``addmm_``. bf16/fp16 inputs into float32: the GEMM's own float32 output where the device
+    has it (_out_dtype_addmm_works), else the product in the inputs' dtype, then added (what
+    the GEMM would round to anyway: its output dtype is the inputs')."""
+    if a.dtype == acc.dtype:
+        return acc.addmm_(a, b)
+    if _out_dtype_addmm_works(acc, a):  # once per device type and dtypes; no on a CPU
+        return torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    return acc.add_(a @ b)
 
 
 def count_valid_targets(targets: Tensor, ignore_index: int = -100) -> Tensor:
@@ -146,6 +206,20 @@ def lse_(logits: Tensor, y: Tensor, valid: Tensor, stats: Tensor | None = None) 
     return s.log_().add_(m)
 
 
+def chunk_grad_(p: Tensor, lse: Tensor, y: Tensor, valid: Tensor, g: Tensor,
+                transform: LogitTransform | None) -> Tensor:
+    """d (g x summed loss) / d x for one chunk, in place in ``p``, the chunk's recomputed
+    (C, V) float32 head outputs x: softmax(z) - onehot(y) on the valid rows (zero rows for
+    ignored targets), times the transform's slope dz/dx (z: the logits, ``transform`` of x)."""
+    slope = 1.0
+    if transform is not None:
+        slope = transform.slope(transform.apply_(p))
+    p.sub_(lse.unsqueeze(1)).exp_()
+    p[torch.arange(p.shape[0], device=p.device), torch.where(valid, y, 0)] -= 1.0
+    p.mul_((valid.to(p.dtype) * g).unsqueeze(1))
+    return transform_grad_(p, slope)
+
+
 def _forward_chunk(h: Tensor, weight: Tensor, bias: Tensor | None, y: Tensor, ignore_index: int,
                    lse_out: Tensor, transform: LogitTransform | None = None,
                    stats: Tensor | None = None) -> Tensor:
@@ -206,19 +280,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             for s in range(0, T, ctx.chunk_size):
                 e = min(s + ctx.chunk_size, T)
                 h, y = hidden[s:e].to(dtype), targets[s:e]
-                valid = y != ctx.ignore_index
                 # softmax - onehot, built in place in the recomputed logits buffer.
-                p = _chunk_logits(h, w, b)  # (C, V) fp32
-                slope = 1.0
-                if ctx.transform is not None:
-                    slope = ctx.transform.slope(ctx.transform.apply_(p))
-                p.sub_(lse[s:e].unsqueeze(1)).exp_()
-                rows = torch.arange(e - s, device=p.device)
-                p[rows, torch.where(valid, y, 0)] -= 1.0
-                # Ignored targets get zero rows; grad_total scales the whole block.
-                p.mul_((valid.to(acc) * g).unsqueeze(1))
-                transform_grad_(p, slope)
-                del slope
+                p = chunk_grad_(_chunk_logits(h, w, b), lse[s:e], y, y != ctx.ignore_index,
+                                g, ctx.transform)  # (C, V) fp32
                 if need_b:
                     grad_b += p.sum(0)
                 pc = p.to(dtype)
@@ -226,7 +290,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 if need_h:
                     grad_h[s:e] = pc @ w
                 if need_w:
-                    grad_w += pc.T @ h
+                    add_matmul_(grad_w, pc.T, h)
                 del pc
         return (grad_h,
                 None if grad_w is None else grad_w.to(weight.dtype),

@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .loss import LogitTransform, count_valid_targets, global_token_mean, lse_, transform_grad_
+from .loss import (LogitTransform, add_matmul_, chunk_grad_, count_valid_targets,
+                   global_token_mean, lse_)
 
 Tensor = torch.Tensor
 
@@ -97,21 +98,15 @@ class NormedChunkedCrossEntropy(torch.autograd.Function):
             h = hidden[s:e].detach().requires_grad_(need_h)
             with torch.enable_grad():
                 hn = _forward_of(norm)(h)
-            p = _logits(hn.detach(), weight, bias)  # softmax - onehot, in place
-            slope = 1.0
-            if ctx.transform is not None:
-                slope = ctx.transform.slope(ctx.transform.apply_(p))
-            p.sub_(lse[s:e].unsqueeze(1)).exp_()
-            p[torch.arange(e - s, device=p.device), torch.where(valid, y, 0)] -= 1.0
-            p.mul_((valid.to(acc) * g).unsqueeze(1))
-            transform_grad_(p, slope)
-            del slope
+            # softmax - onehot, in place in the recomputed logits
+            p = chunk_grad_(_logits(hn.detach(), weight, bias), lse[s:e], y, valid, g,
+                            ctx.transform)
             if need_b:
                 grad_b += p.sum(0)
             pc = p.to(hn.dtype)
             del p
             if need_w:
-                grad_w += pc.T @ hn.detach()
+                add_matmul_(grad_w, pc.T, hn.detach())
             live = [t for t in [h, *params] if t.requires_grad]
             if live:
                 got = iter(torch.autograd.grad(hn, live, pc @ weight, allow_unused=True))

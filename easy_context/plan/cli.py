@@ -38,8 +38,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="sequence-parallel method; auto: the fastest that fits")
     p.add_argument("--ring-degree", type=int, default=None, help="usp_attn's ring degree")
     p.add_argument("--loss-chunk", type=int, default=None,
-                   help="rows per chunk of the chunked loss (default: what training uses, about "
-                        "64 MiB of logits per chunk); 0: the full-logits loss")
+                   help="rows per chunk of the chunked loss (default: what training uses: "
+                        "2,048 rows on a GPU, at most 1 GiB of fp32 logits; on a CPU about 64 "
+                        "MiB of them); 0: the full-logits loss")
     p.add_argument("--max-seq-len", action="store_true",
                    help="find the longest sequence that fits (binary search)")
     p.add_argument("--granularity", type=int, default=1024,

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 
 from ..parallel import get_method
 from .shapes import ModelShape
-from .states import States, model_states
+from .states import States, loss_head_grad_bytes, model_states
 from ..attention.workspace import DEFAULT_SMS, backward_workspace, planned_family
 
 GIB = 2**30
@@ -296,9 +296,9 @@ def loss_bytes(shape: ModelShape, s: int, a: int, chunk: int | None) -> int:
     """The loss phase's extra bytes for s local tokens.
 
     chunked (easy_context.memory.loss): one (C, V) block of fp32 logits (plus its matmul
-    output in bf16 before the upcast), the (V, H) product pc.T @ h formed before it is added
-    to the head's gradient (plus, in bf16, the fp32 accumulator of that gradient), the
-    gradient of the hidden states (s x H x a) and the per-token lse.
+    output in bf16 before the upcast), in bf16 the head gradient's fp32 accumulator and the
+    (V, H) product added to it (states.loss_head_grad_bytes), the gradient of the hidden
+    states (s x H x a) and the per-token lse.
     unchunked (transformers' path): the (s, V) logits in the model dtype, upcast to fp32, the
     saved log-softmax, and the fp32 gradient: s x V x (a + 12).
     """
@@ -307,15 +307,14 @@ def loss_bytes(shape: ModelShape, s: int, a: int, chunk: int | None) -> int:
         return s * v * (a + 12)
     c = min(chunk, s)
     block = c * v * (4 + (a if a != 4 else 0))
-    head_grad = v * h * a + (v * h * 4 if a != 4 else 0)
-    return block + head_grad + s * h * a + s * 4
+    return block + loss_head_grad_bytes(shape, a) + s * h * a + s * 4
 
 
-def _chunk_rows(loss_chunk: int | str | None, shape: ModelShape) -> int | None:
+def _chunk_rows(loss_chunk: int | str | None, shape: ModelShape, device: str) -> int | None:
     if loss_chunk == "auto":
         from ..memory.loss import default_chunk_size
 
-        return default_chunk_size(shape.vocab)
+        return default_chunk_size(shape.vocab, device)
     return loss_chunk
 
 
@@ -352,7 +351,7 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
     s = seq_len // world_size
     st = model_states(model_shape, world_size, engine, offload, dtype, device)
     workspace = kernel_workspace(device, a, kernel, deterministic, sms)
-    loss = loss_bytes(model_shape, s, a, _chunk_rows(loss_chunk, model_shape))
+    loss = loss_bytes(model_shape, s, a, _chunk_rows(loss_chunk, model_shape, device))
     fused = mlp_tile is not None or heads_per_chunk is not None
     if fused:
         from .fused import fused_terms
@@ -391,7 +390,8 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
     if lora is not None:
         from .lora import with_lora
 
-        est = with_lora(est, model_shape, lora, _chunk_rows(loss_chunk, model_shape), device)
+        est = with_lora(est, model_shape, lora, _chunk_rows(loss_chunk, model_shape, device),
+                        device)
     return est
 
 

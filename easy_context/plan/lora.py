@@ -30,7 +30,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .shapes import ModelShape, linear_dims
-from .states import States, model_states, pinned_rounding
+from .states import States, loss_head_grad_bytes, model_states, pinned_rounding
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -153,10 +153,8 @@ def with_lora(est, shape: ModelShape, spec: LoRASpec, chunk_rows: int | None,
         stored += shape.layers * s * (extra - 2 * norm) - s * shape.hidden * 4
     else:
         mlp_w, attn_w = mlp_w + s * (extra - 2 * norm), attn_w + s * (attn_extra - norm)
-    head_grad = 0
-    if chunk_rows is not None:  # the chunked loss's head gradient (estimate.loss_bytes)
-        v, h = shape.vocab, shape.hidden
-        head_grad = v * h * a + (v * h * 4 if a != 4 else 0)
+    # the chunked loss's head gradient terms (estimate.loss_bytes): the head is frozen
+    head_grad = 0 if chunk_rows is None else loss_head_grad_bytes(shape, a)
     return dataclasses.replace(
         est, model=f"{est.model} ({spec.describe()})", parameters=st.params,
         gradients=st.grads, gradients_in_backward=st.grads_in_backward, optimizer=st.optim,

@@ -65,7 +65,7 @@ ASSUMPTIONS = f"""Assumptions (see easy_context/plan/estimate.py for every formu
   keeps those on the host (two layers' worth stay on the device).
 - Full-logits loss: the (tokens x vocab) logits in bf16, their fp32 upcast, log-softmax and
   gradient (12 + 2 bytes per logit) at once, as transformers' loss does; chunked loss: about
-  64 MiB of fp32 logits per chunk (524 rows at a 32K vocabulary). If the seed's run used a fused cross-entropy kernel (bf16 logits, gradient
+  2,048 rows per chunk on a GPU (250 MiB of fp32 logits at a 32K vocabulary). If the seed's run used a fused cross-entropy kernel (bf16 logits, gradient
   written in place: 2-4 bytes per logit) its loss phase was 4-7x smaller than the full-logits
   rows show; the verdicts below do not change.
 - {GPU_RUNTIME_BYTES / GIB:.0f} GiB per GPU for the CUDA context, NCCL and cuBLAS workspaces; a

@@ -19,6 +19,17 @@ class States:
     host: int
 
 
+def loss_head_grad_bytes(shape: ModelShape, a: int) -> int:
+    """Bytes the chunked loss's backward holds for the output head's gradient beyond the
+    gradient itself (easy_context.memory.loss.add_matmul_): in float32 the chunks accumulate
+    into it inside the GEMM (nothing more); in bf16 its float32 accumulator, and each chunk's
+    (V, H) product in bf16 before it is added (an accelerator whose GEMM writes float32 into
+    the accumulator forms none: counted anyway, since that is probed at run time)."""
+    if a == 4:
+        return 0
+    return shape.vocab * shape.hidden * (a + 4)
+
+
 def parameter_shapes(shape: ModelShape, linears: bool = True) -> list[tuple[int, int]]:
     """(rows, columns) of every parameter tensor (norms: (hidden, 1)), as FSDP2 shards them
     (along rows); ``linears=False`` leaves out the decoder layers' linear weights."""

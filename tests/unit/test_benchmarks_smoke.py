@@ -73,6 +73,14 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
     assert [s["L"] for s in steps] == [128, 256, 512]
     for s in steps:
         assert s["tokens_per_s"] > 0 and s["predicted_bytes"]["above_weights"] > 0, s
+    # the two shorter steps profiled: top operators by self time, largest first
+    for s in steps:
+        assert ("profile" in s) == (s["L"] != 512), s
+    for s in steps[:2]:
+        top = s["profile"]["top"]
+        assert s["profile"]["clock"] == "self_cpu_time_total" and 0 < len(top) <= 15
+        assert [t["self_ms"] for t in top] == sorted((t["self_ms"] for t in top), reverse=True)
+        assert any("mm" in t["name"] for t in top), top  # the matmuls are among them
     fused = train["max_length_mode"]
     assert fused["L"] == 512 and fused["max_length_mode"] == {"mlp_tile": 128, "heads_per_chunk": 2}
     # max-length mode ran through the GPU check's train code: the plain step's first loss

@@ -237,3 +237,128 @@ def test_token_stats_in_row_blocks_equal_whole_logits(monkeypatch, block):
     torch.testing.assert_close(stats[0], (entropy * valid).sum(), rtol=1e-10, atol=0)
     assert stats[1] == ((logits.argmax(1) == y) & valid).sum()
     assert stats[2] == valid.sum()
+
+
+# ----------------------------------------------------------- chunk sizes and head-gradient GEMMs
+def test_default_chunk_rows_per_device():
+    """A CPU keeps ~64 MiB of fp32 logits per chunk; a GPU takes 2,048 rows (compute-bound
+    head GEMMs, 64 chunks per 128K tokens instead of ~1,000), at most 1 GiB of logits."""
+    from easy_context.memory.loss import default_chunk_size
+
+    assert default_chunk_size(128256) == default_chunk_size(128256, "cpu") == 130
+    assert default_chunk_size(32000, torch.device("cpu")) == 524
+    for device in ("gpu", "cuda", "cuda:1", torch.device("cuda", 0)):
+        assert default_chunk_size(128256, device) == 2048
+        assert default_chunk_size(32000, device) == 2048
+        assert default_chunk_size(97, device) == 2048
+    assert default_chunk_size(262144, "cuda") == 1024  # Gemma 3's vocabulary: the 1 GiB cap
+    assert default_chunk_size(10**8, "cuda") == default_chunk_size(10**8) == 128
+
+
+def _old_chunked_backward(h, w, y, chunk):
+    """The head gradient as it was summed before add_matmul_: one (V, H) product per chunk,
+    then added to the fp32 accumulator."""
+    lse = torch.logsumexp(h @ w.T, 1)
+    grad_w = torch.zeros_like(w)
+    for s in range(0, h.shape[0], chunk):
+        p = (h[s:s + chunk] @ w.T).sub_(lse[s:s + chunk, None]).exp_()
+        p[torch.arange(p.shape[0]), y[s:s + chunk]] -= 1.0
+        grad_w += p.T @ h[s:s + chunk]
+    return grad_w
+
+
+def test_head_gradient_accumulated_in_the_gemm_equals_the_summed_products():
+    """fp32: the chunks add into the head gradient inside addmm_ (beta = 1), no product tensor;
+    the gradient equals the per-chunk products summed as before within 1e-6."""
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(300, 24, generator=g)
+    w = torch.randn(50, 24, generator=g)
+    y = torch.randint(0, 50, (300,), generator=g)
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = chunked_cross_entropy(hr, wr, y, chunk_size=64)
+    with _HeadProducts(w.shape) as mode:
+        loss.backward()
+    old = _old_chunked_backward(h, w, y, 64) / 300
+    assert _rel(wr.grad, old) <= 1e-6
+    assert mode.products == 0 and mode.accumulations == 5  # ceil(300 / 64) chunks
+
+
+class _HeadProducts(TorchDispatchMode):
+    """Counts (V, H) matmul results formed apart (mm) and in-place accumulations (addmm_)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.products, self.accumulations = tuple(shape), 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.mm.default and tuple(out.shape) == self.shape:
+            self.products += 1
+        if func is torch.ops.aten.addmm_.default and tuple(out.shape) == self.shape:
+            self.accumulations += 1
+        return out
+
+
+def test_add_matmul_falls_back_where_the_gemm_cannot_write_float32(monkeypatch):
+    """On this CPU, torch.addmm has no out_dtype kernel: the probe says so once and bf16
+    products are formed and added; float32 inputs go through addmm_."""
+    from easy_context.memory import loss as L
+
+    monkeypatch.setattr(L, "_OUT_DTYPE_ADDMM", {})
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(16, 8, generator=g), torch.randn(8, 12, generator=g)
+    acc = torch.randn(16, 12, generator=g)
+    want = acc + a.bfloat16().float() @ b.bfloat16().float()
+    got = L.add_matmul_(acc.clone(), a.bfloat16(), b.bfloat16())
+    assert not L._out_dtype_addmm_works(acc, a.bfloat16())
+    assert L._OUT_DTYPE_ADDMM == {("cpu", torch.bfloat16, torch.float32): False}
+    assert (got - want).abs().max() <= 0.05  # the bf16 product's rounding
+    acc32 = acc.clone()
+    assert L.add_matmul_(acc32, a, b) is acc32
+    torch.testing.assert_close(acc32, acc + a @ b, rtol=1e-6, atol=1e-6)
+
+
+class _CudaAddmmStandIn:
+    """torch.addmm as CUDA builds of torch >= 2.8 run it with ``out_dtype``: bf16/fp16 inputs,
+    a float32 result computed in float32 (here via float64), written to ``out``; ``strict``:
+    the releases whose check asks ``self`` to have the inputs' dtype."""
+
+    def __init__(self, strict: bool):
+        self.real, self.strict, self.calls = torch.addmm, strict, []
+
+    def __call__(self, acc, a, b, *, out_dtype=None, out=None, **kw):
+        if out_dtype is None:
+            return self.real(acc, a, b, out=out, **kw) if out is not None else self.real(acc, a, b, **kw)
+        self.calls.append((acc.dtype, a.dtype, b.dtype, out_dtype, out is acc))
+        if self.strict and acc.dtype != a.dtype:
+            raise RuntimeError("self and mat2 must have the same dtype, but got Float and BFloat16")
+        assert a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16)
+        assert out_dtype == torch.float32 and out is not None and out.dtype == out_dtype
+        out.copy_((acc.double() + a.double() @ b.double()).float())
+        return out
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_add_matmul_uses_the_float32_gemm_where_the_probe_finds_it(monkeypatch, strict):
+    """The CUDA branch's contract, with a stand-in for torch.addmm's out_dtype kernel: the probe
+    calls it as add_matmul_ will (fp32 accumulator as ``self`` and ``out``, bf16 inputs,
+    ``out_dtype=float32``) and checks the numbers; when it works the accumulation happens in
+    the GEMM (no bf16 product: the sum keeps float32 precision), when the release refuses a
+    float32 ``self`` the fallback runs."""
+    from easy_context.memory import loss as L
+
+    standin = _CudaAddmmStandIn(strict)
+    monkeypatch.setattr(torch, "addmm", standin)
+    monkeypatch.setattr(L, "_OUT_DTYPE_ADDMM", {})
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(16, 8, generator=g).bfloat16(), torch.randn(8, 12, generator=g).bfloat16()
+    acc = torch.randn(16, 12, generator=g)
+    exact = (acc.double() + a.double() @ b.double()).float()
+    got = L.add_matmul_(acc.clone(), a, b)
+    assert standin.calls[0] == (torch.float32, torch.bfloat16, torch.bfloat16, torch.float32, True)
+    if strict:
+        assert len(standin.calls) == 1  # the probe only; the product is formed in bf16
+        assert (got - exact).abs().max() > 1e-4
+    else:
+        assert len(standin.calls) == 2  # the probe, then the accumulation
+        torch.testing.assert_close(got, exact, rtol=1e-6, atol=1e-6)
