@@ -23,9 +23,12 @@ computes them again (easy_context.memory.recomputed).
 Which layers: pre-norm decoder layers, found by their structure, not by model name: the
 children ``input_layernorm``, ``self_attn`` (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``
 linear layers, optional per-head ``q_norm``/``k_norm``), ``post_attention_layernorm`` and
-``mlp``, and nothing else (Llama, Mistral, Qwen2 and Qwen3, Gemma...). Anything else
-(post-norm layers such as OLMo-2's, fused qkv projections, norms over all heads) raises a
-ValueError that says what is missing. Generation with a KV cache runs the layers unchanged.
+``mlp``, and nothing else (Llama, Mistral, Qwen2 and Qwen3, Gemma, Granite, SmolLM3...),
+with no setting the fused layer does not reproduce (easy_context.memory.layer_check:
+every number attribute of the layer and its attention, and the config entries read inside
+a layer). Anything else (post-norm layers such as OLMo-2's, Cohere's parallel block, fused
+qkv projections, norms over all heads, OLMo's clip_qkv, MiniMax's residual weights) raises
+a ValueError that says what does not fit. Generation with a KV cache runs the layers unchanged.
 """
 
 from __future__ import annotations
@@ -42,11 +45,10 @@ from torch import nn
 from . import recomputed
 from ..utils.decoder import decoder_of
 from .fused_layer import FusedLayer, LayerSpec, Run, head_chunks
+from .layer_check import fused_layer_mismatch
 from .offload import DeviceStorage, LayerStorage
 
 KINDS = ("none", "full", "offload", "attention")
-_LAYER_CHILDREN = {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
-_ATTN_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj"}
 _STATE = "_easy_context_max_length"
 _CACHE_KEYS = ("cache", "past_key_values", "past_key_value", "use_cache", "cache_position",
                "output_attentions")
@@ -70,25 +72,17 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def layer_spec(layer: nn.Module, config) -> LayerSpec:
     """The parts of a pre-norm decoder layer, or a ValueError naming what does not fit."""
-    name = type(layer).__name__
-    children = {n for n, _ in layer.named_children()}
-    if children != _LAYER_CHILDREN:
-        raise ValueError(
-            f"max-length mode fuses pre-norm decoder layers (children {sorted(_LAYER_CHILDREN)}); "
-            f"{name} has {sorted(children)}. Train this model without --mlp-tile/--head-chunk")
+    reason = fused_layer_mismatch(layer, config)
+    if reason:
+        raise ValueError(reason)
     attn = layer.self_attn
-    a_children = {n for n, _ in attn.named_children()}
-    extra = a_children - _ATTN_CHILDREN - {"q_norm", "k_norm"}
-    if not _ATTN_CHILDREN <= a_children or extra:
-        raise ValueError(f"max-length mode needs separate q_proj/k_proj/v_proj/o_proj linear "
-                         f"layers; {type(attn).__name__} has {sorted(a_children)}")
-    if not all(isinstance(getattr(attn, n), nn.Linear) for n in _ATTN_CHILDREN):
-        raise ValueError(f"{type(attn).__name__}: q/k/v/o projections must be nn.Linear")
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = attn.head_dim
-    if attn.q_proj.out_features != heads * head_dim or attn.k_proj.out_features != kv_heads * head_dim:
-        raise ValueError(f"{type(attn).__name__}: q_proj/k_proj widths do not match {heads} / "
+    if attn.q_proj.out_features != heads * head_dim or attn.o_proj.in_features != heads * head_dim \
+            or attn.k_proj.out_features != kv_heads * head_dim \
+            or attn.v_proj.out_features != kv_heads * head_dim:
+        raise ValueError(f"{type(attn).__name__}: q/k/v/o_proj widths do not match {heads} / "
                          f"{kv_heads} heads of {head_dim}")
     for n in ("q_norm", "k_norm"):
         norm = getattr(attn, n, None)
@@ -109,7 +103,9 @@ def layer_spec(layer: nn.Module, config) -> LayerSpec:
         return ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager)
 
     return LayerSpec(layer.input_layernorm, attn, layer.post_attention_layernorm, layer.mlp,
-                     rope, attention, heads, kv_heads, head_dim)
+                     rope, attention, heads, kv_heads, head_dim,
+                     float(getattr(layer, "residual_multiplier", 1.0)),
+                     bool(getattr(attn, "use_rope", True)))
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
