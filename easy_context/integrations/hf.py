@@ -61,6 +61,22 @@ def _unsupported(query: Tensor, key: Tensor, dropout: float) -> str | None:
     return None
 
 
+def _needs_apply(module: nn.Module, method: str) -> str | None:
+    """Why a model switched by name only (``attn_implementation=...`` at loading, no
+    apply_sequence_parallel) would run silently wrong: what it derives from the call's length
+    is taken from the whole sequence only by the hooks apply_sequence_parallel installs."""
+    what = None
+    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        what = "attn_temperature_tuning (queries scaled by position)"
+    elif dist.is_initialized() and dist.get_world_size() > 1 and get_method(method).layout != \
+            "whole" and rope_types(getattr(module, "config", None)) & RESCALING_ROPE:
+        what = f"{'/'.join(sorted(rope_types(module.config) & RESCALING_ROPE))} RoPE scaling"
+    if what is None:
+        return None
+    return (f"{type(module).__name__} uses {what}, which must come from the whole sequence: "
+            "switch the model with easy_context.apply_sequence_parallel(model, method, group)")
+
+
 def layer_chunk(module: nn.Module) -> int | None:
     """The chunk size of a chunked-attention layer (Llama 4: ``layer_types[i] ==
     "chunked_attention"``, ``attention_chunk_size``), None for the others. transformers hands
@@ -94,8 +110,10 @@ def _make_attention(method: str):
         # query (B, Hq, S, D), key (B, Hkv, S, D), value (B, Hkv, S, Dv), not repeated for
         # GQA; what the layer adds comes as transformers hands it to flash attention:
         # sliding_window, softcap, s_aux (sinks); chunks from the config (layer_chunk).
-        settings = module_settings(module) or SequenceParallelSettings(method)
-        reason = _unsupported(query, key, dropout)
+        settings = module_settings(module)
+        reason = _unsupported(query, key, dropout) or (
+            _needs_apply(module, method) if settings is None else None)
+        settings = settings or SequenceParallelSettings(method)
         if reason:
             raise ValueError(f"{method}: {reason}")
         query, key, value = _one_dtype(query, key, value)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from .hf_cases import COMMON, VARIANT_FAMILIES, _grad_errors, make_batch, reference_loss, sharded_loss
+from .hf_cases import (COMMON, VARIANT_FAMILIES, _grad_errors, make_batch, reference_loss,
+                       sharded_loss)
 
 TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 # dynamic NTK past 24 positions; LongRoPE's long factors past 24 (Phi-3.5 / Phi-4 style)
@@ -32,17 +32,10 @@ def build(model_type: str, overrides: dict, attn: str = "sdpa", seed: int = 0):
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn).float()
 
 
-def _rotary_state(model) -> torch.Tensor | None:
-    rotary = getattr(model.model, "rotary_emb", None)
-    return None if rotary is None else rotary.inv_freq.clone()
-
-
 def check_whole_sequence(model_type: str, overrides: dict, length: int, methods: list[str],
                          attn: str = "sdpa") -> dict:
     """{method: (loss rel error, worst grad error, whether the reference's RoPE frequencies
-    left their original values)}; each method's model runs two steps (the rotary state
-    carries over between forwards), compared after the second."""
-    world = dist.get_world_size()
+    left their original values)} for one training step of a ``length``-token batch."""
     base = build(model_type, overrides, attn)
     inputs, positions, targets = make_batch(length, base.config.vocab_size)
     ref = copy.deepcopy(base)
@@ -57,8 +50,6 @@ def check_whole_sequence(model_type: str, overrides: dict, length: int, methods:
         model, loss = sharded_loss(base, method, inputs, positions, targets, ring_degree)
         loss_err = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
         report[method] = (loss_err, _grad_errors(model, ref), rescaled)
-        del model
-        assert world >= 1
     return report
 
 

@@ -273,3 +273,9 @@ def test_llama4_temperature_tuning_is_taken_from_global_positions():
     model.set_attn_implementation("eager")
     model(input_ids=ids)
     assert nope.attn_temperature_tuning is True  # transformers' own again
+    # switched by name only, without the hooks: refused, not scaled from the shard
+    plain = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("llama4_text", **{**COMMON, **config}),
+        attn_implementation="zigzag_ring_attn")
+    with pytest.raises(ValueError, match="attn_temperature_tuning.*apply_sequence_parallel"):
+        plain(input_ids=ids, position_ids=torch.arange(12)[None])
