@@ -44,7 +44,7 @@ ATTN_REPRODUCED = frozenset({"scaling", "sliding_window", "attn_logit_softcappin
                              "is_causal"})
 ATTN_SHAPE = frozenset({"layer_idx", "head_dim", "num_key_value_groups", "num_heads",
                         "num_attention_heads", "num_key_value_heads", "hidden_size",
-                        "sliding_window_pattern", "is_sliding", "use_qk_norm",
+                        "use_qk_norm",
                         "partial_rotary_factor"})  # applied by the family's apply_rotary_pos_emb
 # Attributes whose neutral value computes the plain shape, and what to change otherwise.
 NEUTRAL = {
@@ -60,6 +60,11 @@ CONFIG_NEUTRAL = {
     "attention_in_multiplier": 1.0, "attention_out_multiplier": 1.0,  # Falcon-H1
     "key_multiplier": 1.0, "mlp_multipliers": [1.0, 1.0],
 }
+# Entries of config.rope_parameters that act inside the attention beyond the RoPE tables.
+ROPE_NEUTRAL = {"llama_4_scaling_beta": None}  # Ministral 3: queries scaled by position
+# Attention classes whose forward differs from the shape in a way no attribute shows (a
+# list, for want of a property to check): Flint rotates only its sliding-window layers.
+DIFFERENT_ATTENTION = {"FlintAttention": "its full-attention layers skip RoPE"}
 
 
 def _numbers(module: nn.Module) -> dict[str, object]:
@@ -127,6 +132,9 @@ def fused_layer_mismatch(layer: nn.Module, config) -> str | None:
     extra = [n for n in _own_tensors(attn) if n != "sinks"]
     if extra:
         return f"{a_name} holds its own tensors {extra}, which the fused layer does not use"
+    if a_name in DIFFERENT_ATTENTION:
+        return (f"max-length mode: {a_name}: {DIFFERENT_ATTENTION[a_name]}, which the fused "
+                "layer does not reproduce; train this model without --mlp-tile/--head-chunk")
     if not hasattr(attn, "scaling"):
         return f"{a_name} has no scaling attribute (the softmax scale the fused layer hands on)"
     reason = (_attributes(layer, LAYER_REPRODUCED, LAYER_SHAPE)
@@ -137,6 +145,13 @@ def fused_layer_mismatch(layer: nn.Module, config) -> str | None:
             not hasattr(layer, "residual_multiplier"):
         return (f"max-length mode: config.residual_multiplier = {config.residual_multiplier} but "
                 f"{name} has no residual_multiplier attribute the fused layer could apply")
+    rope = getattr(config, "rope_parameters", None)
+    rope = rope if isinstance(rope, dict) else {}
+    for key, neutral in ROPE_NEUTRAL.items():
+        if rope.get(key) not in (None, 0, 0.0):
+            return (f"max-length mode: config.rope_parameters[{key!r}] = {rope[key]} scales "
+                    "the queries inside the attention, which the fused layer does not "
+                    "reproduce; train this model without --mlp-tile/--head-chunk")
     for key, neutral in CONFIG_NEUTRAL.items():
         if hasattr(config, key) and not _neutral(getattr(config, key), neutral):
             return (f"max-length mode: config.{key} = {getattr(config, key)} (neutral: {neutral}) "

@@ -36,6 +36,13 @@ def test_llama_shaped_layers_are_accepted(model_type, overrides):
     ("seed_oss", dict(attention_dropout=0.1, residual_dropout=0.1), "attention_dropout = 0.1"),
     ("falcon_h1", {}, "has ["),  # Mamba mixer and Falcon-H1's multipliers beside attention
     ("gemma2", {}, "pre_feedforward_layernorm"),  # Gemma 2's extra norms
+    # its global layers skip RoPE and drop the window: told by is_sliding, unknown here
+    ("exaone_moe", dict(sliding_window=4, pad_token_id=0), "ExaoneMoeAttention.s"),
+    ("flint", dict(sliding_window=4), "skip RoPE"),  # full-attention layers are NoPE
+    ("ministral3", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                         "llama_4_scaling_beta": 0.1,
+                                         "original_max_position_embeddings": 16}),
+     "llama_4_scaling_beta"),
 ])
 def test_layers_the_fused_layer_does_not_reproduce_are_refused(model_type, overrides, named):
     model = _model(model_type, **overrides)
