@@ -24,6 +24,12 @@ call; :func:`fused_layer_mismatch` checks all three:
   know is refused by name, so a new family's multiplier cannot slip through;
 - the config entries read at call time (``clip_qkv``, the Falcon-H1 multipliers, parallel
   residuals) have their neutral values.
+
+easy_context.memory.maxlen.probe_mismatch then runs the layer's own forward against the
+fused computation on a few random tokens, where its weights are whole and local: that
+catches a forward that differs in a way no attribute shows (Flint's NoPE global layers:
+5e-1 apart), but not a branch that only acts past some position or magnitude (clip_qkv,
+Ministral 3's position scaling), which the checks here refuse.
 """
 
 from __future__ import annotations

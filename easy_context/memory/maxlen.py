@@ -26,9 +26,11 @@ linear layers, optional per-head ``q_norm``/``k_norm``), ``post_attention_layern
 ``mlp``, and nothing else (Llama, Mistral, Qwen2 and Qwen3, Gemma, Granite, SmolLM3...),
 with no setting the fused layer does not reproduce (easy_context.memory.layer_check:
 every number attribute of the layer and its attention, and the config entries read inside
-a layer). Anything else (post-norm layers such as OLMo-2's, Cohere's parallel block, fused
-qkv projections, norms over all heads, OLMo's clip_qkv, MiniMax's residual weights) raises
-a ValueError that says what does not fit. Generation with a KV cache runs the layers unchanged.
+a layer), and whose own forward, run on a few random tokens, gives what the fused layer
+gives (probe_mismatch: what no attribute shows). Anything else (post-norm layers such as
+OLMo-2's, Cohere's parallel block, fused qkv projections, norms over all heads, OLMo's
+clip_qkv, MiniMax's residual weights) raises a ValueError that says what does not fit.
+Generation with a KV cache runs the layers unchanged.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import recomputed
+from . import fused_layer, recomputed
 from ..utils.decoder import decoder_of
 from .fused_layer import FusedLayer, LayerSpec, Run, head_chunks
 from .layer_check import fused_layer_mismatch
@@ -108,12 +110,60 @@ def layer_spec(layer: nn.Module, config) -> LayerSpec:
                      bool(getattr(attn, "use_rope", True)))
 
 
+PROBE_TOKENS = 8  # tokens of the numerical check of each layer (probe_mismatch)
+
+
+def probe_mismatch(model: nn.Module, layer: nn.Module, spec: LayerSpec) -> str | None:
+    """Run ``layer``'s own forward and the fused computation on a few random tokens (eager
+    attention, no grad, eval mode) and say how far apart they are, when they differ: a check
+    of what no attribute shows. Skipped (None) where it cannot run without a collective or a
+    gather: weights on the meta device, ZeRO-3 or DTensor shards, RoPE that is not static."""
+    params = list(layer.parameters())
+    if not params or any(p.is_meta or hasattr(p, "ds_id") or type(p.data) is not torch.Tensor
+                         or not p.is_floating_point() for p in params):
+        return None
+    rotary = getattr(decoder_of(model), "rotary_emb", None)
+    if rotary is None or getattr(rotary, "rope_type", None) not in recomputed.STATIC_ROPE_TYPES:
+        return None
+    p = params[0]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, PROBE_TOKENS, spec.attn.q_proj.in_features,  # (1, 8, hidden)
+                    generator=gen).to(p.device, p.dtype)
+    pos = torch.arange(PROBE_TOKENS, device=p.device)[None]
+    config = spec.attn.config
+    implementation, training = config._attn_implementation, layer.training
+    forward = getattr(layer, "_ec_original_forward", layer.forward)
+    try:
+        config._attn_implementation = "eager"  # the family's own, on both sides
+        layer.train(False)
+        with torch.no_grad():
+            cos, sin = rotary(x, pos)
+            want = forward(x, attention_mask=None, position_ids=pos, position_embeddings=(cos, sin))
+            want = want[0] if isinstance(want, tuple) else want
+            got = fused_layer.Run(spec, PROBE_TOKENS, spec.heads, False, DeviceStorage(),
+                                  attn_kwargs={"position_ids": pos}).forward(x, cos, sin)
+    finally:
+        config._attn_implementation = implementation
+        layer.train(training)
+    # relative to the layer's branches (its output less its input)
+    err = float((got.float() - want.float()).abs().max() /
+                (want.float() - x.float()).abs().max().clamp(min=1e-12))
+    tol = 1e-4 if p.dtype in (torch.float32, torch.float64) else 5e-2
+    if err <= tol:
+        return None
+    return (f"max-length mode: {type(layer).__name__}'s own forward and the fused layer differ "
+            f"by {err:.1e} (relative, {PROBE_TOKENS} random tokens): it computes something the "
+            "fused layer does not reproduce; train this model without --mlp-tile/--head-chunk")
+
+
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why max-length mode cannot fuse this model's layers, or None when it can."""
     try:
         config = _text_config(model)
         for layer in decoder_layers(model):
-            layer_spec(layer, config)
+            reason = probe_mismatch(model, layer, layer_spec(layer, config))
+            if reason:
+                return reason
     except (ValueError, AttributeError) as e:
         return str(e)
     return None
@@ -218,6 +268,10 @@ def apply_max_length(model: nn.Module, mlp_tile: int, heads_per_chunk: int,
     config = _text_config(model)
     layers = decoder_layers(model)
     specs = [layer_spec(layer, config) for layer in layers]
+    for layer, spec in zip(layers, specs):
+        reason = probe_mismatch(model, layer, spec)
+        if reason:
+            raise ValueError(reason)
     heads_per_chunk = min(heads_per_chunk, specs[0].heads)
     _stop_kernelizing(model)
     _check_chunks(model, specs[0], heads_per_chunk)

@@ -100,3 +100,22 @@ def test_a_projection_with_its_own_forward_is_refused():
     attn.v_proj = Scaled(old.in_features, old.out_features, bias=False)
     reason = unsupported_reason(model)
     assert reason is not None and "v_proj" in reason and "Scaled" in reason
+
+
+def test_a_layer_that_computes_something_else_is_refused_by_the_probe():
+    """No attribute, child or config entry shows it: the layer's own forward on a few tokens
+    against the fused computation does."""
+    model = _model("llama")
+    layer = model.model.layers[1]
+    plain = layer.forward
+
+    def forward(hidden_states, *args, **kwargs):  # a branch the fused layer does not know
+        return plain(hidden_states, *args, **kwargs) + 0.05 * hidden_states.tanh()
+
+    layer.forward = forward
+    assert fused_layer_mismatch(layer, model.config) is None  # the structure looks right
+    reason = unsupported_reason(model)
+    assert reason is not None and "LlamaDecoderLayer's own forward and the fused layer differ" \
+        in reason, reason
+    with pytest.raises(ValueError, match="differ by"):
+        apply_max_length(model, 4, 2)
