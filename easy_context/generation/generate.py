@@ -160,10 +160,14 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
     if not beyond_rope_range:
         check_rope_range(text_config(model.config), int(lengths.max()) + max_new_tokens)
     rescaling = rope_types(text_config(model.config)) & RESCALING_ROPE
-    if world > 1 and rescaling:  # a model switched before it was refused there too
+    if world > 1 and rescaling:
+        # Training takes the length from the whole sequence (integrations.whole_sequence);
+        # decoding would also need the prefill's padded positions kept out of it and each
+        # step's growth, which transformers applies to new keys only: not reproduced here.
         raise ValueError(f"{'/'.join(sorted(rescaling))} RoPE scaling rescales from the longest "
-                         "position a forward sees, which differs from shard to shard: generate "
-                         "on one rank, or use linear or yarn scaling")
+                         "position a forward sees, which decoding grows token by token: "
+                         "generate on one rank (training is exact on any number), or use "
+                         "linear or yarn scaling")
 
     device = next(model.parameters()).device
     b, length = input_ids.shape

@@ -29,6 +29,7 @@ from ..parallel import METHODS, get_method
 from ..parallel.settings import SequenceParallelSettings, module_settings, store_settings
 from ..sequence_parallel import sequence_parallel_attention
 from ..utils.decoder import decoder_of, text_config
+from . import whole_sequence as ws
 
 Tensor = torch.Tensor
 
@@ -58,6 +59,22 @@ def _unsupported(query: Tensor, key: Tensor, dropout: float) -> str | None:
     if dropout and dropout > 0:
         return f"attention dropout ({dropout}) is not supported; set config.attention_dropout=0"
     return None
+
+
+def _needs_apply(module: nn.Module, method: str) -> str | None:
+    """Why a model switched by name only (``attn_implementation=...`` at loading, no
+    apply_sequence_parallel) would run silently wrong: what it derives from the call's length
+    is taken from the whole sequence only by the hooks apply_sequence_parallel installs."""
+    what = None
+    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        what = "attn_temperature_tuning (queries scaled by position)"
+    elif dist.is_initialized() and dist.get_world_size() > 1 and get_method(method).layout != \
+            "whole" and rope_types(getattr(module, "config", None)) & RESCALING_ROPE:
+        what = f"{'/'.join(sorted(rope_types(module.config) & RESCALING_ROPE))} RoPE scaling"
+    if what is None:
+        return None
+    return (f"{type(module).__name__} uses {what}, which must come from the whole sequence: "
+            "switch the model with easy_context.apply_sequence_parallel(model, method, group)")
 
 
 def layer_chunk(module: nn.Module) -> int | None:
@@ -93,11 +110,23 @@ def _make_attention(method: str):
         # query (B, Hq, S, D), key (B, Hkv, S, D), value (B, Hkv, S, Dv), not repeated for
         # GQA; what the layer adds comes as transformers hands it to flash attention:
         # sliding_window, softcap, s_aux (sinks); chunks from the config (layer_chunk).
-        settings = module_settings(module) or SequenceParallelSettings(method)
-        reason = _unsupported(query, key, dropout)
+        settings = module_settings(module)
+        reason = _unsupported(query, key, dropout) or (
+            _needs_apply(module, method) if settings is None else None)
+        settings = settings or SequenceParallelSettings(method)
         if reason:
             raise ValueError(f"{method}: {reason}")
         query, key, value = _one_dtype(query, key, value)
+        temperature = ws.temperature_of(module)
+        if temperature is not None and not getattr(module, "use_rope", True):
+            # Llama 4's attn_temperature_tuning from the tokens' global positions
+            # (integrations.whole_sequence; the module's own arange-based scaling is off)
+            positions = kwargs.get(ws.POSITIONS_KWARG)
+            if positions is None:
+                raise ValueError(f"{method}: {type(module).__name__} scales its queries by "
+                                 "position (attn_temperature_tuning) and got no positions")
+            scales = ws.temperature_scales(positions.to(query.device), *temperature)
+            query = (query * scales).to(query.dtype)  # (B, Hq, S, D) * (B, 1, S, 1)
         cache = kwargs.get(KV_CACHE_KWARG)
         if cache is not None:  # easy_context.generate: prefill or decode, the cache's call
             out = cache.attend(
@@ -131,8 +160,8 @@ def _text_config(model: nn.Module):
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 # RoPE types that transformers rescales from the largest position one forward sees: on a
-# shard that is the shard's, so the ranks would rotate with different frequencies.
-RESCALING_ROPE = frozenset({"dynamic", "longrope"})
+# shard that is the shard's; whole_sequence.whole_sequence_rope makes it the sequence's.
+RESCALING_ROPE = ws.RESCALING_ROPE
 
 
 def rope_types(config) -> set[str]:
@@ -165,13 +194,6 @@ def check_model_supported(model: nn.Module) -> None:
             f"layers {layers[:8]}{'...' if len(layers) > 8 else ''}); sequence parallelism "
             "splits attention only, and these layers carry state along the whole sequence. "
             "Use a model whose every layer is attention")
-    if getattr(config, "attn_temperature_tuning", False) and any(
-            not getattr(m, "use_rope", True) for m in _attention_modules(model)):
-        raise ValueError(
-            f"{type(model).__name__} scales the queries of its NoPE layers by their position "
-            "(attn_temperature_tuning), which transformers computes from the local shard's "
-            "length, not the tokens' positions in the sequence, so it would differ under "
-            "sequence parallelism; set config.attn_temperature_tuning=False to train without it")
 
 
 _MASK_HOOK_ATTR = "_easy_context_mask_hook"
@@ -211,6 +233,11 @@ def _refuse_padding(group):
     return hook
 
 
+def _runs_sequence_parallel(decoder: nn.Module):
+    """() -> whether ``decoder`` runs one of easy_context's attention functions now."""
+    return lambda: getattr(decoder.config, "_attn_implementation", None) in _HF_NAMES
+
+
 def _attention_modules(model: nn.Module):
     # Attention layers are the modules that carry a layer index and a causal flag.
     return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
@@ -234,13 +261,6 @@ def apply_sequence_parallel(model: nn.Module, method: str, group=None,
     if world > 1:
         heads = config.num_attention_heads
         m.check(heads, getattr(config, "num_key_value_heads", None) or heads, world, ring_degree)
-        rescaling = rope_types(config) & RESCALING_ROPE
-        if rescaling and m.layout != "whole":
-            raise ValueError(
-                f"{'/'.join(sorted(rescaling))} RoPE scaling rescales from the longest position "
-                "one forward sees, which is a shard's under sequence parallelism (each rank "
-                "would rotate with other frequencies): use linear or yarn scaling, or run on "
-                "one rank")
     modules = _attention_modules(model)
     if not modules:
         raise ValueError(f"found no attention layers in {type(model).__name__}: its attention "
@@ -255,6 +275,11 @@ def apply_sequence_parallel(model: nn.Module, method: str, group=None,
         getattr(decoder, _MASK_HOOK_ATTR).remove()  # applied again: the new group counts
     setattr(decoder, _MASK_HOOK_ATTR, decoder.register_forward_pre_hook(
         _refuse_padding(group), with_kwargs=True))
+    # what transformers derives from the call's length, from the whole sequence's positions
+    active = _runs_sequence_parallel(decoder)
+    ws.whole_sequence_rope(model, group, active, enabled=world > 1 and m.layout != "whole")
+    layers = getattr(decoder, "layers", None)
+    ws.tune_temperature_globally(model, list(layers) if layers is not None else [], active)
     model.set_attn_implementation(hf_attention_name(m.name))
     return model
 

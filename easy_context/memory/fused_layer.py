@@ -1,10 +1,13 @@
 """A decoder layer that never holds a whole-sequence intermediate: its MLP in sequence tiles,
 its attention one group of heads at a time, its own recompute.
 
-For a pre-norm layer (transformers' Llama, Mistral, Qwen2/3, Gemma...)
+For a pre-norm layer (transformers' Llama, Mistral, Qwen2/3, Gemma, Granite...)
 
-    h = x + o_proj(attention(rope(q_proj(n1(x))), rope(k_proj(n1(x))), v_proj(n1(x))))
-    y = h + mlp(n2(h))
+    h = x + r * o_proj(attention(rope(q_proj(n1(x))), rope(k_proj(n1(x))), v_proj(n1(x))))
+    y = h + r * mlp(n2(h))
+
+(r: Granite's residual_multiplier, else 1; no rope on NoPE layers; which layers have exactly
+this shape is verified by easy_context.memory.layer_check)
 
 the untiled layer, recomputed under per-layer checkpointing, holds for every token of the
 sequence the normed input, q, k, v (before and after RoPE), the attention output, h, the
@@ -71,6 +74,11 @@ def mlp_output(out):
     return out[0] if isinstance(out, tuple) else out
 
 
+def branch(t: Tensor, factor: float) -> Tensor:
+    """A residual branch (or its gradient) times the layer's factor; as is when it is 1."""
+    return t if factor == 1.0 else t * factor
+
+
 def tiles(length: int, tile: int) -> list[slice]:
     return [slice(i, min(i + tile, length)) for i in range(0, length, max(1, tile))]
 
@@ -107,6 +115,8 @@ class LayerSpec:
     heads: int
     kv_heads: int
     head_dim: int
+    residual: float = 1.0  # each residual branch's factor (Granite's residual_multiplier)
+    use_rope: bool = True  # False on NoPE layers (SmolLM3's): q and k are not rotated
 
     def parameters(self) -> list[nn.Parameter]:
         # Read at each call: FSDP2 swaps sharded for unsharded parameters around a forward.
@@ -175,7 +185,9 @@ class Run:
         What the layer's own forward hands its attention function beyond q, k, v goes with
         it: the sliding window, soft-capping, and the group's attention sinks."""
         a = self.spec.attn
-        qr, kr = self.spec.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        qr, kr = q.transpose(1, 2), k.transpose(1, 2)
+        if self.spec.use_rope:
+            qr, kr = self.spec.rope(qr, kr, cos, sin)
         extra = {} if sinks is None else {"s_aux": sinks}
         if getattr(a, "attn_logit_softcapping", None) is not None:
             extra["softcap"] = a.attn_logit_softcapping
@@ -206,7 +218,7 @@ class Run:
         """(h = x + o_proj(attention output), the attention output) for tile t."""
         o = torch.cat([out[:, t].flatten(2) for out in outs], dim=-1)  # (B, T, Hq * D)
         proj = self.spec.attn.o_proj
-        return x[:, t] + F.linear(o, proj.weight, proj.bias), o
+        return x[:, t] + branch(F.linear(o, proj.weight, proj.bias), self.spec.residual), o
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, keep: bool = False) -> Tensor:
         """The layer's output without autograd. ``keep``: this layer's backward comes next,
@@ -228,7 +240,7 @@ class Run:
         y = torch.empty_like(x)
         for t in tiles(x.size(1), self.tile):
             h, _ = self.residual_tile(x, outs, t)
-            y[:, t] = h + mlp_output(self.spec.mlp(self.spec.norm2(h)))
+            y[:, t] = h + branch(mlp_output(self.spec.mlp(self.spec.norm2(h))), self.spec.residual)
         return y
 
 
@@ -279,15 +291,17 @@ def mlp_backward(run: Run, x: Tensor, outs: list[Tensor], dy: Tensor, grads: Gra
         h.requires_grad_(True)
         with torch.enable_grad():
             m = mlp_output(spec.mlp(spec.norm2(h)))
-        got = _grad(m, [h, *mlp_params], dy[:, t])
+        got = _grad(m, [h, *mlp_params], branch(dy[:, t], spec.residual))
         dh[:, t] = dy[:, t] + got[0]
         for p, g in zip(mlp_params, got[1:]):
             grads.add(p, g)
         del m, got, h
-        if wo.weight.requires_grad:  # d o_proj.weight = dh^T o over the tile's tokens
-            grads.add(wo.weight, dh[:, t].flatten(0, 1).T.to(o.dtype) @ o.flatten(0, 1))
+        da = branch(dh[:, t], spec.residual)  # the gradient of o_proj's output
+        if wo.weight.requires_grad:  # d o_proj.weight = da^T o over the tile's tokens
+            grads.add(wo.weight, da.flatten(0, 1).T.to(o.dtype) @ o.flatten(0, 1))
         if wo.bias is not None and wo.bias.requires_grad:
-            grads.add(wo.bias, dh[:, t].sum((0, 1)))
+            grads.add(wo.bias, da.sum((0, 1)))
+        del da
     return dh
 
 
@@ -311,8 +325,9 @@ def attention_backward(run: Run, x: Tensor, cos: Tensor, sin: Tensor, recorded: 
         sinks = None if sinks is None else sinks.detach().requires_grad_(a.sinks.requires_grad)
         with torch.enable_grad(), replaying(rec):
             out = run.attend(q, k, v, cos, sin, sinks)  # the recorded result: no kernel forward
-        # d out = dh @ o_proj.weight[:, the group's columns]
-        dout = (dh @ a.o_proj.weight[:, run._rows(qs)].to(dh.dtype)).view_as(out)
+        # d out = r dh @ o_proj.weight[:, the group's columns]
+        dout = (branch(dh, spec.residual) @ a.o_proj.weight[:, run._rows(qs)].to(dh.dtype)
+                ).view_as(out)
         with_sinks = sinks is not None and sinks.requires_grad
         dq, dk, dv, *dsinks = torch.autograd.grad(out, [q, k, v] + ([sinks] if with_sinks else []),
                                                   dout)

@@ -23,9 +23,14 @@ computes them again (easy_context.memory.recomputed).
 Which layers: pre-norm decoder layers, found by their structure, not by model name: the
 children ``input_layernorm``, ``self_attn`` (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``
 linear layers, optional per-head ``q_norm``/``k_norm``), ``post_attention_layernorm`` and
-``mlp``, and nothing else (Llama, Mistral, Qwen2 and Qwen3, Gemma...). Anything else
-(post-norm layers such as OLMo-2's, fused qkv projections, norms over all heads) raises a
-ValueError that says what is missing. Generation with a KV cache runs the layers unchanged.
+``mlp``, and nothing else (Llama, Mistral, Qwen2 and Qwen3, Gemma, Granite, SmolLM3...),
+with no setting the fused layer does not reproduce (easy_context.memory.layer_check:
+every number attribute of the layer and its attention, and the config entries read inside
+a layer), and whose own forward, run on a few random tokens, gives what the fused layer
+gives (probe_mismatch: what no attribute shows). Anything else (post-norm layers such as
+OLMo-2's, Cohere's parallel block, fused qkv projections, norms over all heads, OLMo's
+clip_qkv, MiniMax's residual weights) raises a ValueError that says what does not fit.
+Generation with a KV cache runs the layers unchanged.
 """
 
 from __future__ import annotations
@@ -39,14 +44,13 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import recomputed
+from . import fused_layer, recomputed
 from ..utils.decoder import decoder_of
 from .fused_layer import FusedLayer, LayerSpec, Run, head_chunks
+from .layer_check import fused_layer_mismatch
 from .offload import DeviceStorage, LayerStorage
 
 KINDS = ("none", "full", "offload", "attention")
-_LAYER_CHILDREN = {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
-_ATTN_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj"}
 _STATE = "_easy_context_max_length"
 _CACHE_KEYS = ("cache", "past_key_values", "past_key_value", "use_cache", "cache_position",
                "output_attentions")
@@ -70,25 +74,17 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def layer_spec(layer: nn.Module, config) -> LayerSpec:
     """The parts of a pre-norm decoder layer, or a ValueError naming what does not fit."""
-    name = type(layer).__name__
-    children = {n for n, _ in layer.named_children()}
-    if children != _LAYER_CHILDREN:
-        raise ValueError(
-            f"max-length mode fuses pre-norm decoder layers (children {sorted(_LAYER_CHILDREN)}); "
-            f"{name} has {sorted(children)}. Train this model without --mlp-tile/--head-chunk")
+    reason = fused_layer_mismatch(layer, config)
+    if reason:
+        raise ValueError(reason)
     attn = layer.self_attn
-    a_children = {n for n, _ in attn.named_children()}
-    extra = a_children - _ATTN_CHILDREN - {"q_norm", "k_norm"}
-    if not _ATTN_CHILDREN <= a_children or extra:
-        raise ValueError(f"max-length mode needs separate q_proj/k_proj/v_proj/o_proj linear "
-                         f"layers; {type(attn).__name__} has {sorted(a_children)}")
-    if not all(isinstance(getattr(attn, n), nn.Linear) for n in _ATTN_CHILDREN):
-        raise ValueError(f"{type(attn).__name__}: q/k/v/o projections must be nn.Linear")
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = attn.head_dim
-    if attn.q_proj.out_features != heads * head_dim or attn.k_proj.out_features != kv_heads * head_dim:
-        raise ValueError(f"{type(attn).__name__}: q_proj/k_proj widths do not match {heads} / "
+    if attn.q_proj.out_features != heads * head_dim or attn.o_proj.in_features != heads * head_dim \
+            or attn.k_proj.out_features != kv_heads * head_dim \
+            or attn.v_proj.out_features != kv_heads * head_dim:
+        raise ValueError(f"{type(attn).__name__}: q/k/v/o_proj widths do not match {heads} / "
                          f"{kv_heads} heads of {head_dim}")
     for n in ("q_norm", "k_norm"):
         norm = getattr(attn, n, None)
@@ -109,7 +105,55 @@ def layer_spec(layer: nn.Module, config) -> LayerSpec:
         return ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager)
 
     return LayerSpec(layer.input_layernorm, attn, layer.post_attention_layernorm, layer.mlp,
-                     rope, attention, heads, kv_heads, head_dim)
+                     rope, attention, heads, kv_heads, head_dim,
+                     float(getattr(layer, "residual_multiplier", 1.0)),
+                     bool(getattr(attn, "use_rope", True)))
+
+
+PROBE_TOKENS = 8  # tokens of the numerical check of each layer (probe_mismatch)
+
+
+def probe_mismatch(model: nn.Module, layer: nn.Module, spec: LayerSpec) -> str | None:
+    """Run ``layer``'s own forward and the fused computation on a few random tokens (eager
+    attention, no grad, eval mode) and say how far apart they are, when they differ: a check
+    of what no attribute shows. Skipped (None) where it cannot run without a collective or a
+    gather: weights on the meta device, ZeRO-3 or DTensor shards, RoPE that is not static."""
+    params = list(layer.parameters())
+    if not params or any(p.is_meta or hasattr(p, "ds_id") or type(p.data) is not torch.Tensor
+                         or not p.is_floating_point() for p in params):
+        return None
+    rotary = getattr(decoder_of(model), "rotary_emb", None)
+    if rotary is None or getattr(rotary, "rope_type", None) not in recomputed.STATIC_ROPE_TYPES:
+        return None
+    p = params[0]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, PROBE_TOKENS, spec.attn.q_proj.in_features,  # (1, 8, hidden)
+                    generator=gen).to(p.device, p.dtype)
+    pos = torch.arange(PROBE_TOKENS, device=p.device)[None]
+    config = spec.attn.config
+    implementation, training = config._attn_implementation, layer.training
+    forward = getattr(layer, "_ec_original_forward", layer.forward)
+    try:
+        config._attn_implementation = "eager"  # the family's own, on both sides
+        layer.train(False)
+        with torch.no_grad():
+            cos, sin = rotary(x, pos)
+            want = forward(x, attention_mask=None, position_ids=pos, position_embeddings=(cos, sin))
+            want = want[0] if isinstance(want, tuple) else want
+            got = fused_layer.Run(spec, PROBE_TOKENS, spec.heads, False, DeviceStorage(),
+                                  attn_kwargs={"position_ids": pos}).forward(x, cos, sin)
+    finally:
+        config._attn_implementation = implementation
+        layer.train(training)
+    # relative to the layer's branches (its output less its input)
+    err = float((got.float() - want.float()).abs().max() /
+                (want.float() - x.float()).abs().max().clamp(min=1e-12))
+    tol = 1e-4 if p.dtype in (torch.float32, torch.float64) else 5e-2
+    if err <= tol:
+        return None
+    return (f"max-length mode: {type(layer).__name__}'s own forward and the fused layer differ "
+            f"by {err:.1e} (relative, {PROBE_TOKENS} random tokens): it computes something the "
+            "fused layer does not reproduce; train this model without --mlp-tile/--head-chunk")
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -117,7 +161,9 @@ def unsupported_reason(model: nn.Module) -> str | None:
     try:
         config = _text_config(model)
         for layer in decoder_layers(model):
-            layer_spec(layer, config)
+            reason = probe_mismatch(model, layer, layer_spec(layer, config))
+            if reason:
+                return reason
     except (ValueError, AttributeError) as e:
         return str(e)
     return None
@@ -222,6 +268,10 @@ def apply_max_length(model: nn.Module, mlp_tile: int, heads_per_chunk: int,
     config = _text_config(model)
     layers = decoder_layers(model)
     specs = [layer_spec(layer, config) for layer in layers]
+    for layer, spec in zip(layers, specs):
+        reason = probe_mismatch(model, layer, spec)
+        if reason:
+            raise ValueError(reason)
     heads_per_chunk = min(heads_per_chunk, specs[0].heads)
     _stop_kernelizing(model)
     _check_chunks(model, specs[0], heads_per_chunk)

@@ -37,7 +37,7 @@ def tiny(family: str, seed: int = 0, **overrides):
                                       **{**SHAPE, **extra, **overrides})
         attn = "eager"
     else:
-        config = AutoConfig.for_model(family, **{**SHAPE, **FAMILIES[family], **overrides})
+        config = AutoConfig.for_model(family, **{**SHAPE, **FAMILIES.get(family, {}), **overrides})
         attn = "sdpa"
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn).float()
@@ -55,11 +55,11 @@ def grad_errors(model, ref, world: int) -> float:
 
 
 def check_max_length(family: str, method: str, cases: list[tuple], ring_degree: int | None = None,
-                     packed: bool = False) -> dict:
+                     packed: bool = False, overrides: dict | None = None) -> dict:
     """{case: (loss error, grad error)} for each (mlp_tile, heads_per_chunk, checkpointing,
-    keep_every) in ``cases``."""
+    keep_every) in ``cases``; ``overrides``: config entries of the family's tiny model."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    base = tiny(family)
+    base = tiny(family, **(overrides or {}))
     length = 2 * world * 6
     inputs, positions, targets = make_batch(length, base.config.vocab_size)
     doc = None

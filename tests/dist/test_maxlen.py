@@ -64,6 +64,23 @@ def test_four_ranks(dist4, method, ring_degree, chunk):
                                                           (3, chunk, "offload", 2)], ring_degree))
 
 
+# Granite scales each residual branch (residual_multiplier), its softmax (attention_multiplier),
+# embeddings and logits; SmolLM3 skips RoPE on some layers (no_rope_layers: layer 1 here).
+# Both have Llama's children, so only their settings tell them apart.
+GRANITE = dict(residual_multiplier=0.37, attention_multiplier=0.2, embedding_multiplier=3.0,
+               logits_scaling=2.0)
+SMOLLM3 = dict(no_rope_layers=[1, 0], pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.mark.parametrize("family,overrides", [("granite", GRANITE), ("smollm3", SMOLLM3)])
+def test_layers_with_their_own_settings(dist1, dist2, family, overrides):
+    _assert(dist1.run(check_max_length, family, "local", ONE + [(4, 2, "attention", 1)],
+                      overrides=overrides))
+    _assert(dist2.run(check_max_length, family, "zigzag_ring_attn", [(5, 2, "full", 1),
+                                                                    (6, 4, "full", 2)],
+                      overrides=overrides))
+
+
 @pytest.mark.parametrize("method", ["zigzag_ring_attn", "ulysses_attn"])
 def test_packed_documents(dist2, method):
     _assert(dist2.run(check_max_length, "llama", method, [(5, 2, "full", 1)], packed=True))

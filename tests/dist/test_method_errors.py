@@ -116,16 +116,43 @@ def rescaling_rope_refused(rope_type):
                                   num_key_value_heads=2, max_position_embeddings=128,
                                   rope_scaling=scaling)
     model = AutoModelForCausalLM.from_config(config)
+    ec.apply_sequence_parallel(model, "zigzag_ring_attn")  # training: exact (whole_sequence)
     try:
-        ec.apply_sequence_parallel(model, "zigzag_ring_attn")
+        ec.generate(model, torch.randint(0, 50, (1, 8)), method="zigzag_ring_attn",
+                    max_new_tokens=2)
     except ValueError as e:
         return str(e)
     return None
 
 
+def rescaling_rope_switched_by_name():
+    """A dynamic-RoPE model loaded with a sequence-parallel attn_implementation but never
+    passed to apply_sequence_parallel (so no whole-sequence hooks): its forward refuses."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", vocab_size=50, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=1, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=8,
+                                  rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="zigzag_ring_attn")
+    rank = dist.get_rank()
+    try:
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long),
+              position_ids=torch.tensor([[0, 1, 2, 3, 12, 13, 14, 15]]) + 4 * rank)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_rescaling_rope_switched_by_name_only_is_refused(dist2):
+    _assert_all(dist2.run(rescaling_rope_switched_by_name), "dynamic RoPE scaling",
+                "apply_sequence_parallel")
+
+
 @pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
-def test_rope_scaling_that_rescales_per_forward_is_refused(dist2, rope_type):
+def test_generation_refuses_rope_scaling_that_rescales_per_forward(dist2, rope_type):
     """transformers rescales dynamic and longrope RoPE from the largest position in one
-    forward: a shard's under sequence parallelism, so the ranks would disagree."""
+    forward; training takes it from the whole sequence (tests/dist/test_whole_sequence.py),
+    generation on several ranks refuses: its cache keeps keys rotated at earlier lengths."""
     _assert_all(dist2.run(rescaling_rope_refused, rope_type), f"{rope_type} RoPE scaling",
-                "use linear or yarn scaling")
+                "generate on one rank")

@@ -254,11 +254,28 @@ def test_layers_that_are_not_attention_are_refused_by_name(config, named):
         ec.check_model_supported(_Stub(**config))
 
 
-def test_llama4_temperature_tuning_is_refused_with_the_flag_to_change():
-    config = dict(VARIANT_FAMILIES["llama4_text"], attn_temperature_tuning=True)
+def test_llama4_temperature_tuning_is_taken_from_global_positions():
+    """Accepted: the NoPE layer's scale comes from the tokens' positions while a sequence-
+    parallel attention runs it, transformers' own scaling otherwise (exactness at 2 and 4
+    ranks: tests/dist/test_whole_sequence.py)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from easy_context.integrations.whole_sequence import temperature_of
     from tests.dist.hf_cases import COMMON
+    config = dict(VARIANT_FAMILIES["llama4_text"], attn_temperature_tuning=True)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama4_text", **{**COMMON, **config}))
-    with pytest.raises(ValueError, match="attn_temperature_tuning=False"):
-        ec.apply_sequence_parallel(model, "zigzag_ring_attn")
+    ec.apply_sequence_parallel(model, "zigzag_ring_attn")
+    nope, rope = (layer.self_attn for layer in (model.model.layers[1], model.model.layers[0]))
+    assert temperature_of(nope) is not None and temperature_of(rope) is None
+    ids = torch.randint(0, 97, (1, 12))
+    model(input_ids=ids, position_ids=torch.arange(12)[None])
+    assert nope.attn_temperature_tuning is False  # ours applied it
+    model.set_attn_implementation("eager")
+    model(input_ids=ids)
+    assert nope.attn_temperature_tuning is True  # transformers' own again
+    # switched by name only, without the hooks: refused, not scaled from the shard
+    plain = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("llama4_text", **{**COMMON, **config}),
+        attn_implementation="zigzag_ring_attn")
+    with pytest.raises(ValueError, match="attn_temperature_tuning.*apply_sequence_parallel"):
+        plain(input_ids=ids, position_ids=torch.arange(12)[None])

@@ -1,0 +1,121 @@
+"""Max-length mode verifies each decoder layer's shape and settings (easy_context.memory.
+layer_check) and refuses, naming the module, attribute or config entry, what the fused layer
+does not reproduce. Exactness of what it accepts: tests/dist/test_maxlen.py."""
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from easy_context.memory.layer_check import fused_layer_mismatch
+from easy_context.memory.maxlen import apply_max_length, unsupported_reason
+
+SHAPE = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+             max_position_embeddings=128, attention_dropout=0.0)
+
+
+def _model(model_type: str, **overrides):
+    config = AutoConfig.for_model(model_type, **{**SHAPE, **overrides})
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("model_type,overrides", [
+    ("llama", {}), ("granite", dict(residual_multiplier=0.5, attention_multiplier=0.1)),
+    ("smollm3", dict(no_rope_layers=[1, 0], pad_token_id=0)), ("qwen3", {})])
+def test_llama_shaped_layers_are_accepted(model_type, overrides):
+    assert unsupported_reason(_model(model_type, **overrides)) is None
+
+
+@pytest.mark.parametrize("model_type,overrides,named", [
+    # Cohere's parallel block: attention and MLP both read one norm of x (no second norm)
+    ("cohere", {}, "CohereDecoderLayer has ['input_layernorm', 'mlp', 'self_attn']"),
+    ("olmo", dict(clip_qkv=8.0), "config.clip_qkv = 8.0"),  # OLMo clamps q, k and v
+    # Seed-OSS drops out of both branches (its defaults: 0.1)
+    ("seed_oss", dict(attention_dropout=0.1, residual_dropout=0.1), "attention_dropout = 0.1"),
+    ("falcon_h1", {}, "has ["),  # Mamba mixer and Falcon-H1's multipliers beside attention
+    ("gemma2", {}, "pre_feedforward_layernorm"),  # Gemma 2's extra norms
+    # its global layers skip RoPE and drop the window: told by is_sliding, unknown here
+    ("exaone_moe", dict(sliding_window=4, pad_token_id=0), "ExaoneMoeAttention.s"),
+    ("flint", dict(sliding_window=4), "skip RoPE"),  # full-attention layers are NoPE
+    ("ministral3", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                         "llama_4_scaling_beta": 0.1,
+                                         "original_max_position_embeddings": 16}),
+     "llama_4_scaling_beta"),
+])
+def test_layers_the_fused_layer_does_not_reproduce_are_refused(model_type, overrides, named):
+    model = _model(model_type, **overrides)
+    reason = unsupported_reason(model)
+    assert reason is not None and named in reason, reason
+    with pytest.raises(ValueError, match="fuse|max-length mode"):
+        apply_max_length(model, 4, 2)
+
+
+def test_an_unknown_child_module_is_refused():
+    model = _model("llama")
+    model.model.layers[1].extra_norm = nn.LayerNorm(32)
+    reason = unsupported_reason(model)
+    assert reason is not None and "extra_norm" in reason
+
+
+def test_an_unknown_child_of_the_attention_is_refused():
+    model = _model("llama")
+    model.model.layers[0].self_attn.gate = nn.Linear(32, 4)
+    reason = unsupported_reason(model)
+    assert reason is not None and "gate" in reason
+
+
+@pytest.mark.parametrize("where,attr,value,named", [
+    ("layer", "scale_depth", 1.4, "LlamaDecoderLayer.scale_depth = 1.4"),  # MiniCPM-style
+    ("layer", "mlp_beta_factor", 2.0, "mlp_beta_factor = 2.0 (neutral: 1.0)"),  # MiniMax
+    ("attn", "v_scale", 0.7, "v_scale = 0.7"),  # MiMo-V2
+    ("attn", "attn_temperature_tuning", True, "attn_temperature_tuning = True"),
+])
+def test_unknown_or_non_neutral_settings_are_refused_by_name(where, attr, value, named):
+    model = _model("llama")
+    layer = model.model.layers[0]
+    setattr(layer if where == "layer" else layer.self_attn, attr, value)
+    reason = fused_layer_mismatch(layer, model.config)
+    assert reason is not None and named in reason, reason
+
+
+def test_neutral_settings_and_own_parameters():
+    model = _model("llama")
+    layer = model.model.layers[0]
+    layer.mlp_alpha_factor = 1  # neutral: computes the plain shape
+    assert fused_layer_mismatch(layer, model.config) is None
+    layer.register_buffer("layer_scale", torch.ones(32))
+    assert "layer_scale" in fused_layer_mismatch(layer, model.config)
+
+
+def test_a_projection_with_its_own_forward_is_refused():
+    class Scaled(nn.Linear):  # e.g. a quantized or adapter layer: weight and bias are not all
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    model = _model("llama")
+    attn = model.model.layers[0].self_attn
+    old = attn.v_proj
+    attn.v_proj = Scaled(old.in_features, old.out_features, bias=False)
+    reason = unsupported_reason(model)
+    assert reason is not None and "v_proj" in reason and "Scaled" in reason
+
+
+def test_a_layer_that_computes_something_else_is_refused_by_the_probe():
+    """No attribute, child or config entry shows it: the layer's own forward on a few tokens
+    against the fused computation does."""
+    model = _model("llama")
+    layer = model.model.layers[1]
+    plain = layer.forward
+
+    def forward(hidden_states, *args, **kwargs):  # a branch the fused layer does not know
+        return plain(hidden_states, *args, **kwargs) + 0.05 * hidden_states.tanh()
+
+    layer.forward = forward
+    assert fused_layer_mismatch(layer, model.config) is None  # the structure looks right
+    reason = unsupported_reason(model)
+    assert reason is not None and "LlamaDecoderLayer's own forward and the fused layer differ" \
+        in reason, reason
+    with pytest.raises(ValueError, match="differ by"):
+        apply_max_length(model, 4, 2)
