@@ -27,7 +27,8 @@ pytest.importorskip("peft")
 
 import torch  # noqa: E402
 
-from .trainer_cases import MAX_NORM, error_of, load_plain, make_assets, run_trainer  # noqa: E402
+from .trainer_cases import (MAX_NORM, error_of, load_plain, make_assets,  # noqa: E402
+                           moe_aux_loss_outcomes, run_trainer)
 
 TOL = 1e-5
 # each tensor's change after two steps, relative to its norm (fp32). Measured: at most
@@ -210,3 +211,12 @@ def test_saved_model_loads_in_plain_transformers(assets, dist1, dist2):
 def test_bad_setups_are_refused_with_what_to_change(assets, dist2, options, message):
     errors = dist2.run(error_of, assets, "bad", evaluate=False, save=False, **options)
     assert all(message in e for e in errors), errors
+
+
+def test_moe_aux_loss_refusal_names_the_coefficient_that_turns_it_off(assets, dist1):
+    """TRL overwrites output_router_logits from its router_aux_loss_coef: the refusal names
+    the coefficient, and a coefficient of 0 is accepted under SFTTrainer and Trainer."""
+    got = dist1.run(moe_aux_loss_outcomes, assets)[0]
+    assert "set router_aux_loss_coef=0.0" in got["sft-default"], got
+    assert got["sft-coef-0"] == "enabled", got
+    assert got["trainer-config-coef-0"] == "enabled", got

@@ -308,3 +308,49 @@ def load_plain(saved: str) -> dict:
     return {"attention": model.config._attn_implementation,
             "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "logits": model(input_ids=ids).logits.detach()}
+
+
+def moe_aux_loss_outcomes(folder: str) -> dict:
+    """What enable_sequence_parallel says to a tiny Mixtral whose router auxiliary loss is
+    on (SFTTrainer's default coefficient), off through SFTConfig(router_aux_loss_coef=0.0),
+    and off under Trainer through the model config's coefficient with output_router_logits
+    still on."""
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, MixtralConfig, Trainer, TrainingArguments
+    from trl import SFTConfig, SFTTrainer
+
+    from easy_context import enable_sequence_parallel
+
+    _env_for_accelerate()
+    root = Path(folder)
+    train = datasets.load_from_disk(str(root / "train"))
+    common = dict(output_dir=str(root / "moe"), report_to=[], use_cpu=True, max_steps=1)
+
+    def model(**config):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(MixtralConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+            num_experts_per_tok=2, pad_token_id=PAD, **config))
+
+    def outcome(build) -> str:
+        try:
+            enable_sequence_parallel(build())
+        except ValueError as e:
+            return f"ValueError: {e}"
+        finally:
+            _env_for_accelerate()
+        return "enabled"
+
+    return {
+        "sft-default": outcome(lambda: SFTTrainer(
+            model=model(), args=SFTConfig(max_length=64, **common), train_dataset=train,
+            processing_class=_tokenizer())),
+        "sft-coef-0": outcome(lambda: SFTTrainer(
+            model=model(), args=SFTConfig(max_length=64, router_aux_loss_coef=0.0, **common),
+            train_dataset=train, processing_class=_tokenizer())),
+        "trainer-config-coef-0": outcome(lambda: Trainer(
+            model=model(output_router_logits=True, router_aux_loss_coef=0.0),
+            args=TrainingArguments(**common), train_dataset=train)),
+    }
