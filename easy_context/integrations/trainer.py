@@ -6,8 +6,10 @@
 
 launched as before (``accelerate launch`` with a DDP, FSDP2 or DeepSpeed ZeRO-3 config, or
 ``torchrun``). The trainer becomes an instance of a subclass of its own class
-(:class:`SequenceParallelMixin` first), so its callbacks, logging, saving and everything a
-script overrides stay as they were. What changes:
+(:class:`SequenceParallelMixin` first), so its callbacks, logging, saving and what a script
+overrides stay as they were, except the methods the mixin replaces (``REPLACED_METHODS``: a
+script's own are refused), and Trainer features that would see a shard as the whole
+sequence are refused up front. What changes:
 
 - **data**: the loaders are sharded over the data-parallel ranks only, so the ``sp_size``
   ranks of a group draw the same batches; each rank keeps its shard of every batch
@@ -23,6 +25,8 @@ script overrides stay as they were. What changes:
   gets logits gathered from the group (``prediction_loss_only`` unset), else none are built.
 - **TRL's metrics**: ``entropy`` and ``mean_token_accuracy`` from the chunked loss pass,
   over the whole batch; ``num_tokens`` counts each group's batch once.
+- **the Trainer's counts**: tokens seen, flos and the total batch size (samples/s) count each
+  group's batch once.
 """
 
 from __future__ import annotations

@@ -141,7 +141,8 @@ def train_and_evaluate(folder: str, name: str, kind: str = "trainer", engine: st
                 padding_side: str = "right", evaluate: bool = True, enable: dict | None = None,
                 save: bool = True, args: dict | None = None, resume: str | None = None,
                 predict: bool = False, override: str | None = None, model_init: bool = False,
-                streaming: bool = False, extra_column: str | None = None) -> dict:
+                streaming: bool = False, extra_column: str | None = None,
+                mixin_first: bool = False) -> dict:
     """Train two steps (and evaluate) with ``kind`` ("trainer": transformers' Trainer with
     DataCollatorWithFlattening when ``packing``, else padded batches; "sft": TRL's SFTTrainer)
     on ``engine`` ("ddp", "fsdp2", "deepspeed"). ``method=None`` is the one-process reference.
@@ -149,6 +150,7 @@ def train_and_evaluate(folder: str, name: str, kind: str = "trainer", engine: st
     ``predict``: predict() the eval set without labels after training. Setups to refuse:
     ``override`` (a method the script's Trainer subclass defines), ``model_init``,
     ``streaming`` (an IterableDataset), ``extra_column`` (a batch key that is not sharded).
+    ``mixin_first``: the script's class is ``(SequenceParallelMixin, Trainer)`` itself.
     Returns, on rank 0, the logged losses and gradient norms, eval loss, TRL metrics, the
     Trainer's counts, the weights before and after (saved)."""
     import datasets
@@ -195,6 +197,10 @@ def train_and_evaluate(folder: str, name: str, kind: str = "trainer", engine: st
         cls = Trainer
         if override is not None:  # a script's own subclass
             cls = type("ScriptTrainer", (Trainer,), {override: _script_override(override)})
+        if mixin_first:
+            from easy_context.integrations.trainer import SequenceParallelMixin
+
+            cls = type("ScriptTrainer", (SequenceParallelMixin, Trainer), {})
         built = model
         trainer = cls(model=None if model_init else model,
                       model_init=(lambda: built) if model_init else None, args=args,
