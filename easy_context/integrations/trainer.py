@@ -85,20 +85,31 @@ def _refuse_accelerate_parallelism(trainer) -> None:
 # The Trainer methods that SequenceParallelMixin replaces: a script's own version of one of
 # them would be skipped (the mixin comes first) or would run on the whole, unsharded batch.
 REPLACED_METHODS = ("compute_loss", "prediction_step", "get_batch_samples", "evaluation_loop")
-_LIBRARIES = ("transformers.", "trl.")
+
+
+def _reproduced_classes() -> tuple[type, ...]:
+    """The classes whose versions of REPLACED_METHODS the mixin reproduces."""
+    from transformers import Trainer
+
+    try:
+        from trl import SFTTrainer
+    except ImportError:
+        return (Trainer,)
+    return (Trainer, SFTTrainer)
 
 
 def _refuse_overrides(cls: type) -> None:
-    """A class of the script's own that defines one of the replaced methods: refused. Only
-    transformers' and TRL's own definitions are replaced (their behaviour is reproduced)."""
+    """A class that defines one of the replaced methods, other than transformers' Trainer and
+    TRL's SFTTrainer (whose behaviour the mixin reproduces): refused, never skipped."""
+    reproduced = _reproduced_classes() + (SequenceParallelMixin,)
     for name in REPLACED_METHODS:
         for klass in cls.__mro__:
-            if (name in vars(klass) and klass is not SequenceParallelMixin
-                    and not klass.__module__.startswith(_LIBRARIES)):
+            if name in vars(klass) and klass not in reproduced:
                 raise ValueError(
                     f"{klass.__name__}.{name} overrides the Trainer's, which sequence-parallel "
                     f"training replaces (it runs on each rank's shard of the batch): drop the "
-                    f"override, or move its logic out of {', '.join(REPLACED_METHODS)}")
+                    f"override, or move its logic out of {', '.join(REPLACED_METHODS)} (or build "
+                    "on transformers' Trainer or TRL's SFTTrainer)")
 
 
 def _streaming(data) -> bool:
