@@ -6,8 +6,10 @@
 
 launched as before (``accelerate launch`` with a DDP, FSDP2 or DeepSpeed ZeRO-3 config, or
 ``torchrun``). The trainer becomes an instance of a subclass of its own class
-(:class:`SequenceParallelMixin` first), so its callbacks, logging, saving and everything a
-script overrides stay as they were. What changes:
+(:class:`SequenceParallelMixin` first), so its callbacks, logging, saving and what a script
+overrides stay as they were, except the methods the mixin replaces (``REPLACED_METHODS``: a
+script's own are refused), and Trainer features that would see a shard as the whole
+sequence are refused up front. What changes:
 
 - **data**: the loaders are sharded over the data-parallel ranks only, so the ``sp_size``
   ranks of a group draw the same batches; each rank keeps its shard of every batch
@@ -23,6 +25,8 @@ script overrides stay as they were. What changes:
   gets logits gathered from the group (``prediction_loss_only`` unset), else none are built.
 - **TRL's metrics**: ``entropy`` and ``mean_token_accuracy`` from the chunked loss pass,
   over the whole batch; ``num_tokens`` counts each group's batch once.
+- **the Trainer's counts**: tokens seen, flos and the total batch size (samples/s) count each
+  group's batch once.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from ..mesh import ParallelMesh, build_mesh, process_group
 from ..parallel import get_method
 from .hf import apply_sequence_parallel, check_model_supported
 from .loss_forward import LossSettings, chunked_loss_possible, install_loss_forward
-from .trainer_batches import ShardedBatch, count_targets, shard_trainer_batch
+from .trainer_batches import ShardedBatch, check_batch_keys, count_targets, shard_trainer_batch
 
 log = logging.getLogger(__name__)
 Tensor = torch.Tensor
@@ -78,6 +82,79 @@ def _refuse_accelerate_parallelism(trainer) -> None:
             "enable_sequence_parallel split the sequence")
 
 
+# The Trainer methods that SequenceParallelMixin replaces: a script's own version of one of
+# them would be skipped (the mixin comes first) or would run on the whole, unsharded batch.
+REPLACED_METHODS = ("compute_loss", "prediction_step", "get_batch_samples", "evaluation_loop")
+
+
+def _reproduced_classes() -> tuple[type, ...]:
+    """The classes whose versions of REPLACED_METHODS the mixin reproduces."""
+    from transformers import Trainer
+
+    try:
+        from trl import SFTTrainer
+    except ImportError:
+        return (Trainer,)
+    return (Trainer, SFTTrainer)
+
+
+def _refuse_overrides(cls: type) -> None:
+    """A class that defines one of the replaced methods, other than transformers' Trainer and
+    TRL's SFTTrainer (whose behaviour the mixin reproduces): refused, never skipped."""
+    reproduced = _reproduced_classes() + (SequenceParallelMixin,)
+    for name in REPLACED_METHODS:
+        for klass in cls.__mro__:
+            if name in vars(klass) and klass not in reproduced:
+                raise ValueError(
+                    f"{klass.__name__}.{name} overrides the Trainer's, which sequence-parallel "
+                    f"training replaces (it runs on each rank's shard of the batch): drop the "
+                    f"override, or move its logic out of {', '.join(REPLACED_METHODS)} (or build "
+                    "on transformers' Trainer or TRL's SFTTrainer)")
+
+
+def _streaming(data) -> bool:
+    from torch.utils.data import IterableDataset
+
+    if isinstance(data, IterableDataset):
+        return True
+    try:
+        import datasets
+    except ImportError:
+        return False
+    return isinstance(data, datasets.IterableDataset)
+
+
+def _refuse_unsupported_features(trainer, world: int, sp: int) -> None:
+    """Trainer features that would run on a shard as if it were the whole sequence, or undo
+    what enable_sequence_parallel installs: refused before anything is changed."""
+    args = trainer.args
+    if getattr(trainer, "model_init", None) is not None:
+        raise ValueError("model_init is set: train() would build a new model without sequence "
+                         "parallelism; pass model= instead")
+    if getattr(args, "neftune_noise_alpha", None) is not None:
+        raise ValueError(f"neftune_noise_alpha={args.neftune_noise_alpha}: NEFTune scales its "
+                         "noise by the sequence length, which each rank sees only a shard of; "
+                         "set it to None")
+    if getattr(args, "use_liger_kernel", False):
+        raise ValueError("use_liger_kernel=True: Liger's kernels replace the model's forward and "
+                         "loss, which sequence parallelism computes; set it to False")
+    if getattr(args, "torch_compile", False):
+        raise ValueError("torch_compile=True is not supported with sequence parallelism; set it "
+                         "to False")
+    if sp > 1 and getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
+        raise ValueError("train_sampling_strategy='batch_rebalance' hands each rank its own "
+                         "samples, but the ranks of a sequence-parallel group must share them; "
+                         "use 'random' or 'group_by_length'")
+    dp = world // sp if sp and world % sp == 0 else 1
+    evals = trainer.eval_dataset
+    evals = list(evals.values()) if isinstance(evals, dict) else [evals]
+    for split, data in [("train_dataset", trainer.train_dataset)] + [("eval_dataset", e) for e in evals]:
+        if dp > 1 and _streaming(data):
+            raise ValueError(f"{split} is an IterableDataset (streaming) with {dp} data-parallel "
+                             "groups, which are not tested to split it exactly; use a map-style "
+                             "Dataset, or sp_size equal to the number of processes")
+
+
 def _refuse_other_losses(trainer, base: nn.Module) -> None:
     """Losses that the exact chunked loss does not compute: refused, never replaced quietly."""
     if getattr(trainer, "compute_loss_func", None) is not None:
@@ -90,11 +167,16 @@ def _refuse_other_losses(trainer, base: nn.Module) -> None:
     if loss_type not in (None, "nll"):
         raise ValueError(f"loss_type={loss_type!r}: the sequence-parallel loss is the token "
                          "mean of the negative log-likelihood; use loss_type='nll'")
-    if getattr(trainer, "aux_loss_enabled", False) or getattr(
-            getattr(base, "config", None), "output_router_logits", False):
-        raise ValueError("the model's router auxiliary loss is on (output_router_logits): the "
-                         "sequence-parallel loss does not add it; set "
-                         "model.config.output_router_logits=False")
+    # TRL's SFTTrainer sets output_router_logits from its router_aux_loss_coef (overwriting
+    # the model's), so a coefficient of 0 is what turns the auxiliary loss off under both.
+    config = getattr(base, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    coef = getattr(trainer, "router_aux_loss_coef", getattr(config, "router_aux_loss_coef", None))
+    if getattr(trainer, "aux_loss_enabled", False) or (
+            getattr(config, "output_router_logits", False) and coef != 0):
+        raise ValueError(f"the model's router auxiliary loss is on (router_aux_loss_coef={coef}): "
+                         "the sequence-parallel loss does not add it; set router_aux_loss_coef=0.0 "
+                         "(in SFTConfig under TRL, in the model's config under Trainer)")
 
 
 def _pad_token_id(trainer, model: nn.Module) -> int:
@@ -118,10 +200,14 @@ def _own_checkpointing(trainer, base: nn.Module, max_length: bool, checkpointing
         if mlp_tile is not None or head_chunk is not None:
             raise ValueError("mlp_tile and head_chunk are max-length mode's: pass max_length=True")
         return
-    if trainer.args.gradient_checkpointing:
+    args = trainer.args
+    if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
         log.info("gradient_checkpointing=True: easy_context's %s checkpoints the layers instead",
                  "max-length mode" if max_length else f"{checkpointing!r} checkpointing")
-        trainer.args.gradient_checkpointing = False
+        # both names: gradient_checkpointing is an alias, train() reads activation_checkpointing
+        args.gradient_checkpointing = False
+        if hasattr(args, "activation_checkpointing"):
+            args.activation_checkpointing = False
     kind = checkpointing or "full"
     if not max_length:
         apply_activation_checkpointing(base, kind)
@@ -154,14 +240,16 @@ def enable_sequence_parallel(trainer, method: str = "zigzag_ring_attn", sp_size:
     the Trainer's ``gradient_checkpointing``. ``pad_to_multiple``: pad a batch whose length the
     method cannot cut (exact), or refuse it. ``loss_chunk_size``: rows of logits per chunk.
     """
-    if isinstance(trainer, SequenceParallelMixin):
+    if hasattr(trainer, "_easy_context"):
         raise ValueError("enable_sequence_parallel was already called on this trainer")
+    _refuse_overrides(type(trainer))
     _refuse_accelerate_parallelism(trainer)
     world = trainer.accelerator.num_processes
     if world > 1 and not dist.is_initialized():
         raise RuntimeError(f"the trainer runs on {world} processes but torch.distributed is not "
                            "initialised; launch with accelerate launch or torchrun")
     sp = sp_size or world
+    _refuse_unsupported_features(trainer, world, sp)
     mesh = build_mesh(sp, ring_degree if sp > 1 else None, device_type=trainer.args.device.type)
     name = get_method(method).name if sp > 1 else "local"
     model = trainer.model
@@ -223,6 +311,8 @@ _SUBCLASSES: dict[type, type] = {}
 
 
 def _subclass(cls: type) -> type:
+    if issubclass(cls, SequenceParallelMixin):  # the script subclassed the mixin itself
+        return cls
     if cls not in _SUBCLASSES:
         _SUBCLASSES[cls] = type(f"SequenceParallel{cls.__name__}", (SequenceParallelMixin, cls),
                                 {"__module__": cls.__module__})
@@ -253,10 +343,30 @@ class SequenceParallelMixin:
                 break
         if not batches:
             return batches, None
+        for batch in batches:  # before the count's all-reduce: every rank refuses together
+            check_batch_keys(batch)
         # int64 on the device (NCCL reduces device tensors only): never rounded, never cast
         count = torch.stack([count_targets(b).to(device) for b in batches]).sum()
         # each group's ranks hold the same batches: sum over the data-parallel ranks only
         return batches, _sum_over(count, self._easy_context.mesh.dp_group)
+
+    # -- counts the Trainer logs: each group's batch once, as one process would count it ---
+    def get_total_train_batch_size(self, args) -> int:
+        # the Trainer's is micro-batch x accumulation x world size: sp_size times the samples
+        # that one optimizer step takes (the ranks of a group share theirs)
+        return super().get_total_train_batch_size(args) // self._easy_context.mesh.sp_size
+
+    def floating_point_ops(self, inputs: dict) -> float:
+        # every rank of a group is handed the whole batch; the Trainer sums over all ranks
+        return super().floating_point_ops(inputs) / self._easy_context.mesh.sp_size
+
+    def _track_num_input_tokens(self, inputs) -> None:
+        # transformers gathers each rank's count of its (whole) batch: sp_size times each
+        # group's; the sum is a multiple of sp_size, so the division is exact
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        added = self.state.num_input_tokens_seen - before
+        self.state.num_input_tokens_seen = before + added // self._easy_context.mesh.sp_size
 
     def _register_zero3_external(self) -> None:
         """ZeRO-3 gathers a parameter when its own module runs; the chunked loss reads the
@@ -330,12 +440,16 @@ class SequenceParallelMixin:
     # -- evaluation ------------------------------------------------------------------
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
+        # without labels (predict() on prompts) there is no loss, as in the Trainer's own
+        has_labels = inputs.get("labels") is not None or inputs.get("shift_labels") is not None
         with torch.no_grad():
             if prediction_loss_only:
+                if not has_labels:
+                    return None, None, None
                 return self.compute_loss(model, inputs).detach(), None, None
-            return self._prediction_with_logits(model, inputs)
+            return self._prediction_with_logits(model, inputs, has_labels)
 
-    def _prediction_with_logits(self, model, inputs):
+    def _prediction_with_logits(self, model, inputs, has_labels: bool = True):
         """compute_metrics asked for logits: the model's own forward on the shard, the
         group's logits gathered in sequence order (B, S, V): memory the size of the full
         logits on every rank, as the metric asked."""
@@ -344,15 +458,20 @@ class SequenceParallelMixin:
 
         state = self._easy_context
         mesh = state.mesh
+        if not has_labels:  # targets that count nowhere, so the batch shards as any other
+            inputs = {**inputs, "labels": torch.full_like(inputs["input_ids"], -100)}
         batch = state.shard(inputs)
         logits = model(**batch.model_inputs(), use_cache=False).logits
-        loss = logits_cross_entropy(logits, batch.target_ids, group=process_group(mesh.sp))
+        loss = None
+        if has_labels:
+            loss = logits_cross_entropy(logits, batch.target_ids,
+                                        group=process_group(mesh.sp)).detach()
         if mesh.sp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(mesh.sp_size)]
             dist.all_gather(parts, logits.contiguous(), group=process_group(mesh.sp))
             logits = unshard_sequence(torch.cat(parts, dim=1), state.method, mesh.sp_size,
                                       ring_degree=state.ring_degree)
-        return loss.detach(), logits[:, :batch.length], inputs.get("labels")
+        return loss, logits[:, :batch.length], inputs.get("labels") if has_labels else None
 
     def evaluation_loop(self, *args, **kwargs):
         # The Trainer gathers each batch's values from every rank; the ranks of a group hold

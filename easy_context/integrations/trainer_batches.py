@@ -67,6 +67,25 @@ def count_targets(batch: dict) -> Tensor:
     return (targets_of(batch) != IGNORE).sum()
 
 
+# What a batch may carry: what is sharded here, and the flash-attention and Mamba views of
+# packed documents that padding-free collators add beside position_ids (recomputed here from
+# the positions). Anything else (pixel_values, token_type_ids, ...) would be dropped.
+SHARDED_KEYS = frozenset({"input_ids", "labels", "shift_labels", "attention_mask", "position_ids"})
+DOCUMENT_KEYS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+                           "seq_idx"})
+
+
+def check_batch_keys(batch: dict) -> None:
+    """Refuse a batch with inputs that sequence-parallel training would not pass on."""
+    allowed = SHARDED_KEYS | (DOCUMENT_KEYS if batch.get("position_ids") is not None else set())
+    extra = sorted(k for k, v in batch.items() if k not in allowed and v is not None)
+    if extra:
+        raise ValueError(
+            f"the batch carries {extra}, which sequence-parallel training does not shard (it "
+            "passes input_ids, positions, documents and targets only): drop them from the "
+            "dataset or collator (for cu_seq_lens_*/seq_idx: keep position_ids as well)")
+
+
 def _right_padded(mask: Tensor) -> bool:
     """Every row is ones, then zeros (or all ones)."""
     return bool((mask[:, 1:] <= mask[:, :-1]).all())
@@ -104,6 +123,7 @@ def shard_trainer_batch(batch: dict, method: str, sp_rank: int, sp_size: int,
     if batch.get("input_ids") is None:
         raise ValueError("the batch has no 'input_ids' (inputs_embeds are not supported): "
                          "sequence-parallel training shards token ids")
+    check_batch_keys(batch)
     input_ids = batch["input_ids"]
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, sequence); got shape {tuple(input_ids.shape)}")

@@ -1,10 +1,12 @@
 """Rank functions for the Hugging Face Trainer / TRL integration tests.
 
-Every run trains the same tiny Llama (saved once by :func:`make_assets`) for one optimizer
-step of SGD with learning rate 1, so the weights after it are the weights before it minus
-the (clipped) gradient: comparing the saved weights compares every gradient. The
-reference runs the same script in one process with transformers' own attention (sdpa), as
-a user without sequence parallelism would.
+Every run trains the same tiny Llama (saved once by :func:`make_assets`) for two optimizer
+steps of SGD with learning rate LR and a gradient-norm clip MAX_NORM that bites (every
+reference norm is above it), so the weights after them are the weights before minus LR x
+the clipped gradients: comparing each tensor's change compares every gradient (LoRA's A
+too: B is no longer zero at the second step). The reference runs the same script in one
+process with transformers' own attention (sdpa), as a user without sequence parallelism
+would.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from pathlib import Path
 
 VOCAB = 96
 PAD = VOCAB - 1
+LR = 10.0
+MAX_NORM = 0.05  # below every reference gradient norm (measured 0.06 to 0.83): clipping runs
 
 
 def _tokenizer():
@@ -82,10 +86,10 @@ def _deepspeed_config(accum: int) -> dict:
 def _args(out: Path, kind: str, engine: str, accum: int, batch: int, packing: bool, **extra):
     common = dict(output_dir=str(out), per_device_train_batch_size=batch,
                   per_device_eval_batch_size=batch, gradient_accumulation_steps=accum,
-                  max_steps=1, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant",
-                  weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, save_strategy="no",
+                  max_steps=2, learning_rate=LR, optim="sgd", lr_scheduler_type="constant",
+                  weight_decay=0.0, max_grad_norm=MAX_NORM, logging_steps=1, save_strategy="no",
                   report_to=[], use_cpu=True, seed=3, disable_tqdm=True,
-                  dataloader_drop_last=False, bf16=False)
+                  dataloader_drop_last=False, bf16=False, include_num_input_tokens_seen="all")
     common.update(extra)
     if engine == "deepspeed":
         common["deepspeed"] = _deepspeed_config(accum)
@@ -135,12 +139,20 @@ def train_and_evaluate(folder: str, name: str, kind: str = "trainer", engine: st
                 method: str | None = "zigzag_ring_attn", sp_size: int | None = None,
                 accum: int = 2, batch: int = 2, packing: bool = False, lora: bool = False,
                 padding_side: str = "right", evaluate: bool = True, enable: dict | None = None,
-                save: bool = True, args: dict | None = None, resume: str | None = None) -> dict:
-    """Train one step (and evaluate) with ``kind`` ("trainer": transformers' Trainer with
+                save: bool = True, args: dict | None = None, resume: str | None = None,
+                predict: bool = False, override: str | None = None, model_init: bool = False,
+                streaming: bool = False, extra_column: str | None = None,
+                mixin_first: bool = False) -> dict:
+    """Train two steps (and evaluate) with ``kind`` ("trainer": transformers' Trainer with
     DataCollatorWithFlattening when ``packing``, else padded batches; "sft": TRL's SFTTrainer)
     on ``engine`` ("ddp", "fsdp2", "deepspeed"). ``method=None`` is the one-process reference.
-    ``args`` override TrainingArguments; ``resume``: a checkpoint folder name to resume from.
-    Returns, on rank 0, the logged loss, eval loss, TRL metrics and the saved weights."""
+    ``args`` override TrainingArguments; ``resume``: a checkpoint folder name to resume from;
+    ``predict``: predict() the eval set without labels after training. Setups to refuse:
+    ``override`` (a method the script's Trainer subclass defines), ``model_init``,
+    ``streaming`` (an IterableDataset), ``extra_column`` (a batch key that is not sharded).
+    ``mixin_first``: the script's class is ``(SequenceParallelMixin, Trainer)`` itself.
+    Returns, on rank 0, the logged losses and gradient norms, eval loss, TRL metrics, the
+    Trainer's counts, the weights before and after (saved)."""
     import datasets
     import torch
     import torch.distributed as dist
@@ -156,6 +168,10 @@ def train_and_evaluate(folder: str, name: str, kind: str = "trainer", engine: st
                                                  dtype=torch.float32)
     train = datasets.load_from_disk(str(root / "train"))
     evals = datasets.load_from_disk(str(root / "eval"))
+    if extra_column is not None:
+        train = train.map(lambda row: {extra_column: [0] * len(row["input_ids"])})
+    if streaming:
+        train = train.to_iterable_dataset()
     peft_config = None
     if lora:
         from peft import LoraConfig
@@ -178,24 +194,53 @@ def train_and_evaluate(folder: str, name: str, kind: str = "trainer", engine: st
             model = get_peft_model(model, peft_config)
         collator = (DataCollatorWithFlattening() if packing else
                     DataCollatorForLanguageModeling(tokenizer, mlm=False))
-        trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=evals,
-                          data_collator=collator)
+        cls = Trainer
+        if override is not None:  # a script's own subclass
+            cls = type("ScriptTrainer", (Trainer,), {override: _script_override(override)})
+        if mixin_first:
+            from easy_context.integrations.trainer import SequenceParallelMixin
+
+            cls = type("ScriptTrainer", (SequenceParallelMixin, Trainer), {})
+        built = model
+        trainer = cls(model=None if model_init else model,
+                      model_init=(lambda: built) if model_init else None, args=args,
+                      train_dataset=train, eval_dataset=evals, data_collator=collator)
     if engine == "fsdp2":
         _force_fsdp2(trainer)
     if method is not None:
         from easy_context import enable_sequence_parallel
 
         enable_sequence_parallel(trainer, method, sp_size, **(enable or {}))
+    initial = _trainable_weights(trainer.model, lora)
     trainer.train(resume_from_checkpoint=None if resume is None else str(root / resume))
-    result = {"loss": trainer.state.log_history[0]["loss"],
-              "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+    history = trainer.state.log_history
+    unwrapped = getattr(trainer.model, "get_base_model", lambda: trainer.model)()
+    result = {"loss": history[0]["loss"],
+              "losses": [h["loss"] for h in history if "loss" in h],
+              "grad_norms": [h["grad_norm"] for h in history if "grad_norm" in h],
+              "initial": initial,
               "wrapped": type(trainer.model_wrapped).__name__,
-              "train_metrics": {k: v for k, v in trainer.state.log_history[0].items()
+              "checkpointing": _checkpointing_of(unwrapped),
+              "counts": {"total_flos": trainer.state.total_flos,
+                         "num_input_tokens_seen": trainer.state.num_input_tokens_seen,
+                         "total_train_batch_size": trainer.get_total_train_batch_size(trainer.args)},
+              "train_metrics": {k: v for k, v in history[0].items()
                                 if k in ("entropy", "mean_token_accuracy", "num_tokens")}}
     if evaluate:
         metrics = trainer.evaluate()
         result["eval"] = {k: v for k, v in metrics.items()
                           if k in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy")}
+    if predict:  # prompts without labels: logits only, no loss
+        from transformers import DataCollatorWithPadding
+
+        trainer.data_collator = DataCollatorWithPadding(tokenizer)
+        predicted = trainer.predict(evals)
+        logits = torch.as_tensor(predicted.predictions)  # (rows, longest, V)
+        for row, ids in enumerate(evals["input_ids"]):  # padding's logits mean nothing
+            logits[row, len(ids):] = 0
+        result["predict"] = {"predictions": logits,
+                             "label_ids": predicted.label_ids,
+                             "loss": predicted.metrics.get("test_loss")}
     if engine == "fsdp2":
         # save_model's full state dict (torch's get_model_state_dict with cpu_offload=True)
         # hands rank 0 freed storage when the device is the CPU itself; without the offload
@@ -221,6 +266,35 @@ def train_and_evaluate(folder: str, name: str, kind: str = "trainer", engine: st
     return result
 
 
+def _trainable_weights(model, lora: bool) -> dict:
+    """The weights that training changes, named as the saved file names them."""
+    return {k.replace(".default.", "."): v.detach().clone()
+            for k, v in model.state_dict().items() if not lora or "lora_" in k}
+
+
+def _checkpointing_of(model) -> list[str]:
+    """How the layers that transformers checkpoints are checkpointed: the names of their
+    checkpoint functions (our offload's, torch's checkpoint with our saving context, ...)."""
+    names = set()
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False):
+            function = module._gradient_checkpointing_func
+            name = getattr(function, "func", function).__name__
+            if "context_fn" in getattr(function, "keywords", {}):
+                name += "+context_fn"
+            names.add(name)
+    return sorted(names)
+
+
+def _script_override(name: str):
+    """A script's own version of a Trainer method: defers to the Trainer's (the refusal
+    comes before any is called)."""
+    def method(self, *args, **kwargs):
+        return getattr(super(type(self), self), name)(*args, **kwargs)
+
+    return method
+
+
 def error_of(folder: str, name: str, **kwargs) -> str:
     """The message of the error that ``run_trainer(**kwargs)`` raises (on this rank)."""
     try:
@@ -240,3 +314,49 @@ def load_plain(saved: str) -> dict:
     return {"attention": model.config._attn_implementation,
             "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "logits": model(input_ids=ids).logits.detach()}
+
+
+def moe_aux_loss_outcomes(folder: str) -> dict:
+    """What enable_sequence_parallel says to a tiny Mixtral whose router auxiliary loss is
+    on (SFTTrainer's default coefficient), off through SFTConfig(router_aux_loss_coef=0.0),
+    and off under Trainer through the model config's coefficient with output_router_logits
+    still on."""
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, MixtralConfig, Trainer, TrainingArguments
+    from trl import SFTConfig, SFTTrainer
+
+    from easy_context import enable_sequence_parallel
+
+    _env_for_accelerate()
+    root = Path(folder)
+    train = datasets.load_from_disk(str(root / "train"))
+    common = dict(output_dir=str(root / "moe"), report_to=[], use_cpu=True, max_steps=1)
+
+    def model(**config):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(MixtralConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+            num_experts_per_tok=2, pad_token_id=PAD, **config))
+
+    def outcome(build) -> str:
+        try:
+            enable_sequence_parallel(build())
+        except ValueError as e:
+            return f"ValueError: {e}"
+        finally:
+            _env_for_accelerate()
+        return "enabled"
+
+    return {
+        "sft-default": outcome(lambda: SFTTrainer(
+            model=model(), args=SFTConfig(max_length=64, **common), train_dataset=train,
+            processing_class=_tokenizer())),
+        "sft-coef-0": outcome(lambda: SFTTrainer(
+            model=model(), args=SFTConfig(max_length=64, router_aux_loss_coef=0.0, **common),
+            train_dataset=train, processing_class=_tokenizer())),
+        "trainer-config-coef-0": outcome(lambda: Trainer(
+            model=model(output_router_logits=True, router_aux_loss_coef=0.0),
+            args=TrainingArguments(**common), train_dataset=train)),
+    }
