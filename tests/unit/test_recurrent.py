@@ -1,0 +1,95 @@
+"""Recurrent layers' pieces in one process: the piece tables of every layout cover the
+sequence once, in order; any cutting of a sequence into pieces, chained (scan.chain), gives
+the kernel's whole-sequence output and final state (within 1e-5, fp32, relative); packed
+documents reset the state; refusals."""
+
+import pytest
+import torch
+
+from easy_context import layouts
+from easy_context.recurrent.delta_rule import chunk_gated_delta_rule, delta_rule_recurrence
+from easy_context.recurrent.mamba2 import mamba2_chunk_scan, mamba2_recurrence
+from easy_context.recurrent.pieces import Piece, piece_table, sequence_order
+from easy_context.recurrent.scan import chain, piece_map
+from tests.dist.recurrent_cases import _rel, document_ids, per_document
+
+TOL = 1e-5
+
+
+@pytest.mark.parametrize("layout,world,ring_degree", [
+    ("contiguous", 4, None), ("zigzag", 4, None), ("usp", 4, 2), ("usp", 6, 2), ("usp", 6, 3),
+    ("usp", 4, 1), ("usp", 4, 4), ("whole", 3, None)])
+def test_piece_tables_cover_the_sequence_in_order(layout, world, ring_degree):
+    length = layouts.required_multiple(layout, world, ring_degree) * 3
+    x = torch.arange(length)[None]
+    local = length if layout == "whole" else length // world
+    table = piece_table(layout, world, local, ring_degree)
+    for r, pieces in enumerate(table):
+        held = layouts.shard(x, layout, r, len(table), ring_degree=ring_degree)[0]
+        for p in pieces:
+            assert held[p.start:p.stop].tolist() == list(range(p.position, p.position + p.length))
+    pos = 0
+    for p in sequence_order(table):
+        assert p.position == pos
+        pos += p.length
+    assert pos == length
+
+
+def _delta():
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    gen = torch.Generator().manual_seed(0)
+    b, length, hk, hv, dk, dv = 2, 37, 2, 4, 8, 6
+    tokens = {"q": torch.randn(b, length, hk, dk, generator=gen),
+              "k": torch.randn(b, length, hk, dk, generator=gen),
+              "v": torch.randn(b, length, hv, dv, generator=gen),
+              "g": -torch.rand(b, length, hv, generator=gen),
+              "beta": torch.rand(b, length, hv, generator=gen)}
+    rec = delta_rule_recurrence(torch_chunk_gated_delta_rule, chunk_size=16,
+                                use_qk_l2norm_in_kernel=True)
+    return rec, tokens
+
+
+def _mamba():
+    from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan as kernel
+
+    gen = torch.Generator().manual_seed(0)
+    b, length, h, p, g, n = 2, 37, 4, 6, 2, 8
+    tokens = {"x": torch.randn(b, length, h, p, generator=gen),
+              "dt": torch.randn(b, length, h, generator=gen),
+              "B": torch.randn(b, length, g, n, generator=gen),
+              "C": torch.randn(b, length, g, n, generator=gen)}
+    rec = mamba2_recurrence(kernel, A=-torch.rand(h, generator=gen) - 0.5, chunk_size=8,
+                            D=torch.randn(h, generator=gen), dt_bias=torch.randn(h, generator=gen),
+                            dt_softplus=True)
+    return rec, tokens
+
+
+@pytest.mark.parametrize("make", [_delta, _mamba])
+@pytest.mark.parametrize("cuts", [[0, 37], [0, 1, 2, 20, 37], [0, 16, 17, 33, 36, 37]])
+@pytest.mark.parametrize("documents", [False, True])
+def test_any_cutting_chains_to_the_whole_sequence(make, cuts, documents):
+    rec, tokens = make()
+    length = next(iter(tokens.values())).size(1)
+    ids = document_ids(2, length) if documents else None
+    ref_out = per_document(lambda t: rec.run(t)[0], tokens, ids)
+    order = [Piece(0, j, a, b, a) for j, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+    maps = {p: piece_map(rec, {k: t[:, p.start:p.stop] for k, t in tokens.items()},
+                         None if ids is None else ids[:, p.start:p.stop]) for p in order}
+    edges = None if ids is None else (lambda p: torch.stack([ids[:, p.start], ids[:, p.stop - 1]]))
+    states = chain(rec, order, lambda p: (maps[p][3], maps[p][2]), edges)
+    out = torch.cat([maps[p][0] if s is None else maps[p][0] + rec.read(maps[p][1], s)
+                     for p, s in zip(order, states)], 1)
+    assert _rel(out, ref_out) <= TOL
+    if ids is None:  # the state after the sequence
+        assert _rel(states[-1], rec.run(tokens)[1]) <= TOL
+
+
+def test_initial_states_are_refused():
+    rec, t = _delta()
+    with pytest.raises(ValueError, match="zero state"):
+        chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"],
+                               initial_state=torch.zeros(2, 4, 8, 6), kernel=lambda *a, **k: None)
+    with pytest.raises(ValueError, match="zero state"):
+        mamba2_chunk_scan(t["q"], t["g"], None, t["k"], t["k"], 8,
+                          initial_states=torch.zeros(1), kernel=lambda *a, **k: None)
