@@ -76,7 +76,9 @@ def chunk_gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor,
     if initial_state is not None:
         raise ValueError("the sequence-parallel gated delta rule starts from a zero state "
                          "(training); pass initial_state=None")
-    kwargs.pop("cu_seqlens", None)  # documents come as document_ids (pieces.py)
+    if kwargs.pop("cu_seqlens", None) is not None:
+        raise ValueError("sequence-parallel recurrent layers take packed documents as "
+                         "document_ids (one id per token), not cu_seqlens")
     rec = delta_rule_recurrence(kernel, chunk_size=chunk_size,
                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
     tokens = {"q": query, "k": key, "v": value, "g": g, "beta": beta}

@@ -84,7 +84,8 @@ def mamba2_chunk_scan(hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor, C
                          "(training); pass initial_states=None")
     for key in ("seq_idx", "cu_seqlens", "z"):  # documents come as document_ids (pieces.py)
         if kwargs.pop(key, None) is not None:
-            raise ValueError(f"{key} is not taken here: pass document_ids")
+            raise ValueError(f"sequence-parallel recurrent layers take packed documents as "
+                             f"document_ids (one id per token), not {key}")
     rec = mamba2_recurrence(kernel, A=A, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
                             dt_softplus=dt_softplus, dt_limit=dt_limit, **kwargs)
     out, final = scan(rec, {"x": hidden_states, "dt": dt, "B": B, "C": C}, group, layout,
