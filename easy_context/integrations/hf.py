@@ -29,6 +29,7 @@ from ..parallel import METHODS, get_method
 from ..parallel.settings import SequenceParallelSettings, module_settings, store_settings
 from ..sequence_parallel import sequence_parallel_attention
 from ..utils.decoder import decoder_of, text_config
+from .hf_recurrent import recurrent_layer_types, route_recurrent_layers
 
 Tensor = torch.Tensor
 
@@ -94,6 +95,12 @@ def _make_attention(method: str):
         # GQA; what the layer adds comes as transformers hands it to flash attention:
         # sliding_window, softcap, s_aux (sinks); chunks from the config (layer_chunk).
         settings = module_settings(module) or SequenceParallelSettings(method)
+        if module_settings(module) is None and get_method(method).layout != "whole" and set(
+                map(str, getattr(getattr(module, "config", None), "layer_types", None) or [])
+        ) - ATTENTION_LAYER_TYPES - {"attention"}:
+            raise ValueError(f"{method}: this model has layers that are not attention; switch it "
+                             "with apply_sequence_parallel(model, method, group), which runs or "
+                             "refuses them, not with attn_implementation alone")
         reason = _unsupported(query, key, dropout)
         if reason:
             raise ValueError(f"{method}: {reason}")
@@ -157,7 +164,8 @@ def check_model_supported(model: nn.Module) -> None:
     layer_types = list(getattr(config, "layer_types", None) or [])
     if not layer_types and getattr(config, "layers_block_type", None):
         layer_types = list(config.layers_block_type)  # Jamba-style configs
-    other = sorted({str(t) for t in layer_types} - ATTENTION_LAYER_TYPES - {"attention"})
+    other = sorted({str(t) for t in layer_types} - ATTENTION_LAYER_TYPES - {"attention"}
+                   - recurrent_layer_types(model, layer_types))  # hf_recurrent.py routes those
     if other:
         layers = [i for i, t in enumerate(layer_types) if str(t) in other]
         raise ValueError(
@@ -250,6 +258,7 @@ def apply_sequence_parallel(model: nn.Module, method: str, group=None,
     settings = SequenceParallelSettings(m.name, group, ring_degree)
     for module in modules:
         store_settings(module, settings)
+    route_recurrent_layers(model, settings)
     decoder = decoder_of(model)
     if getattr(decoder, _MASK_HOOK_ATTR, None) is not None:
         getattr(decoder, _MASK_HOOK_ATTR).remove()  # applied again: the new group counts
