@@ -21,6 +21,7 @@ QUIET = dict(category=UserWarning)
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     if not bool(torch.isfinite(x).all()):
         return float("nan")
+    x, ref = x.detach(), ref.detach()
     return float((x.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30))
 
 
