@@ -93,3 +93,26 @@ def test_initial_states_are_refused():
     with pytest.raises(ValueError, match="zero state"):
         mamba2_chunk_scan(t["q"], t["g"], None, t["k"], t["k"], 8,
                           initial_states=torch.zeros(1), kernel=lambda *a, **k: None)
+
+
+def test_the_exchange_figures_the_docs_quote():
+    """docs/guides/hf-models.md and recurrent/mixer.py: with Qwen3NextConfig's defaults a
+    linear layer sends 4.05 MiB x 2 (N-1) per piece, and less than a ring attention layer
+    (2 KiB x 3 (N-1) per local token) from about 1.4K local tokens per piece on."""
+    from transformers import Qwen3NextConfig
+
+    from easy_context.parallel.ring import ring_comm
+    from easy_context.parallel.method import AttentionDims
+    from easy_context.recurrent.mixer import GATED_DELTA_NET
+
+    c = Qwen3NextConfig()
+    dims = GATED_DELTA_NET.dims(c.linear_num_key_heads, c.linear_num_value_heads,
+                                c.linear_key_head_dim, c.linear_value_head_dim,
+                                c.linear_conv_kernel_dim)
+    for world in (2, 4, 8):
+        sent = GATED_DELTA_NET.comm_bytes(dims, 1, 2, world)
+        assert round(sent / (2 * (world - 1)) / 2**20, 2) == 4.05
+        attention = AttentionDims(c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        per_token = ring_comm(attention, 1, 2, world, None)
+        assert per_token == 2048 * 3 * (world - 1)
+        assert round(sent / per_token / 100) * 100 == 1400
