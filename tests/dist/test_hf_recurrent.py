@@ -1,6 +1,6 @@
 """A hybrid model (tiny Qwen3-Next: gated DeltaNet and attention layers) trains
 sequence-parallel exactly: one step's loss and every parameter gradient within 1e-5 (fp32) of
-one process, for every method at 2 ranks, pieces shorter than the conv halo, packed
+one process, for every method at 1 and 2 ranks (three at 4), pieces shorter than the conv halo, packed
 documents; unrouted recurrent layers are refused."""
 
 import pytest
@@ -20,8 +20,18 @@ def _assert_small(reports):
     assert not bad, "\n".join(bad)
 
 
+def test_qwen3_next_every_method_1_rank(dist1):
+    _assert_small(dist1.run(check_qwen3_next, sorted(ec.METHODS)))
+
+
 def test_qwen3_next_every_method_2_ranks(dist2):
     _assert_small(dist2.run(check_qwen3_next, sorted(ec.METHODS)))
+
+
+@pytest.mark.slow
+def test_qwen3_next_4_ranks(dist4):
+    # pieces of 1 token (zigzag over 4 ranks, length 16): the halo spans 3 pieces
+    _assert_small(dist4.run(check_qwen3_next, ["zigzag_ring_attn", "ulysses_attn", "usp_attn"], 1))
 
 
 @pytest.mark.parametrize("method,ring_degree", [("zigzag_ring_attn", None), ("ulysses_attn", None)])

@@ -1,4 +1,4 @@
-"""Recurrent layers (gated delta rule, Mamba-2 scan, causal conv) over sequence shards at 2
+"""Recurrent layers (gated delta rule, Mamba-2 scan, causal conv) over sequence shards at 1, 2
 and 4 ranks: output and every input's gradient within 1e-5 (fp32, relative to the
 reference's max) of transformers' torch kernel run in one process on the whole sequence (on
 each document separately when packed), for the contiguous, zigzag and usp layouts, with
@@ -19,6 +19,12 @@ def _assert_small(reports, tol=TOL):
            for name, err in rep.items() if not err <= tol]
     assert reports and all(reports), "no case ran"
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_every_kind_1_rank(dist1, documents):
+    for case, args in ((check_delta_rule, (5, 4)), (check_mamba2, (5, 4)), (check_conv, (2, 4))):
+        _assert_small(dist1.run(case, "contiguous", None, *args, documents))
 
 
 # (piece length, kernel chunk): shorter than a chunk; longer than one (crosses chunk edges)
