@@ -48,7 +48,7 @@ def _settings(layer: nn.Module) -> tuple[SequenceParallelSettings, str]:
 
 
 def _delta_rule(layer: nn.Module, kernel: Callable):
-    def forward(query, key, value, g, beta, chunk_size: int = 64, initial_state=None,
+    def forward(query, key, value, g, beta, chunk_size: int | None = None, initial_state=None,
                 output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
                 document_ids: Tensor | None = None, **kwargs):
         settings, layout = _settings(layer)

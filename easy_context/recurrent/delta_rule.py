@@ -60,7 +60,7 @@ def delta_rule_recurrence(kernel: Callable, **options) -> Recurrence:
 
 
 def chunk_gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor,
-                           chunk_size: int = 64, initial_state: Tensor | None = None,
+                           chunk_size: int | None = None, initial_state: Tensor | None = None,
                            output_final_state: bool = False,
                            use_qk_l2norm_in_kernel: bool = False, *, kernel: Callable,
                            group=None, layout: str = "contiguous",
@@ -72,14 +72,16 @@ def chunk_gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor,
     query, key (B, S_local, H_k, d_k), value (B, S_local, H_v, d_v), g, beta (B, S_local,
     H_v): this rank's shard cut with ``layout`` over ``group``; ``document_ids`` (B,
     S_local) restarts the state at every document start. Returns (out (B, S_local, H_v,
-    d_v), the final state of the whole sequence if ``output_final_state``)."""
+    d_v), the final state of the whole sequence if ``output_final_state``). ``chunk_size``
+    and other keyword arguments reach the kernel only when given."""
     if initial_state is not None:
         raise ValueError("the sequence-parallel gated delta rule starts from a zero state "
                          "(training); pass initial_state=None")
     if kwargs.pop("cu_seqlens", None) is not None:
         raise ValueError("sequence-parallel recurrent layers take packed documents as "
                          "document_ids (one id per token), not cu_seqlens")
-    rec = delta_rule_recurrence(kernel, chunk_size=chunk_size,
-                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+    if chunk_size is not None:  # the kernel's own default otherwise (fla takes none)
+        kwargs["chunk_size"] = chunk_size
+    rec = delta_rule_recurrence(kernel, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
     tokens = {"q": query, "k": key, "v": value, "g": g, "beta": beta}
     return scan(rec, tokens, group, layout, ring_degree, document_ids, output_final_state)

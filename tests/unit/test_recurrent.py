@@ -65,7 +65,26 @@ def _mamba():
     return rec, tokens
 
 
-@pytest.mark.parametrize("make", [_delta, _mamba])
+def _delta_fla():
+    from tests.unit.recurrent_standins import chunk_gated_delta_rule
+
+    _, tokens = _delta()
+    return delta_rule_recurrence(chunk_gated_delta_rule, use_qk_l2norm_in_kernel=True), tokens
+
+
+def _mamba_ssm():
+    from tests.unit.recurrent_standins import mamba_chunk_scan_combined
+
+    rec, tokens = _mamba()
+    gen = torch.Generator().manual_seed(0)
+    h = tokens["x"].size(2)
+    return mamba2_recurrence(mamba_chunk_scan_combined, A=-torch.rand(h, generator=gen) - 0.5,
+                             chunk_size=8, D=torch.randn(h, generator=gen),
+                             dt_bias=torch.randn(h, generator=gen), dt_softplus=True), tokens
+
+
+# the CUDA packages' signatures (stand-ins computing with transformers' torch paths)
+@pytest.mark.parametrize("make", [_delta, _mamba, _delta_fla, _mamba_ssm])
 @pytest.mark.parametrize("cuts", [[0, 37], [0, 1, 2, 20, 37], [0, 16, 17, 33, 36, 37]])
 @pytest.mark.parametrize("documents", [False, True])
 def test_any_cutting_chains_to_the_whole_sequence(make, cuts, documents):
@@ -83,6 +102,25 @@ def test_any_cutting_chains_to_the_whole_sequence(make, cuts, documents):
     assert _rel(out, ref_out) <= TOL
     if ids is None:  # the state after the sequence
         assert _rel(states[-1], rec.run(tokens)[1]) <= TOL
+
+
+def test_the_public_functions_call_cuda_signatures_with_what_they_take():
+    from tests.unit import recurrent_standins as standins
+
+    standins.CALLS.clear()
+    _, t = _delta()
+    ids = document_ids(2, t["q"].size(1))
+    out, final = chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"],
+                                        use_qk_l2norm_in_kernel=True, output_final_state=True,
+                                        kernel=standins.chunk_gated_delta_rule, layout="whole",
+                                        document_ids=ids)
+    assert out.shape == t["v"].shape and final.shape == (2, 4, 8, 6)
+    _, m = _mamba()
+    y = mamba2_chunk_scan(m["x"], m["dt"], -torch.ones(4), m["B"], m["C"], 8, D=torch.ones(4),
+                          dt_bias=torch.zeros(4), dt_softplus=True,
+                          kernel=standins.mamba_chunk_scan_combined, layout="whole")
+    assert y.shape == m["x"].shape
+    assert "fla" in standins.CALLS and "mamba_ssm" in standins.CALLS
 
 
 def test_initial_states_are_refused():
