@@ -28,6 +28,7 @@ from ..parallel import get_method
 from ..parallel.settings import SequenceParallelSettings, module_settings, store_settings
 from ..recurrent.conv import causal_conv1d
 from ..recurrent.delta_rule import chunk_gated_delta_rule
+from ..recurrent.mamba2 import mamba2_chunk_scan
 
 Tensor = torch.Tensor
 _ORIGINAL = "_easy_context_original_forward"
@@ -38,8 +39,15 @@ _ORIGINAL = "_easy_context_original_forward"
 GATED_DELTA_NET_FUNCS = frozenset({
     "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
     "causal_conv1d_forward", "causal_conv1d_fn", "causal_conv1d_update"})
+# Mamba-2 (Granite 4 hybrids): the fused training kernel is made to decline (it returns None
+# on transformers' torch path too), so the layer takes its unfused conv-then-scan path.
+MAMBA2_FUNCS = frozenset({
+    "causal_conv1d_forward", "causal_conv1d_fn", "causal_conv1d_update",
+    "mamba_split_conv1d_scan_combined", "mamba2_scan_forward", "selective_state_update",
+    "mamba_chunk_scan_combined"})
 # Layer classes whose whole forward was checked against one process (tests/dist/test_hf_recurrent.py).
-VERIFIED = {"Qwen3NextGatedDeltaNet": GATED_DELTA_NET_FUNCS}
+VERIFIED = {"Qwen3NextGatedDeltaNet": GATED_DELTA_NET_FUNCS,
+            "GraniteMoeHybridMambaLayer": MAMBA2_FUNCS}
 
 
 def _settings(layer: nn.Module) -> tuple[SequenceParallelSettings, str]:
@@ -47,7 +55,9 @@ def _settings(layer: nn.Module) -> tuple[SequenceParallelSettings, str]:
     return settings, get_method(settings.method).layout
 
 
-def _delta_rule(layer: nn.Module, kernel: Callable):
+def _delta_rule(layer: nn.Module, originals: dict[str, Callable]):
+    kernel = originals["chunk_gated_delta_rule"]
+
     def forward(query, key, value, g, beta, chunk_size: int | None = None, initial_state=None,
                 output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
                 document_ids: Tensor | None = None, **kwargs):
@@ -64,7 +74,7 @@ def _delta_rule(layer: nn.Module, kernel: Callable):
     return forward
 
 
-def _conv(layer: nn.Module, kernel: Callable):
+def _conv(layer: nn.Module, originals: dict[str, Callable]):
     def forward(conv1d: nn.Conv1d, hidden_states: Tensor, cache=None, layer_idx=None,
                 activation: str | None = None, state_idx: int = 0,
                 document_ids: Tensor | None = None, **kwargs):
@@ -82,6 +92,34 @@ def _conv(layer: nn.Module, kernel: Callable):
     return forward
 
 
+def _mamba2_scan(layer: nn.Module, originals: dict[str, Callable]):
+    kernel = originals["mamba_chunk_scan_combined"]
+
+    def forward(module: nn.Module, hidden_states: Tensor, B: Tensor, C: Tensor, dt: Tensor,
+                cache=None, document_ids: Tensor | None = None, **kwargs):
+        # hidden_states (B, S, H * P), B and C (B, S, G * N), dt (B, S, H)
+        settings, layout = _settings(layer)
+        if cache is not None:
+            raise ValueError(f"{settings.method}: recurrent layers run sequence-parallel without "
+                             "a cache (training, loss evaluation): pass use_cache=False")
+        b, length = hidden_states.shape[:2]
+        y = mamba2_chunk_scan(
+            hidden_states.view(b, length, module.num_heads, module.head_dim), dt,
+            -torch.exp(module.A_log.float()),
+            B.view(b, length, module.n_groups, module.ssm_state_size),
+            C.view(b, length, module.n_groups, module.ssm_state_size), module.chunk_size,
+            D=module.D, dt_bias=module.dt_bias, dt_softplus=True,
+            dt_limit=module.time_step_limit, kernel=kernel, group=settings.group,
+            layout=layout, ring_degree=settings.ring_degree, document_ids=document_ids)
+        return y.reshape(b, length, -1)
+
+    return forward
+
+
+def _decline(layer: nn.Module, originals: dict[str, Callable]):
+    return lambda *args, **kwargs: None  # "no fused kernel here": the layer goes unfused
+
+
 def _refuse(layer: nn.Module, name: str):
     def forward(*args, **kwargs):
         settings = module_settings(layer)
@@ -92,8 +130,10 @@ def _refuse(layer: nn.Module, name: str):
     return forward
 
 
-ROUTES: dict[str, Callable[[nn.Module, Callable], Callable]] = {
-    "chunk_gated_delta_rule": _delta_rule, "causal_conv1d_forward": _conv}
+# name -> (layer, every listed function's original forward by name) -> the routed forward
+ROUTES: dict[str, Callable[[nn.Module, dict[str, Callable]], Callable]] = {
+    "chunk_gated_delta_rule": _delta_rule, "causal_conv1d_forward": _conv,
+    "mamba2_scan_forward": _mamba2_scan, "mamba_split_conv1d_scan_combined": _decline}
 
 
 def _kernel_funcs(module: nn.Module) -> dict[str, nn.Module]:
@@ -129,13 +169,15 @@ def route_recurrent_layers(model: nn.Module, settings: SequenceParallelSettings)
         if not routable(m):
             continue
         store_settings(m, settings)
+        originals = {}
         for name, wrapper in _kernel_funcs(m).items():
-            original = wrapper.__dict__.get(_ORIGINAL)
-            if original is None:  # what the wrapper ran before (kernelize may have set it)
-                original = wrapper.__dict__.get("forward") or type(wrapper).forward.__get__(wrapper)
-                wrapper.__dict__[_ORIGINAL] = original
+            if _ORIGINAL not in wrapper.__dict__:  # what it ran before (kernelize may have set it)
+                wrapper.__dict__[_ORIGINAL] = (wrapper.__dict__.get("forward")
+                                               or type(wrapper).forward.__get__(wrapper))
+            originals[name] = wrapper.__dict__[_ORIGINAL]
+        for name, wrapper in _kernel_funcs(m).items():
             route = ROUTES.get(name)
-            fn = route(m, original) if route else _refuse(m, name)
+            fn = route(m, originals) if route else _refuse(m, name)
             # bound, as kernelize sets it (the layer's dispatch reads forward.__func__)
             wrapper.forward = MethodType(lambda self, *args, _fn=fn, **kwargs: _fn(*args, **kwargs),
                                          wrapper)

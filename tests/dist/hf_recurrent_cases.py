@@ -98,3 +98,33 @@ def check_unrouted_is_refused() -> str:
         return str(e)
     return "ran"
 
+
+
+GRANITE = dict(layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=8,
+               mamba_expand=2, mamba_d_state=8, mamba_n_groups=2, mamba_d_conv=4,
+               mamba_chunk_size=8, num_local_experts=0, shared_intermediate_size=64)
+
+
+def tiny_granite_hybrid(seed: int = 0):
+    """Granite 4 hybrid: a Mamba-2 layer and an attention layer."""
+    config = AutoConfig.for_model("granitemoehybrid", **{**COMMON, **GRANITE})
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
+
+
+def check_granite_hybrid(methods: list[str], piece: int = 2) -> dict:
+    """{method: (loss rel error, max grad rel error)} against float64 in one process."""
+    world = dist.get_world_size()
+    base = tiny_granite_hybrid()
+    base.train()  # the fused-kernel branch is taken in training only: it must decline
+    inputs, positions, targets = make_batch(2 * world * piece, base.config.vocab_size)
+    ref = copy.deepcopy(base).double()
+    ref_loss = _loss64(ref, inputs, targets, positions) / (targets != -100).sum()
+    ref_loss.backward()
+    report = {}
+    for method in methods:
+        ring_degree = 2 if method == "usp_attn" else None
+        model, loss = sharded_loss(base, method, inputs, positions, targets, ring_degree, False)
+        report[method] = (abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+                          _grad_errors(model, ref))
+    return report

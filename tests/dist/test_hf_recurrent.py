@@ -7,8 +7,8 @@ import pytest
 
 import easy_context as ec
 
-from .hf_recurrent_cases import (check_qwen3_next, check_qwen3_next_documents,
-                                 check_unrouted_is_refused)
+from .hf_recurrent_cases import (check_granite_hybrid, check_qwen3_next,
+                                 check_qwen3_next_documents, check_unrouted_is_refused)
 
 TOL = 1e-5
 
@@ -32,6 +32,10 @@ def test_qwen3_next_every_method_2_ranks(dist2):
 def test_qwen3_next_4_ranks(dist4):
     # pieces of 1 token (zigzag over 4 ranks, length 16): the halo spans 3 pieces
     _assert_small(dist4.run(check_qwen3_next, ["zigzag_ring_attn", "ulysses_attn", "usp_attn"], 1))
+
+
+def test_granite_hybrid_mamba2_every_method_2_ranks(dist2):
+    _assert_small(dist2.run(check_granite_hybrid, sorted(ec.METHODS)))
 
 
 @pytest.mark.parametrize("method,ring_degree", [("zigzag_ring_attn", None), ("ulysses_attn", None)])
