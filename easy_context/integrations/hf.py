@@ -157,9 +157,10 @@ def check_model_supported(model: nn.Module) -> None:
     """Raise a ValueError naming the reason when ``model`` cannot run sequence-parallel.
 
     Every attention layer can (full, sliding-window, chunked; soft-capped, with sinks, with
-    its own value head dim). Layers that are not softmax attention (Mamba, Gated DeltaNet,
-    linear attention, short convolutions: Qwen3-Next, Jamba, LFM2, ...) carry state along the
-    sequence that no method here splits: they are refused by name."""
+    its own value head dim). Layers that are not softmax attention carry state along the
+    sequence: those hf_recurrent.py routes to easy_context.recurrent run (Qwen3-Next's gated
+    DeltaNet, Granite 4 hybrids' Mamba-2); the others (Mamba-1, KDA, short convolutions:
+    Jamba, Kimi Linear, LFM2, ...) are refused by name."""
     config = _text_config(model)
     layer_types = list(getattr(config, "layer_types", None) or [])
     if not layer_types and getattr(config, "layers_block_type", None):
@@ -171,8 +172,9 @@ def check_model_supported(model: nn.Module) -> None:
         raise ValueError(
             f"{type(model).__name__} has layers that are not attention ({', '.join(other)}: "
             f"layers {layers[:8]}{'...' if len(layers) > 8 else ''}); sequence parallelism "
-            "splits attention only, and these layers carry state along the whole sequence. "
-            "Use a model whose every layer is attention")
+            "runs attention and, of the layers that carry state along the whole sequence, "
+            "Qwen3-Next's gated DeltaNet and Granite 4 hybrids' Mamba-2 only. Use a model whose "
+            "every other layer is attention")
     if getattr(config, "attn_temperature_tuning", False) and any(
             not getattr(m, "use_rope", True) for m in _attention_modules(model)):
         raise ValueError(
