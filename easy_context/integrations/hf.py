@@ -30,6 +30,7 @@ from ..parallel.settings import SequenceParallelSettings, module_settings, store
 from ..sequence_parallel import sequence_parallel_attention
 from ..utils.decoder import decoder_of, text_config
 from . import whole_sequence as ws
+from .hf_recurrent import recurrent_layer_types, route_recurrent_layers
 
 Tensor = torch.Tensor
 
@@ -66,15 +67,21 @@ def _needs_apply(module: nn.Module, method: str) -> str | None:
     apply_sequence_parallel) would run silently wrong: what it derives from the call's length
     is taken from the whole sequence only by the hooks apply_sequence_parallel installs."""
     what = None
-    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
-        what = "attn_temperature_tuning (queries scaled by position)"
+    types = set(map(str, getattr(getattr(module, "config", None), "layer_types", None) or []))
+    if get_method(method).layout != "whole" and types - ATTENTION_LAYER_TYPES - {"attention"}:
+        what = ("has layers that are not attention, which would run on each shard as if it "
+                "were the whole sequence")
+    elif getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        what = ("uses attn_temperature_tuning (queries scaled by position), which must come "
+                "from the whole sequence")
     elif dist.is_initialized() and dist.get_world_size() > 1 and get_method(method).layout != \
             "whole" and rope_types(getattr(module, "config", None)) & RESCALING_ROPE:
-        what = f"{'/'.join(sorted(rope_types(module.config) & RESCALING_ROPE))} RoPE scaling"
+        what = (f"uses {'/'.join(sorted(rope_types(module.config) & RESCALING_ROPE))} RoPE "
+                "scaling, which must come from the whole sequence")
     if what is None:
         return None
-    return (f"{type(module).__name__} uses {what}, which must come from the whole sequence: "
-            "switch the model with easy_context.apply_sequence_parallel(model, method, group)")
+    return (f"{type(module).__name__} {what}: switch the model with "
+            "easy_context.apply_sequence_parallel(model, method, group)")
 
 
 def layer_chunk(module: nn.Module) -> int | None:
@@ -179,21 +186,24 @@ def check_model_supported(model: nn.Module) -> None:
     """Raise a ValueError naming the reason when ``model`` cannot run sequence-parallel.
 
     Every attention layer can (full, sliding-window, chunked; soft-capped, with sinks, with
-    its own value head dim). Layers that are not softmax attention (Mamba, Gated DeltaNet,
-    linear attention, short convolutions: Qwen3-Next, Jamba, LFM2, ...) carry state along the
-    sequence that no method here splits: they are refused by name."""
+    its own value head dim). Layers that are not softmax attention carry state along the
+    sequence: those hf_recurrent.py routes to easy_context.recurrent run (Qwen3-Next's gated
+    DeltaNet, Granite 4 hybrids' Mamba-2); the others (Mamba-1, KDA, short convolutions:
+    Jamba, Kimi Linear, LFM2, ...) are refused by name."""
     config = _text_config(model)
     layer_types = list(getattr(config, "layer_types", None) or [])
     if not layer_types and getattr(config, "layers_block_type", None):
         layer_types = list(config.layers_block_type)  # Jamba-style configs
-    other = sorted({str(t) for t in layer_types} - ATTENTION_LAYER_TYPES - {"attention"})
+    other = sorted({str(t) for t in layer_types} - ATTENTION_LAYER_TYPES - {"attention"}
+                   - recurrent_layer_types(model, layer_types))  # hf_recurrent.py routes those
     if other:
         layers = [i for i, t in enumerate(layer_types) if str(t) in other]
         raise ValueError(
             f"{type(model).__name__} has layers that are not attention ({', '.join(other)}: "
             f"layers {layers[:8]}{'...' if len(layers) > 8 else ''}); sequence parallelism "
-            "splits attention only, and these layers carry state along the whole sequence. "
-            "Use a model whose every layer is attention")
+            "runs attention and, of the layers that carry state along the whole sequence, "
+            "Qwen3-Next's gated DeltaNet and Granite 4 hybrids' Mamba-2 only. Use a model whose "
+            "every other layer is attention")
 
 
 _MASK_HOOK_ATTR = "_easy_context_mask_hook"
@@ -270,6 +280,7 @@ def apply_sequence_parallel(model: nn.Module, method: str, group=None,
     settings = SequenceParallelSettings(m.name, group, ring_degree)
     for module in modules:
         store_settings(module, settings)
+    route_recurrent_layers(model, settings)
     decoder = decoder_of(model)
     if getattr(decoder, _MASK_HOOK_ATTR, None) is not None:
         getattr(decoder, _MASK_HOOK_ATTR).remove()  # applied again: the new group counts

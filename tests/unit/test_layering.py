@@ -15,6 +15,7 @@ LAYERS = [
     {"layouts", "launch", "mesh"},
     {"attention"},
     {"parallel"},
+    {"recurrent"},
     {"sequence_parallel", "memory"},
     {"integrations"},
     {"models", "plan", "data", "generation"},

@@ -1,0 +1,185 @@
+"""A hybrid model's recurrent layers routed to easy_context.recurrent (transformers internals).
+
+transformers 5.x lists, on each recurrent layer class, the kernel functions its forward calls
+(``use_kernelized_func``): every layer instance holds its own wrapper of each,
+``layer._kernel_funcs[name]``, and while the layer runs, the module-level function dispatches
+to that wrapper (the hook ``kernels.kernelize`` uses to put hub kernels in). Routing a layer
+gives those wrappers of *that layer* a forward that runs the distributed version with the
+layer's settings (group, method's layout, ring degree; parallel/settings.py) and the call's
+``document_ids``, around the kernel the wrapper would have run (transformers' torch path on
+the CPU; flash-linear-attention / causal-conv1d where transformers picks them).
+
+Every kernel function such a layer lists is either routed or made to raise, so no kernel ever
+runs on a shard as if it were the whole sequence. A layer class is routed only when its kernel
+functions are exactly a known set *and* it is one of the classes checked against one process
+(``VERIFIED``): a forward can mix tokens outside its kernel functions, which no attribute
+shows, so each new family is added with its test.
+"""
+
+from __future__ import annotations
+
+from types import MethodType
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..parallel import get_method
+from ..parallel.settings import SequenceParallelSettings, module_settings, store_settings
+from ..recurrent.conv import causal_conv1d
+from ..recurrent.delta_rule import chunk_gated_delta_rule
+from ..recurrent.mamba2 import mamba2_chunk_scan
+
+Tensor = torch.Tensor
+_ORIGINAL = "_easy_context_original_forward"
+
+# Gated DeltaNet (Qwen3-Next): the functions its forward calls, by the name transformers
+# lists them under; the ones a training forward (no cache) never reaches raise.
+# (the kernel names: fla's and causal-conv1d's, under which transformers' torch paths run)
+GATED_DELTA_NET_FUNCS = frozenset({
+    "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
+    "causal_conv1d_forward", "causal_conv1d_fn", "causal_conv1d_update"})
+# Mamba-2 (Granite 4 hybrids): the fused training kernel is made to decline (it returns None
+# on transformers' torch path too), so the layer takes its unfused conv-then-scan path.
+MAMBA2_FUNCS = frozenset({
+    "causal_conv1d_forward", "causal_conv1d_fn", "causal_conv1d_update",
+    "mamba_split_conv1d_scan_combined", "mamba2_scan_forward", "selective_state_update",
+    "mamba_chunk_scan_combined"})
+# Layer classes whose whole forward was checked against one process (tests/dist/test_hf_recurrent.py).
+VERIFIED = {"Qwen3NextGatedDeltaNet": GATED_DELTA_NET_FUNCS,
+            "GraniteMoeHybridMambaLayer": MAMBA2_FUNCS}
+
+
+def _settings(layer: nn.Module) -> tuple[SequenceParallelSettings, str]:
+    settings = module_settings(layer)
+    return settings, get_method(settings.method).layout
+
+
+def _delta_rule(layer: nn.Module, originals: dict[str, Callable]):
+    kernel = originals["chunk_gated_delta_rule"]
+
+    def forward(query, key, value, g, beta, chunk_size: int | None = None, initial_state=None,
+                output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+                document_ids: Tensor | None = None, **kwargs):
+        settings, layout = _settings(layer)
+        if initial_state is not None or output_final_state:
+            raise ValueError(f"{settings.method}: recurrent layers run sequence-parallel without "
+                             "a cache (training, loss evaluation): pass use_cache=False")
+        kwargs.pop("use_cache", None)
+        return chunk_gated_delta_rule(
+            query, key, value, g, beta, chunk_size, None, False, use_qk_l2norm_in_kernel,
+            kernel=kernel, group=settings.group, layout=layout,
+            ring_degree=settings.ring_degree, document_ids=document_ids, **kwargs)
+
+    return forward
+
+
+def _conv(layer: nn.Module, originals: dict[str, Callable]):
+    def forward(conv1d: nn.Conv1d, hidden_states: Tensor, cache=None, layer_idx=None,
+                activation: str | None = None, state_idx: int = 0,
+                document_ids: Tensor | None = None, **kwargs):
+        settings, layout = _settings(layer)
+        if cache is not None:
+            raise ValueError(f"{settings.method}: recurrent layers run sequence-parallel without "
+                             "a cache (training, loss evaluation): pass use_cache=False")
+        if kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
+            raise ValueError("sequence-parallel recurrent layers take packed documents as "
+                             "document_ids (one id per token)")
+        return causal_conv1d(hidden_states, conv1d.weight.squeeze(1), conv1d.bias, activation,
+                             group=settings.group, layout=layout,
+                             ring_degree=settings.ring_degree, document_ids=document_ids)
+
+    return forward
+
+
+def _mamba2_scan(layer: nn.Module, originals: dict[str, Callable]):
+    kernel = originals["mamba_chunk_scan_combined"]
+
+    def forward(module: nn.Module, hidden_states: Tensor, B: Tensor, C: Tensor, dt: Tensor,
+                cache=None, document_ids: Tensor | None = None, **kwargs):
+        # hidden_states (B, S, H * P), B and C (B, S, G * N), dt (B, S, H)
+        settings, layout = _settings(layer)
+        if cache is not None:
+            raise ValueError(f"{settings.method}: recurrent layers run sequence-parallel without "
+                             "a cache (training, loss evaluation): pass use_cache=False")
+        b, length = hidden_states.shape[:2]
+        y = mamba2_chunk_scan(
+            hidden_states.view(b, length, module.num_heads, module.head_dim), dt,
+            -torch.exp(module.A_log.float()),
+            B.view(b, length, module.n_groups, module.ssm_state_size),
+            C.view(b, length, module.n_groups, module.ssm_state_size), module.chunk_size,
+            D=module.D, dt_bias=module.dt_bias, dt_softplus=True,
+            dt_limit=module.time_step_limit, kernel=kernel, group=settings.group,
+            layout=layout, ring_degree=settings.ring_degree, document_ids=document_ids)
+        return y.reshape(b, length, -1)
+
+    return forward
+
+
+def _decline(layer: nn.Module, originals: dict[str, Callable]):
+    return lambda *args, **kwargs: None  # "no fused kernel here": the layer goes unfused
+
+
+def _refuse(layer: nn.Module, name: str):
+    def forward(*args, **kwargs):
+        settings = module_settings(layer)
+        raise ValueError(f"{settings.method}: {type(layer).__name__} called {name}, which does not "
+                         "run sequence-parallel (a cached decoding step); run without a cache "
+                         "(use_cache=False), or generate in one process")
+
+    return forward
+
+
+# name -> (layer, every listed function's original forward by name) -> the routed forward
+ROUTES: dict[str, Callable[[nn.Module, dict[str, Callable]], Callable]] = {
+    "chunk_gated_delta_rule": _delta_rule, "causal_conv1d_forward": _conv,
+    "mamba2_scan_forward": _mamba2_scan, "mamba_split_conv1d_scan_combined": _decline}
+
+
+def _kernel_funcs(module: nn.Module) -> dict[str, nn.Module]:
+    funcs = module.__dict__.get("_kernel_funcs")
+    return funcs if isinstance(funcs, dict) else {}
+
+
+def routable(module: nn.Module) -> bool:
+    """Whether ``module`` is a recurrent layer this package runs sequence-parallel."""
+    expected = VERIFIED.get(type(module).__name__)
+    return expected is not None and set(_kernel_funcs(module)) == expected
+
+
+def recurrent_layer_types(model: nn.Module, layer_types: list[str]) -> set[str]:
+    """The layer types of ``layer_types`` whose every layer is routable (found by its
+    ``layer_idx``): these do not stop the model from running sequence-parallel."""
+    found: dict[int, bool] = {}
+    for m in model.modules():
+        index = getattr(m, "layer_idx", None)
+        if isinstance(index, int) and _kernel_funcs(m):
+            found[index] = found.get(index, True) and routable(m)
+    kinds = {}
+    for i, t in enumerate(layer_types):
+        kinds[str(t)] = kinds.get(str(t), True) and found.get(i, False)
+    return {t for t, ok in kinds.items() if ok}
+
+
+def route_recurrent_layers(model: nn.Module, settings: SequenceParallelSettings) -> int:
+    """Store ``settings`` on every routable layer and route its kernel functions (again:
+    the new settings count). Returns the number of layers routed."""
+    count = 0
+    for m in model.modules():
+        if not routable(m):
+            continue
+        store_settings(m, settings)
+        originals = {}
+        for name, wrapper in _kernel_funcs(m).items():
+            if _ORIGINAL not in wrapper.__dict__:  # what it ran before (kernelize may have set it)
+                wrapper.__dict__[_ORIGINAL] = (wrapper.__dict__.get("forward")
+                                               or type(wrapper).forward.__get__(wrapper))
+            originals[name] = wrapper.__dict__[_ORIGINAL]
+        for name, wrapper in _kernel_funcs(m).items():
+            route = ROUTES.get(name)
+            fn = route(m, originals) if route else _refuse(m, name)
+            # bound, as kernelize sets it (the layer's dispatch reads forward.__func__)
+            wrapper.forward = MethodType(lambda self, *args, _fn=fn, **kwargs: _fn(*args, **kwargs),
+                                         wrapper)
+        count += 1
+    return count

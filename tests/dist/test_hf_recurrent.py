@@ -1,0 +1,49 @@
+"""A hybrid model (tiny Qwen3-Next: gated DeltaNet and attention layers) trains
+sequence-parallel exactly: one step's loss and every parameter gradient within 1e-5 (fp32) of
+one process, for every method at 1 and 2 ranks (three at 4), pieces shorter than the conv halo, packed
+documents; unrouted recurrent layers are refused."""
+
+import pytest
+
+import easy_context as ec
+
+from .hf_recurrent_cases import (check_granite_hybrid, check_qwen3_next,
+                                 check_qwen3_next_documents, check_unrouted_is_refused)
+
+TOL = 1e-5
+
+
+def _assert_small(reports):
+    bad = [f"rank {r} {m}: loss {le:.2e} grad {ge:.2e}" for r, rep in enumerate(reports)
+           for m, (le, ge) in rep.items() if not (le <= TOL and ge <= TOL)]
+    assert reports and all(reports), "no case ran"
+    assert not bad, "\n".join(bad)
+
+
+def test_qwen3_next_every_method_1_rank(dist1):
+    _assert_small(dist1.run(check_qwen3_next, sorted(ec.METHODS)))
+
+
+def test_qwen3_next_every_method_2_ranks(dist2):
+    _assert_small(dist2.run(check_qwen3_next, sorted(ec.METHODS)))
+
+
+@pytest.mark.slow
+def test_qwen3_next_4_ranks(dist4):
+    # pieces of 1 token (zigzag over 4 ranks, length 16): the halo spans 3 pieces
+    _assert_small(dist4.run(check_qwen3_next, ["zigzag_ring_attn", "ulysses_attn", "usp_attn"], 1))
+
+
+def test_granite_hybrid_mamba2_every_method_2_ranks(dist2):
+    _assert_small(dist2.run(check_granite_hybrid, sorted(ec.METHODS)))
+
+
+@pytest.mark.parametrize("method,ring_degree", [("zigzag_ring_attn", None), ("ulysses_attn", None)])
+def test_qwen3_next_packed_documents_2_ranks(dist2, method, ring_degree):
+    reports = dist2.run(check_qwen3_next_documents, method, ring_degree)
+    assert all(le <= TOL and ge <= TOL for le, ge in reports), reports
+
+
+def test_hybrid_switched_without_apply_is_refused(dist2):
+    messages = dist2.run(check_unrouted_is_refused)
+    assert all("apply_sequence_parallel" in m for m in messages), messages

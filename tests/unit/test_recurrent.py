@@ -1,0 +1,156 @@
+"""Recurrent layers' pieces in one process: the piece tables of every layout cover the
+sequence once, in order; any cutting of a sequence into pieces, chained (scan.chain), gives
+the kernel's whole-sequence output and final state (within 1e-5, fp32, relative); packed
+documents reset the state; refusals."""
+
+import pytest
+import torch
+
+from easy_context import layouts
+from easy_context.recurrent.delta_rule import chunk_gated_delta_rule, delta_rule_recurrence
+from easy_context.recurrent.mamba2 import mamba2_chunk_scan, mamba2_recurrence
+from easy_context.recurrent.pieces import Piece, piece_table, sequence_order
+from easy_context.recurrent.scan import chain, piece_map
+from tests.dist.recurrent_cases import _rel, document_ids, per_document
+
+TOL = 1e-5
+
+
+@pytest.mark.parametrize("layout,world,ring_degree", [
+    ("contiguous", 4, None), ("zigzag", 4, None), ("usp", 4, 2), ("usp", 6, 2), ("usp", 6, 3),
+    ("usp", 4, 1), ("usp", 4, 4), ("whole", 3, None)])
+def test_piece_tables_cover_the_sequence_in_order(layout, world, ring_degree):
+    length = layouts.required_multiple(layout, world, ring_degree) * 3
+    x = torch.arange(length)[None]
+    local = length if layout == "whole" else length // world
+    table = piece_table(layout, world, local, ring_degree)
+    for r, pieces in enumerate(table):
+        held = layouts.shard(x, layout, r, len(table), ring_degree=ring_degree)[0]
+        for p in pieces:
+            assert held[p.start:p.stop].tolist() == list(range(p.position, p.position + p.length))
+    pos = 0
+    for p in sequence_order(table):
+        assert p.position == pos
+        pos += p.length
+    assert pos == length
+
+
+def _delta():
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    gen = torch.Generator().manual_seed(0)
+    b, length, hk, hv, dk, dv = 2, 37, 2, 4, 8, 6
+    tokens = {"q": torch.randn(b, length, hk, dk, generator=gen),
+              "k": torch.randn(b, length, hk, dk, generator=gen),
+              "v": torch.randn(b, length, hv, dv, generator=gen),
+              "g": -torch.rand(b, length, hv, generator=gen),
+              "beta": torch.rand(b, length, hv, generator=gen)}
+    rec = delta_rule_recurrence(torch_chunk_gated_delta_rule, chunk_size=16,
+                                use_qk_l2norm_in_kernel=True)
+    return rec, tokens
+
+
+def _mamba():
+    from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan as kernel
+
+    gen = torch.Generator().manual_seed(0)
+    b, length, h, p, g, n = 2, 37, 4, 6, 2, 8
+    tokens = {"x": torch.randn(b, length, h, p, generator=gen),
+              "dt": torch.randn(b, length, h, generator=gen),
+              "B": torch.randn(b, length, g, n, generator=gen),
+              "C": torch.randn(b, length, g, n, generator=gen)}
+    rec = mamba2_recurrence(kernel, A=-torch.rand(h, generator=gen) - 0.5, chunk_size=8,
+                            D=torch.randn(h, generator=gen), dt_bias=torch.randn(h, generator=gen),
+                            dt_softplus=True)
+    return rec, tokens
+
+
+def _delta_fla():
+    from tests.unit.recurrent_standins import chunk_gated_delta_rule
+
+    _, tokens = _delta()
+    return delta_rule_recurrence(chunk_gated_delta_rule, use_qk_l2norm_in_kernel=True), tokens
+
+
+def _mamba_ssm():
+    from tests.unit.recurrent_standins import mamba_chunk_scan_combined
+
+    rec, tokens = _mamba()
+    gen = torch.Generator().manual_seed(0)
+    h = tokens["x"].size(2)
+    return mamba2_recurrence(mamba_chunk_scan_combined, A=-torch.rand(h, generator=gen) - 0.5,
+                             chunk_size=8, D=torch.randn(h, generator=gen),
+                             dt_bias=torch.randn(h, generator=gen), dt_softplus=True), tokens
+
+
+# the CUDA packages' signatures (stand-ins computing with transformers' torch paths)
+@pytest.mark.parametrize("make", [_delta, _mamba, _delta_fla, _mamba_ssm])
+@pytest.mark.parametrize("cuts", [[0, 37], [0, 1, 2, 20, 37], [0, 16, 17, 33, 36, 37]])
+@pytest.mark.parametrize("documents", [False, True])
+def test_any_cutting_chains_to_the_whole_sequence(make, cuts, documents):
+    rec, tokens = make()
+    length = next(iter(tokens.values())).size(1)
+    ids = document_ids(2, length) if documents else None
+    ref_out = per_document(lambda t: rec.run(t)[0], tokens, ids)
+    order = [Piece(0, j, a, b, a) for j, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+    maps = {p: piece_map(rec, {k: t[:, p.start:p.stop] for k, t in tokens.items()},
+                         None if ids is None else ids[:, p.start:p.stop]) for p in order}
+    edges = None if ids is None else (lambda p: torch.stack([ids[:, p.start], ids[:, p.stop - 1]]))
+    states = chain(rec, order, lambda p: (maps[p][3], maps[p][2]), edges)
+    out = torch.cat([maps[p][0] if s is None else maps[p][0] + rec.read(maps[p][1], s)
+                     for p, s in zip(order, states)], 1)
+    assert _rel(out, ref_out) <= TOL
+    if ids is None:  # the state after the sequence
+        assert _rel(states[-1], rec.run(tokens)[1]) <= TOL
+
+
+def test_the_public_functions_call_cuda_signatures_with_what_they_take():
+    from tests.unit import recurrent_standins as standins
+
+    standins.CALLS.clear()
+    _, t = _delta()
+    ids = document_ids(2, t["q"].size(1))
+    out, final = chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"],
+                                        use_qk_l2norm_in_kernel=True, output_final_state=True,
+                                        kernel=standins.chunk_gated_delta_rule, layout="whole",
+                                        document_ids=ids)
+    assert out.shape == t["v"].shape and final.shape == (2, 4, 8, 6)
+    _, m = _mamba()
+    y = mamba2_chunk_scan(m["x"], m["dt"], -torch.ones(4), m["B"], m["C"], 8, D=torch.ones(4),
+                          dt_bias=torch.zeros(4), dt_softplus=True,
+                          kernel=standins.mamba_chunk_scan_combined, layout="whole")
+    assert y.shape == m["x"].shape
+    assert "fla" in standins.CALLS and "mamba_ssm" in standins.CALLS
+
+
+def test_initial_states_are_refused():
+    rec, t = _delta()
+    with pytest.raises(ValueError, match="zero state"):
+        chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"],
+                               initial_state=torch.zeros(2, 4, 8, 6), kernel=lambda *a, **k: None)
+    with pytest.raises(ValueError, match="zero state"):
+        mamba2_chunk_scan(t["q"], t["g"], None, t["k"], t["k"], 8,
+                          initial_states=torch.zeros(1), kernel=lambda *a, **k: None)
+
+
+def test_the_exchange_figures_the_docs_quote():
+    """docs/guides/hf-models.md and recurrent/mixer.py: with Qwen3NextConfig's defaults a
+    linear layer sends 4.05 MiB x 2 (N-1) per piece, and less than a ring attention layer
+    (2 KiB x 3 (N-1) per local token) from about 1.4K local tokens per piece on."""
+    from transformers import Qwen3NextConfig
+
+    from easy_context.parallel.ring import ring_comm
+    from easy_context.parallel.method import AttentionDims
+    from easy_context.recurrent.mixer import GATED_DELTA_NET
+
+    c = Qwen3NextConfig()
+    dims = GATED_DELTA_NET.dims(c.linear_num_key_heads, c.linear_num_value_heads,
+                                c.linear_key_head_dim, c.linear_value_head_dim,
+                                c.linear_conv_kernel_dim)
+    for world in (2, 4, 8):
+        sent = GATED_DELTA_NET.comm_bytes(dims, 1, 2, world)
+        assert round(sent / (2 * (world - 1)) / 2**20, 2) == 4.05
+        attention = AttentionDims(c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        per_token = ring_comm(attention, 1, 2, world, None)
+        assert per_token == 2048 * 3 * (world - 1)
+        assert round(sent / per_token / 100) * 100 == 1400
