@@ -33,13 +33,14 @@ class _Holder:
         self.group, self.me = group, self
 
 
-def _groups_in_a_cycle() -> None:
+def _groups_in_a_cycle() -> _Holder:
     from easy_context.mesh import build_mesh
 
     holder = _Holder(build_mesh(dist.get_world_size()).sp.group)
     x = torch.ones(2)
     dist.all_reduce(x, group=holder.group)
-    assert x.tolist() == [2.0, 2.0]
+    assert x.tolist() == [float(dist.get_world_size())] * 2
+    return holder
 
 
 def _teardown_probe() -> dict:
@@ -62,7 +63,7 @@ def _report_at_exit(folder: str, fail: bool) -> None:
             {"threads": distributed_threads(), "initialized": dist.is_initialized()}))
 
     atexit.register(report)
-    _groups_in_a_cycle()
+    holder = _groups_in_a_cycle()  # noqa: F841 - on the error path the failing frame holds it
     if fail and rank == 1:
         raise ValueError("rank one fails after building its groups")
 
@@ -113,3 +114,42 @@ def test_two_rank_command_exits_cleanly(tmp_path):
         assert run.returncode == 0, run.stderr[-3000:]
         assert "terminate called" not in run.stderr and "Aborted" not in run.stderr, run.stderr
         assert "average score" in run.stdout
+
+
+_UNDER_TORCHRUN = """
+import json, os
+from easy_context.launch import distributed_threads, free_port, launch
+from tests.dist.test_teardown import _groups_only, _raise_after_groups
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=str(free_port()))
+launch(_groups_only, 1)
+ok = distributed_threads()
+try:
+    launch(_raise_after_groups, 1)
+except ValueError:
+    pass
+print(json.dumps({"ok": ok, "error": distributed_threads()}))
+"""
+
+
+def _groups_only() -> None:
+    _groups_in_a_cycle()
+
+
+def _raise_after_groups() -> None:
+    holder = _groups_in_a_cycle()  # noqa: F841 - the failing frame holds the groups
+    raise ValueError("fails after building its groups")
+
+
+@pytest.mark.slow  # a subprocess that starts torch and two process groups
+def test_launch_under_torchrun_tears_down_also_on_error():
+    """The torchrun path (RANK and WORLD_SIZE set: launch initialises the group in this
+    process): no group thread is left after launch returns or raises (a subprocess, so
+    the test's own process keeps no process group)."""
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("thread names come from /proc (Linux)")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", _UNDER_TORCHRUN], capture_output=True,
+                         text=True, timeout=300, env=env, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.splitlines()[-1]) == {"ok": [], "error": []}, run.stdout
