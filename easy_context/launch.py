@@ -133,8 +133,10 @@ def _stop_progress_monitors() -> None:
     # the last bar closes; a bar that a library left open keeps it running until exit.
     import threading
 
-    from tqdm._monitor import TMonitor
-
+    try:
+        from tqdm._monitor import TMonitor
+    except ImportError:  # a tqdm without its monitor module starts no such thread
+        return
     for thread in threading.enumerate():
         if isinstance(thread, TMonitor):
             thread.exit()

@@ -153,3 +153,26 @@ def test_launch_under_torchrun_tears_down_also_on_error():
                          text=True, timeout=300, env=env, cwd=REPO)
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads(run.stdout.splitlines()[-1]) == {"ok": [], "error": []}, run.stdout
+
+
+def test_teardown_stops_a_left_open_progress_bars_monitor():
+    """tqdm's monitor thread runs while any bar is open; teardown ends it (a later bar
+    starts a new one)."""
+    import io
+    import threading
+
+    from tqdm import tqdm
+    from tqdm._monitor import TMonitor
+
+    def monitors() -> list:
+        return [t for t in threading.enumerate() if isinstance(t, TMonitor)]
+
+    bar = tqdm(total=2, file=io.StringIO())
+    try:
+        assert monitors()
+        teardown()  # no process group here: only the monitor to stop
+        assert not monitors()
+        with tqdm(total=1, file=io.StringIO()) as later:
+            later.update()
+    finally:
+        bar.close()
