@@ -15,11 +15,16 @@ Inside ``fn``, :func:`device` gives the rank's device (``cuda:{local_rank}`` or 
 (defined at module level). When spawned ranks fail, :func:`launch` raises one
 :class:`~easy_context.errors.RankError` for the first rank that failed: the root cause, since
 its peers then fail on broken connections. No rank prints a traceback; the error keeps it.
+
+Every rank this module starts ends with :func:`teardown` (also on an error): the process
+groups' native threads (gloo's work and I/O loops, rank 0's TCPStore server) are stopped and
+joined before the rank returns, never left to the interpreter's exit.
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import signal
@@ -95,6 +100,74 @@ def init_distributed(timeout_minutes: float = 10) -> torch.device:
     return dev
 
 
+# Names (Linux thread names, /proc) of the native threads a process group owns: gloo's work
+# loops and I/O loops, and the TCPStore server (rank 0; the libuv backend).
+DIST_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop", "pt_tcpstore_uv")
+
+
+def native_threads() -> list[str]:
+    """The names of this process's threads, native ones included (Linux: /proc/self/task;
+    elsewhere an empty list)."""
+    names = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return names
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended while we listed
+            pass
+    return sorted(names)
+
+
+def distributed_threads() -> list[str]:
+    """Threads of this process that belong to a process group (empty once :func:`teardown`
+    has run)."""
+    return [n for n in native_threads() if n.startswith(DIST_THREADS)]
+
+
+def _stop_progress_monitors() -> None:
+    # tqdm starts a monitor thread with its first bar (one per bar class) and stops it when
+    # the last bar closes; a bar that a library left open keeps it running until exit.
+    import threading
+
+    try:
+        from tqdm._monitor import TMonitor
+    except ImportError:  # a tqdm without its monitor module starts no such thread
+        return
+    for thread in threading.enumerate():
+        if isinstance(thread, TMonitor):
+            thread.exit()
+
+
+def teardown(synchronize: bool = False) -> None:
+    """End this rank's distributed state now rather than at interpreter exit.
+
+    ``dist.destroy_process_group()`` only unregisters the groups: their C++ objects, and with
+    them gloo's threads and rank 0's TCPStore server thread, live as long as a Python object
+    refers to them, and a model holding its sequence-parallel group in a reference cycle does
+    until the interpreter's last collection at exit, where they are torn down in no set order
+    while the interpreter finalizes: the likely source of a rare "terminate called without an
+    active exception" after a finished run (issue 45). So: wait for the peers (``synchronize``, only
+    when every rank gets here: a success), destroy the groups, drop our cached subgroups
+    (easy_context.mesh), collect the cycles so the groups' destructors join their threads
+    here, and stop tqdm's monitor thread."""
+    try:
+        if synchronize and dist.is_initialized():
+            # no rank closes its connections while a peer still uses them
+            dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        from .mesh import forget_groups
+
+        forget_groups()
+        gc.collect()
+        _stop_progress_monitors()
+
+
 def _spawned(local_rank: int, world: int, port: int, timeout_minutes: float, fn: Callable,
              args: tuple, results: "mp.SimpleQueue") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
@@ -102,20 +175,27 @@ def _spawned(local_rank: int, world: int, port: int, timeout_minutes: float, fn:
                       LOCAL_WORLD_SIZE=str(world))
     # Spawned CPU ranks would each take every core; share them instead.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    ok = False
     try:
-        init_distributed(timeout_minutes)
-        value = fn(*args)
-        if local_rank == 0:
-            results.put((True, value))
-    except Exception as e:
-        # The queue is written in the order the ranks fail, so the parent reads the root
-        # cause first. Exit quietly: torch.multiprocessing would hand the traceback to the
-        # parent, which reports this error instead.
-        results.put((False, RankError.from_exception(local_rank, e, traceback.format_exc())))
-        raise SystemExit(1)
+        try:
+            init_distributed(timeout_minutes)
+            value = fn(*args)
+            if local_rank == 0:
+                results.put((True, value))
+            del value  # what fn returned may hold the groups too
+            ok = True
+        except Exception as e:
+            # The queue is written in the order the ranks fail, so the parent reads the root
+            # cause first.
+            results.put((False, RankError.from_exception(local_rank, e, traceback.format_exc())))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # Past the except clause the exception and its traceback (fn's frames, their
+        # locals) are gone, so teardown can collect what held the groups.
+        teardown(synchronize=ok)
+    if not ok:
+        # Exit quietly: torch.multiprocessing would hand a traceback to the parent, which
+        # reports the error put above instead.
+        raise SystemExit(1)
 
 
 def launch(fn: Callable, nproc_per_node: int, *args: Any, timeout_minutes: float = 10) -> Any:
@@ -126,10 +206,18 @@ def launch(fn: Callable, nproc_per_node: int, *args: Any, timeout_minutes: float
         return fn(*args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         init_distributed(timeout_minutes)
+        ok = False
         try:
-            return fn(*args)
+            value = fn(*args)
+            ok = True
+            return value
+        except BaseException as e:
+            # The error goes up with its traceback; fn's locals (a model holding the groups)
+            # need not: teardown collects them now.
+            traceback.clear_frames(e.__traceback__)
+            raise
         finally:
-            dist.destroy_process_group()
+            teardown(synchronize=ok)
     if nproc_per_node <= 1:
         return fn(*args)
     check_local_devices(nproc_per_node)  # before any rank starts

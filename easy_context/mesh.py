@@ -115,6 +115,12 @@ def build_mesh(sp: int, ring_degree: int | None = None, device_type: str = "cpu"
 _DERIVED: dict[tuple[tuple[int, ...], int], tuple[object, SPGroup]] = {}
 
 
+def forget_groups() -> None:
+    """Drop the remembered derived groups (launch.teardown: once the world is destroyed they
+    are dead, and holding them would keep their native threads alive until exit)."""
+    _DERIVED.clear()
+
+
 def usp_groups(group, ring_degree: int) -> SPGroup:
     """``group`` split into ring x Ulysses groups (an SPGroup with that ring degree is
     returned as it is). Collective over ``group``'s ranks the first time.

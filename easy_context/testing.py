@@ -58,7 +58,9 @@ def _worker(rank: int, world_size: int, port: int, threads: int, pg_timeout_s: f
             except BaseException:
                 results.put((rank, False, traceback.format_exc()))
     finally:
-        dist.destroy_process_group()
+        from .launch import teardown
+
+        teardown()
 
 
 class DistPool:

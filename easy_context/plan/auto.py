@@ -22,10 +22,11 @@ zigzag ...); FSDP before ZeRO-3.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from .choose import ORDER, constraint, max_sequence_length, required_multiple
 from .estimate import GIB, MemoryEstimate, estimate_memory
+from .lora import LINEAR, LoRASpec
 from .shapes import ModelShape
 
 TILES = (16384, 8192, 4096, 2048, 1024, 512)
@@ -49,6 +50,10 @@ class Setup:
     heads_per_chunk: int | None = None
     keep_every: int = 1
     deterministic: bool = False  # --deterministic: counted in the kernel workspace, not searched
+    # --lora-rank / --lora-targets / --lora-4bit: given, not searched; every candidate carries
+    # them into its estimate and its train flags (max-length mode does not run adapters, so a
+    # LoRA setup is never tiled: see _bases and fastest_tiling)
+    lora: LoRASpec | None = None
 
     @property
     def fused(self) -> bool:
@@ -58,7 +63,7 @@ class Setup:
         return dict(engine=self.engine, offload=self.offload, checkpointing=self.checkpointing,
                     dtype=dtype, loss_chunk="auto", ring_degree=self.ring_degree,
                     mlp_tile=self.mlp_tile, heads_per_chunk=self.heads_per_chunk,
-                    keep_every=self.keep_every, deterministic=self.deterministic)
+                    keep_every=self.keep_every, deterministic=self.deterministic, lora=self.lora)
 
     def speed_key(self, shape: ModelShape) -> tuple:
         from ..parallel import get_method
@@ -77,8 +82,18 @@ class Setup:
                  f"--mlp-tile {self.mlp_tile if self.fused else 'off'}",
                  f"--head-chunk {self.heads_per_chunk if self.fused else 'off'}",
                  f"--keep-every {self.keep_every}" if self.keep_every > 1 else "",
-                 "--deterministic" if self.deterministic else ""]
+                 "--deterministic" if self.deterministic else ""] + lora_flags(self.lora)
         return " ".join(f for f in flags if f)
+
+
+def lora_flags(lora: LoRASpec | None) -> list[str]:
+    """``easy-context train`` flags of a LoRA run (none for full fine-tuning)."""
+    if lora is None:
+        return []
+    targets = "all-linear" if set(lora.targets) == set(LINEAR) else ",".join(lora.targets)
+    return [f"--lora-rank {lora.rank}",
+            f"--lora-targets {targets}" if targets != "all-linear" else "",
+            "--lora-4bit" if lora.base_4bit else ""]
 
 
 @dataclass
@@ -91,7 +106,12 @@ class AutoPlan:
     runners_up: list = field(default_factory=list)  # (length, Setup) of other setups
 
 
-def _bases(shape: ModelShape, devices: int, engines=("fsdp", "deepspeed")) -> list[Setup]:
+def _bases(shape: ModelShape, devices: int, engines=("fsdp", "deepspeed"),
+           lora: LoRASpec | None = None) -> list[Setup]:
+    """The untiled setups to search: method x engine x offload x checkpointing, each carrying
+    ``lora`` (a 4-bit base runs on FSDP only: ZeRO-3 would partition its NF4 weights)."""
+    if lora is not None and lora.base_4bit:
+        engines = tuple(e for e in engines if e == "fsdp")
     out = []
     methods = [("local", None)] if devices == 1 else []
     for m in ORDER if devices > 1 else ():
@@ -102,7 +122,7 @@ def _bases(shape: ModelShape, devices: int, engines=("fsdp", "deepspeed")) -> li
         for engine in engines:
             for offload in ("none", "params") if engine == "fsdp" else ("none", "optimizer", "params"):
                 for ckpt in ("attention", "full", "offload"):
-                    out.append(Setup(method, rd, engine, offload, ckpt))
+                    out.append(Setup(method, rd, engine, offload, ckpt, lora=lora))
     return out
 
 
@@ -139,11 +159,13 @@ def fastest_tiling(shape: ModelShape, seq_len: int, devices: int, setup: Setup,
                    keep_every: int | None = None) -> tuple[Setup | None, MemoryEstimate | None]:
     """``setup`` untiled if it fits, else with the fastest (tile, chunk, keep_every) that fits
     (``tile``, ``chunk``, ``keep_every``: fixed values instead of searched ones);
-    (None, estimate of the most frugal one) when nothing fits."""
-    if allow_untiled:
+    (None, estimate of the most frugal one) when nothing fits. A LoRA setup is never tiled:
+    max-length mode's fused layers compute with the base weights and skip the adapters
+    (train refuses --mlp-tile with --lora-rank)."""
+    if allow_untiled or setup.lora is not None:
         ok, est = _fits(shape, seq_len, devices, setup, device_bytes, host_bytes, dtype)
-        if ok:
-            return setup, est
+        if ok or setup.lora is not None:
+            return (setup if ok else None), est
     s = seq_len // devices
     tiles = [tile] if tile else sorted({min(t, s) for t in TILES}, reverse=True)
     chunks = [chunk] if chunk else chunk_choices(shape, setup, devices)
@@ -188,7 +210,8 @@ def plan_longest(shape: ModelShape, devices: int, device_bytes: int,
     for base in bases or _bases(shape, devices):
         frugal = [base] + [replace(base, mlp_tile=1024, heads_per_chunk=c, keep_every=k)
                            for c in chunk_choices(shape, base, devices)[-1:] for k in KEEP_EVERY
-                           if k == 1 or (base.checkpointing != "attention" and k <= shape.layers)]
+                           if k == 1 or (base.checkpointing != "attention" and k <= shape.layers)
+                           if base.lora is None]  # LoRA: untiled only (fastest_tiling)
         for setup in frugal:
             length, _ = max_sequence_length(shape, devices, device_bytes, setup.method,
                                             setup.ring_degree, granularity, limit=1 << 31,
@@ -220,6 +243,8 @@ def _describe(setup) -> str:
               f"{setup.heads_per_chunk} query head(s) per attention chunk"
               + (f", one layer input in {setup.keep_every} kept (nested recompute)"
                  if setup.keep_every > 1 else "") if setup.fused else "untiled layers")
+    if setup.lora is not None:
+        tiling += f", {setup.lora.describe()}"
     return (f"{setup.method}" + (f" (ring_degree {setup.ring_degree})" if setup.ring_degree else "")
             + f", {setup.engine}, offload={setup.offload}, checkpointing={setup.checkpointing}, "
             + tiling)
@@ -235,8 +260,10 @@ def run_auto(args, shape, budget: int) -> int:
     lines, result = [head], {"model": shape.name, "devices": n, "budget_gib": budget / GIB,
                             "host_gib": args.host_memory}
     plans = []
+    from .cli import lora_spec
+
     bases = [replace(b, deterministic=bool(getattr(args, "deterministic", False)))
-             for b in _bases(shape, n)]
+             for b in _bases(shape, n, lora=lora_spec(args))]
     if args.seq_len:
         plans.append(("for", plan_for_length(shape, args.seq_len, n, budget, host, args.dtype,
                                              bases=bases)))
@@ -259,7 +286,7 @@ def run_auto(args, shape, budget: int) -> int:
                   + s.train_flags(plan.seq_len, n, args.dtype)]
         if kind == "longest":
             lines.append(f"longest sequence that fits: {plan.seq_len:,} tokens with {s.method}")
-        result[kind] = {"seq_len": plan.seq_len, "setup": s.__dict__,
+        result[kind] = {"seq_len": plan.seq_len, "setup": asdict(s),
                         "train_flags": s.train_flags(plan.seq_len, n, args.dtype),
                         "estimate": est.to_dict(), "reason": plan.reason}
     if any(k == "longest" for k, _ in plans):

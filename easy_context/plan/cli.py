@@ -73,12 +73,17 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", default=None, help="file for --report (default: stdout)")
 
 
-def _kw(args) -> dict:
+def lora_spec(args: argparse.Namespace):
+    """The LoRASpec of ``--lora-rank/--lora-targets/--lora-4bit`` (None: full fine-tuning)."""
     from .lora import LoRASpec, parse_targets
 
-    lora = None
-    if args.lora_rank:
-        lora = LoRASpec(args.lora_rank, parse_targets(args.lora_targets), args.lora_4bit)
+    if not args.lora_rank:
+        return None
+    return LoRASpec(args.lora_rank, parse_targets(args.lora_targets), args.lora_4bit)
+
+
+def _kw(args) -> dict:
+    lora = lora_spec(args)
     return dict(engine=args.engine, offload=args.offload, checkpointing=args.checkpointing,
                 dtype=args.dtype, loss_chunk="auto" if args.loss_chunk is None else (args.loss_chunk or None),
                 lora=lora, deterministic=bool(getattr(args, "deterministic", False)),
@@ -103,7 +108,8 @@ def check_plan_args(args: argparse.Namespace) -> None:
         raise ValueError("--ring-degree is usp_attn's; add --method usp_attn or drop it")
     if args.lora_rank is None and (args.lora_4bit or args.lora_targets != "all-linear"):
         raise ValueError("--lora-targets and --lora-4bit describe a LoRA run: add --lora-rank R")
-    if args.lora_4bit and args.engine != "fsdp":
+    # --auto picks the engine itself (fsdp only for a 4-bit base: plan.auto._bases)
+    if args.lora_4bit and args.engine != "fsdp" and not getattr(args, "auto", False):
         raise ValueError("--lora-4bit (QLoRA) runs on the fsdp engine: add --engine fsdp")
     if args.lora_rank:
         from .lora import LoRASpec, parse_targets

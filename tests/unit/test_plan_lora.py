@@ -115,3 +115,71 @@ def test_report_table_has_the_lora_tables():
     text = lora_how_far_markdown()
     assert text.count("| model |") == len(LORA_TABLE_SETUPS)
     assert "| Llama-2-7B |" in text and "QLoRA" in text
+
+
+def _auto(capsys, *argv: str) -> dict:
+    """``easy-context plan --auto`` on one 80 GiB GPU for Llama-3-8B, its JSON answer."""
+    from easy_context.cli import main
+
+    assert main(["plan", "--auto", "--model", "Llama-3-8B", "--devices", "1", "--gpu-memory",
+                 "80", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _train_config(flags: str):
+    """The printed flags as ``easy-context train`` reads them (its own refusals included)."""
+    import argparse
+
+    from easy_context.train.config import add_train_args, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_train_args(p)
+    return config_from_args(p.parse_args(["--model", "m", "--dataset", "d", *flags.split()]))
+
+
+def test_auto_carries_the_adapters_into_every_candidate(capsys):
+    """Issue 45: --auto --lora-rank 16 gave full fine-tuning's length and flags. With 64 GiB
+    of host memory full fine-tuning of an 8B model fits nothing on one 80 GiB GPU (its AdamW
+    states alone are 128 GB, on the device or the host); LoRA, whose base has no gradients or
+    optimizer states, fits; its flags are LoRA's and train accepts them."""
+    full = _auto(capsys, "--host-memory", "64")
+    lora = _auto(capsys, "--host-memory", "64", "--lora-rank", "16")
+    assert full["max_seq_len"] == 0 and lora["max_seq_len"] > 100_000, (full, lora)
+    flags = lora["longest"]["train_flags"]
+    assert "--lora-rank 16" in flags and "--mlp-tile off" in flags, flags
+    assert "LoRA r=16" in lora["longest"]["estimate"]["model"]
+    config = _train_config(flags)
+    assert config.lora_rank == 16 and not config.lora_4bit
+
+
+def test_auto_lora_is_longer_than_full_fine_tuning_in_the_same_setup(capsys):
+    """Host memory not limited: LoRA's longest beats full fine-tuning's in the setup --auto
+    picks for it, and the search never tiles a LoRA run (max-length mode's fused layers skip
+    the adapters, so train refuses --mlp-tile with --lora-rank); full fine-tuning's own
+    --auto answer is a tiled setup that goes further still (the docs say so)."""
+    from easy_context.cli import main
+
+    lora = _auto(capsys, "--lora-rank", "16")["longest"]
+    s = lora["setup"]
+    assert s["mlp_tile"] is None and s["lora"]["rank"] == 16, s
+    assert main(["plan", "--model", "Llama-3-8B", "--devices", "1", "--gpu-memory", "80",
+                 "--max-seq-len", "--json", "--engine", s["engine"], "--offload", s["offload"],
+                 "--checkpointing", s["checkpointing"]]) == 0
+    same_setup_full = json.loads(capsys.readouterr().out)["max_seq_len"]
+    assert lora["seq_len"] > same_setup_full > 0, (lora["seq_len"], same_setup_full)
+    targets = _auto(capsys, "--lora-rank", "8", "--lora-targets", "q_proj,v_proj")["longest"]
+    assert "--lora-rank 8 --lora-targets q_proj,v_proj" in targets["train_flags"]
+    assert "LoRA r=8 on q_proj,v_proj" in targets["estimate"]["model"]  # in the estimate too
+
+
+def test_auto_lora_4bit_picks_fsdp(capsys):
+    """--auto chooses the engine, so --lora-4bit picks FSDP instead of asking for
+    --engine fsdp (ZeRO-3 cannot hold a 4-bit base)."""
+    for argv in ((), ("--seq-len", "65536", "--max-seq-len")):
+        data = _auto(capsys, "--lora-rank", "16", "--lora-4bit", *argv)
+        for kind in ("longest", "for") if argv else ("longest",):
+            plan = data[kind]
+            assert plan["setup"]["engine"] == "fsdp", plan["setup"]
+            assert "--engine fsdp" in plan["train_flags"] and "--lora-4bit" in plan["train_flags"]
+            assert "4-bit base" in plan["estimate"]["model"]
+            assert _train_config(plan["train_flags"]).lora_4bit
