@@ -78,6 +78,9 @@ FAMILY_FIELDS: dict[str, dict] = {
                  ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2)),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=8),
     "zaya": dict(num_experts_per_tok=1),
+    # 1.0: sparsemixer masks no expert, so training really samples (at 0.01 the tiny router's
+    # mask leaves one expert per draw and the sampling picks it whatever the draw)
+    "phimoe": dict(router_jitter_noise=1.0),
     "kolibri1_1": dict(head_dim=16),
     "gemma4_text": dict(vocab_size_per_layer_input=97, hidden_size_per_layer_input=8),
     "gemma4": dict(vocab_size_per_layer_input=97, hidden_size_per_layer_input=8),
