@@ -361,7 +361,10 @@ def output_head(model: nn.Module):
     from ..memory.loss import LogitTransform
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not isinstance(head, nn.Linear) or between_decoder_and_head(model, head):
+    if (not isinstance(head, nn.Linear) or between_decoder_and_head(model, head)
+            or {n for n, _ in head.named_parameters()} - {"weight", "bias"}):
+        # a Linear subclass with parameters of its own (Dory's learned per-token logit
+        # scale) computes more than ``hidden @ W.T``
         return None, None
     config = _text_config(model)
     softcap = getattr(config, "final_logit_softcapping", None)
@@ -374,6 +377,12 @@ def output_head(model: nn.Module):
             scale /= float(scaling)
     if softcap in (None, 0, False) and scale == 1.0:
         return head, None
+    if config is not model.config:
+        # a composite model (text inside a multimodal one): whether its top class applies the
+        # text config's soft-capping or scaling is its own code's choice (Gemma 3's
+        # ForConditionalGeneration applies no final soft-capping, Aya Vision scales), so the
+        # chunked loss does not guess: the logits path runs the model's own head
+        return None, None
     return head, LogitTransform(scale, None if softcap in (None, 0, False) else float(softcap))
 
 
