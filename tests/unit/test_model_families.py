@@ -62,3 +62,38 @@ def test_head_transform_between_decoder_and_head():
     assert abs(got.item() - want.item()) <= TOL * want.item()
     with pytest.raises(ValueError, match="not its output head applied"):
         ec.generate(model.eval(), ids[:1, :8], method="zigzag_ring_attn", max_new_tokens=2)
+
+
+def _default_loss_matches_transformers(model):
+    ids = _ids(97)
+    want = model(input_ids=ids, labels=ids).loss
+    got = ec.causal_lm_loss(model, ids[:, :-1], torch.arange(12).expand(2, -1), ids[:, 1:])
+    assert abs(got.item() - want.item()) <= TOL * want.item(), (got.item(), want.item())
+    with pytest.raises(ValueError, match="not a linear layer of the decoder"):
+        ec.causal_lm_loss(model, ids[:, :-1], torch.arange(12).expand(2, -1), ids[:, 1:],
+                          chunked=True)
+
+
+def test_head_with_parameters_of_its_own_is_no_plain_head():
+    """Dory's head is a Linear subclass that multiplies by a learned per-token scale: the
+    chunked loss (which reads only the weight) refuses it."""
+    model = build_tiny("dory")
+    assert output_head(model) == (None, None)
+    _default_loss_matches_transformers(model)
+
+
+def test_composite_model_logit_transform_is_not_guessed():
+    """Gemma 3's multimodal class applies none of its text config's final soft-capping: the
+    chunked loss must not apply it either (it refuses; the logits path is the model's own)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                final_logit_softcapping=3.0)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=4, image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text,
+                                                        vision_config=vision)).float()
+    assert output_head(model) == (None, None)
+    _default_loss_matches_transformers(model)
