@@ -365,10 +365,16 @@ def _cell(entry: dict | None) -> str:
 def support_table(payload: dict) -> str:
     """The docs page, generated from the results file."""
     rows = payload["rows"]
-    counts: dict[str, int] = {}
-    for r in rows:
-        counts[r["status"]] = counts.get(r["status"], 0) + 1
-    summary = ", ".join(f"{counts[k]} {k}" for k in sorted(counts))
+
+    def count(statuses) -> str:
+        counts: dict[str, int] = {}
+        for status in statuses:
+            counts[status] = counts.get(status, 0) + 1
+        return ", ".join(f"{counts[k]} {k}" for k in sorted(counts))
+
+    summary = (f"{count(r['status'] for r in rows)}; max-length mode: "
+               f"{count(r['maxlen']['status'] for r in rows if r.get('maxlen'))}; generation: "
+               f"{count(r['generate']['status'] for r in rows if r.get('generate'))}")
     lines = [
         "# Model families: what runs sequence-parallel",
         "",
