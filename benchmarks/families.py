@@ -7,8 +7,9 @@ vocab 97; a few families need their own fields, FAMILY_FIELDS), then one trainin
 2 gloo ranks for each method, against the same step in one process. Each family gets, for
 plain sequence parallelism, max-length mode and easy_context.generate, one of:
 
-- ``exact``: loss and every gradient within 1e-5 relative (greedy tokens equal, for
-  generation);
+- ``exact``: loss and every gradient within 1e-5 relative, or within 3x the family's own
+  fp32 rounding (its one-process fp32 step against fp64: Gemma 4's is 2e-5) where that is
+  larger (greedy tokens equal, for generation);
 - ``refused``: easy_context raised a ValueError before running (its message is recorded);
 - ``DIFFERS``: it ran and gave other numbers, no error raised (a defect: the promise is
   exact or refused);
@@ -52,6 +53,7 @@ MEASURES = ["easy_context/integrations/hf.py", "easy_context/utils/decoder.py",
 METHODS = ("zigzag_ring_attn", "ulysses_attn")
 TOL = 1e-5
 GRAD_FLOOR = 1e-3
+NOISE_FACTOR = 3.0
 WORLD = 2
 DOCS = common.REPO / "docs" / "guides" / "families.md"
 MAX_PARAMS = 150_000_000  # beyond this the config ignored the small sizes (vision towers...)
@@ -238,12 +240,36 @@ def _outcome(fn) -> dict:
                                               f"({Path(last.filename).name}:{last.lineno})"}
 
 
-def _judge(loss_err: float, grad_err: float) -> dict:
-    ok = loss_err <= TOL and grad_err <= TOL  # False for NaN
+def _judge(loss_err: float, grad_err: float, noise: tuple[float, float]) -> dict:
+    """exact when within TOL, or within NOISE_FACTOR x the family's own fp32 rounding (its
+    one-process fp32 step against fp64) where that is larger."""
+    loss_tol, grad_tol = (max(TOL, NOISE_FACTOR * n) for n in noise)
+    ok = loss_err <= loss_tol and grad_err <= grad_tol  # False for NaN
     return {"status": "exact" if ok else "DIFFERS", "loss_err": loss_err, "grad_err": grad_err}
 
 
-def _sp_step(base, ref_loss, ref, method, inputs, positions, targets, chunked, max_length):
+def _fp32_noise(base, ref, ref_loss, inputs, positions, targets) -> tuple[float, float]:
+    """(loss, gradient) error of the one-process fp32 step against the same step in fp64:
+    how exact fp32 can be for this family at these sizes (Gemma 4's: 2e-5)."""
+    try:
+        ref64 = copy.deepcopy(base).double()
+        loss64 = _reference(ref64, inputs, positions, targets)
+    except Exception:  # noqa: BLE001  (a family that cannot run in fp64: no allowance)
+        return 0.0, 0.0
+    loss_err = abs(ref_loss.item() - loss64.item()) / max(abs(loss64.item()), 1e-12)
+    largest = max((float(p.grad.abs().max()) for p in ref64.parameters()
+                   if p.grad is not None and p.grad.numel()), default=0.0)
+    worst = 0.0  # one process: no sum over ranks (grad_error's collective) here
+    for p32, p64 in zip(ref.parameters(), ref64.parameters()):
+        if p32.grad is None or p64.grad is None:
+            continue
+        scale = max(float(p64.grad.abs().max()), GRAD_FLOOR * largest, 1e-12)
+        worst = max(worst, float((p32.grad.double() - p64.grad).abs().max()) / scale)
+    return loss_err, worst
+
+
+def _sp_step(base, ref_loss, ref, method, inputs, positions, targets, chunked, max_length,
+             noise=(0.0, 0.0)):
     import torch.distributed as dist
 
     import easy_context as ec
@@ -264,7 +290,7 @@ def _sp_step(base, ref_loss, ref, method, inputs, positions, targets, chunked, m
                              local["local_target_ids"], chunked=chunked)
     loss.backward()
     loss_err = abs(loss.item() - ref_loss.item()) / max(abs(ref_loss.item()), 1e-12)
-    return _judge(loss_err, grad_error(model, ref))
+    return _judge(loss_err, grad_error(model, ref), noise)
 
 
 def _greedy(model, prompt, steps: int) -> list[int]:
@@ -328,20 +354,22 @@ def check_family(model_type: str, methods=METHODS, modes=("sp", "maxlen", "gener
                    reason="in one process a position's logits depend on later tokens")
         return row
     linear_head = output_head(base)[0] is not None
+    noise = _fp32_noise(base, ref, ref_loss, inputs, positions, targets)
+    row["fp32_noise"] = {"loss": noise[0], "grad": noise[1]}
     results: dict = {}
     if "sp" in modes:
         for method in methods:
             for chunked in ((False, True) if linear_head else (False,)):
                 results[f"{method} chunked={chunked}"] = _outcome(
                     lambda: _sp_step(base, ref_loss, ref, method, inputs, positions, targets,
-                                     chunked, False))
+                                     chunked, False, noise))
     sp_ok = all(r["status"] == "exact" for r in results.values())
     if "maxlen" in modes:
         if not linear_head:
             row["maxlen"] = {"status": "refused", "reason": "the output head is not linear"}
         else:
             row["maxlen"] = _outcome(lambda: _sp_step(base, ref_loss, ref, methods[0], inputs,
-                                                      positions, targets, True, True))
+                                                      positions, targets, True, True, noise))
     if "generate" in modes:
         row["generate"] = _outcome(lambda: _generation(base, methods[0]))
     row["sp"] = results
@@ -386,7 +414,9 @@ def support_table(payload: dict) -> str:
         "tiny from its config class (hidden 32, 2 layers), one fp32 training step at "
         f"{payload.get('world', WORLD)} ranks with {' and '.join(payload.get('methods', METHODS))} "
         "against the same step in one process. **exact**: loss and every gradient within "
-        f"{payload.get('tol', TOL):g} relative (for generation: the same greedy tokens). "
+        f"{payload.get('tol', TOL):g} relative, or within {NOISE_FACTOR:g}x the family's own "
+        "fp32 rounding (its one-process fp32 step against fp64) where that is larger (for "
+        "generation: the same greedy tokens). "
         "**refused**: easy_context raises a ValueError up front, saying why. "
         "**not a decoder LM**: in one process a position's logits depend on later tokens, or "
         "the model does not run on input_ids alone. **DIFFERS** or **error** would be defects "
