@@ -432,9 +432,11 @@ def support_table(payload: dict) -> str:
     for r in rows:
         sp = r["status"] if r["status"] == "exact" else f"{r['status']}: {r.get('reason', '')}"
         sp = sp.replace("|", "\\|").strip(": ")
+        # refused up front: every mode is (the reason is in the sequence-parallel column)
+        other = "refused (as left)" if r["status"] == "refused" else ""
         cells = [r["family"], f"`{r.get('class') or ''}`", sp,
-                 _cell(r.get("maxlen")).replace("|", "\\|"),
-                 _cell(r.get("generate")).replace("|", "\\|")]
+                 _cell(r.get("maxlen")).replace("|", "\\|") or other,
+                 _cell(r.get("generate")).replace("|", "\\|") or other]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
