@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..integrations.hf import (KV_CACHE_KWARG, RESCALING_ROPE, apply_sequence_parallel,
-                                output_head, rope_types)
+                                between_decoder_and_head, output_head, rope_types)
 from ..mesh import group_size, process_group
 from ..parallel import get_method
 from ..parallel.settings import SequenceParallelSettings, module_settings
@@ -142,6 +142,12 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
 
     if max_length_settings(model) is not None:
         raise ValueError("generate runs the plain layers: load the model without max-length mode")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None or between_decoder_and_head(model, head):
+        raise ValueError(f"{type(model).__name__}'s logits are not its output head applied to "
+                         "the decoder's last hidden state (a transform with parameters sits "
+                         "between them, as in BERT-style heads), which generate needs: "
+                         "generate in one process with model.generate")
     sampling = SamplingConfig(do_sample, temperature, top_k, top_p, seed)
     if isinstance(stop_strings, str):
         stop_strings = [stop_strings]
