@@ -259,6 +259,15 @@ def apply_sequence_parallel(model: nn.Module, method: str, group=None,
     return model
 
 
+def generation_defaults() -> dict:
+    """transformers' own values for the generation settings that neither the call nor the
+    model's generation_config sets (greedy; top_k 50, temperature 1, top_p 1 when sampling;
+    no repetition penalty): what its ``generate`` falls back to."""
+    from transformers import GenerationConfig
+
+    return dict(GenerationConfig._get_default_generation_params())
+
+
 def output_head(model: nn.Module):
     """(the output projection, what the family does to its logits: a LogitTransform or None),
     or (None, None) when the head is not a linear layer. Gemma 2/3 soft-cap the logits

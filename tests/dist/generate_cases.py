@@ -121,3 +121,79 @@ def compare_adapted(four_bit: bool, methods: list[str]) -> dict[str, tuple[list,
                           max_new_tokens=NEW_TOKENS, eos_token_id=[], pad_token_id=0)
         report[method] = (want[:, ids.size(1):].tolist(), got[:, ids.size(1):].tolist())
     return report
+
+
+def _stopping_prompts(base, groups: int, new_tokens: int) -> tuple[list, int]:
+    """One prompt per data-parallel group and an EOS that ends group 0's row at its third new
+    token and never appears in the other groups' rows: the groups stop at different steps."""
+    for seed in range(5, 200):
+        rows = [prompts(base.config.vocab_size, (11 + g,), seed=seed + 7 * g) for g in range(groups)]
+        free = [reference(base, ids, mask, new_tokens)[0, ids.size(1):].tolist()
+                for ids, mask in rows]
+        eos = free[0][2]
+        if eos not in free[0][:2] and all(eos not in f for f in free[1:]):
+            return rows, eos
+    raise AssertionError("no prompts whose rows stop at different steps")
+
+
+def data_parallel_groups_fsdp(sp: int = 2, method: str = "zigzag_ring_attn",
+                              new_tokens: int = 10) -> dict:
+    """Data-parallel groups of ``sp`` ranks on an FSDP2-sharded model (fully_shard on each
+    decoder layer and on the model, over every rank, as transformers' Trainer and accelerate
+    shard it), each group with a prompt that stops at another step: every group's tokens
+    against transformers' greedy generate on that prompt in one process."""
+    from torch.distributed.fsdp import fully_shard
+
+    from easy_context.mesh import build_mesh
+    from easy_context.train.engines.fsdp import decoder_layers
+
+    mesh = build_mesh(sp)
+    base = tiny_model("llama").eval()
+    rows, eos = _stopping_prompts(base, mesh.dp, new_tokens)
+    ids, mask = rows[mesh.dp_rank]
+    want = base.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                         eos_token_id=eos, pad_token_id=0)[0, ids.size(1):].tolist()
+    model = copy.deepcopy(base)
+    ec.apply_sequence_parallel(model, method, group=mesh.sp)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh.shard_mesh)
+    fully_shard(model, mesh=mesh.shard_mesh)
+    got = ec.generate(model, ids, attention_mask=mask, max_new_tokens=new_tokens,
+                      eos_token_id=eos, pad_token_id=0)[0, ids.size(1):].tolist()
+    return {"group": mesh.dp_rank, "want": want, "got": got, "eos": eos}
+
+
+def mismatched_prompts() -> str:
+    """Rank 1 of the group holds another prompt: the error every rank raises, or ''."""
+    base = tiny_model("llama").eval()
+    ids, mask = prompts(base.config.vocab_size, (9,))
+    if dist.get_rank() == 1:
+        ids = ids.clone()
+        ids[0, -1] = (ids[0, -1] + 1) % base.config.vocab_size
+    try:
+        ec.generate(base, ids, attention_mask=mask, method="zigzag_ring_attn",
+                    max_new_tokens=3, eos_token_id=[])
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def mismatched_flags() -> str:
+    base = tiny_model("llama").eval()
+    ids, mask = prompts(base.config.vocab_size, (9,))
+    try:
+        ec.generate(base, ids, attention_mask=mask, method="zigzag_ring_attn",
+                    max_new_tokens=3 + dist.get_rank(), eos_token_id=[])
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def fresh_seeds(method: str) -> list:
+    """Two sampled generations with no seed given: each call draws its own (on group rank 0),
+    and every rank of the group samples the same tokens."""
+    base = tiny_model("llama").eval()
+    ids, mask = prompts(base.config.vocab_size, (13, 9))
+    return [ec.generate(copy.deepcopy(base), ids, attention_mask=mask, method=method,
+                        max_new_tokens=NEW_TOKENS, do_sample=True, eos_token_id=[])
+            [:, ids.size(1):].tolist() for _ in range(2)]

@@ -11,8 +11,9 @@ import pytest
 
 import easy_context as ec
 
-from .generate_cases import (NEW_TOKENS, cache_shares, compare_adapted, compare_methods, sampled,
-                             stops)
+from .generate_cases import (NEW_TOKENS, cache_shares, compare_adapted, compare_methods,
+                             data_parallel_groups_fsdp, fresh_seeds, mismatched_flags,
+                             mismatched_prompts, sampled, stops)
 from .hf_cases import FAMILIES, VARIANT_FAMILIES
 
 METHODS = sorted(ec.METHODS)
@@ -135,3 +136,33 @@ def test_lora_adapters_and_a_4bit_base(dist2, four_bit):
     if four_bit:
         pytest.importorskip("bitsandbytes")
     _assert_equal(dist2.run(compare_adapted, four_bit, ["zigzag_ring_attn", "ulysses_attn"]))
+
+
+@pytest.mark.slow
+def test_data_parallel_groups_on_an_fsdp2_model_stop_at_different_steps(dist4):
+    """2 data-parallel groups x 2 sequence-parallel ranks on a model FSDP2 shards over all 4
+    (as the Trainer and accelerate shard it): group 0's row stops (EOS) at its third token,
+    group 1's runs all 10. The parameter all-gathers pair up across the groups only if the
+    finished group keeps running forwards (transformers' synced_gpus); without that the
+    second group waits forever. Each group's tokens: transformers' greedy generate's."""
+    reports = dist4.run(data_parallel_groups_fsdp, 2)
+    assert [r["group"] for r in reports] == [0, 0, 1, 1]
+    for r in reports:
+        assert r["got"] == r["want"], r
+    assert len(reports[0]["got"]) == 3 and reports[0]["got"][-1] == reports[0]["eos"]
+    assert len(reports[2]["got"]) == 10
+
+
+@pytest.mark.parametrize("case", ["prompts", "flags"])
+def test_ranks_given_different_prompts_or_flags_are_refused_before_prefill(dist2, case):
+    """One rank with another prompt token (or another max_new_tokens): every rank raises the
+    same ValueError, before the prefill, instead of generating from mixed shards."""
+    errors = dist2.run(mismatched_prompts if case == "prompts" else mismatched_flags)
+    assert errors[0] == errors[1] and "different prompts or generation settings" in errors[0]
+    assert "group ranks [1]" in errors[0]
+
+
+def test_no_seed_draws_a_fresh_one_per_call_shared_by_the_group(dist2):
+    first, second = dist2.run(fresh_seeds, "zigzag_ring_attn")
+    assert first == second  # both ranks: the same tokens (group rank 0's seed)
+    assert first[0] != first[1]  # two calls, two seeds

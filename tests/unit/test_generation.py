@@ -5,6 +5,7 @@ whole thing on 1, 2 and 4 ranks against transformers)."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -83,11 +84,11 @@ def test_sampling_follows_the_distribution_and_the_seed():
 @pytest.mark.parametrize("kw,message", [
     (dict(do_sample=True, temperature=0.0), "temperature must be > 0"),
     (dict(top_p=1.5), "top_p must be in (0, 1]"),
-    (dict(top_k=0), "top_k must be >= 1"),
+    (dict(top_k=-1), "top_k must be >= 1"),
+    (dict(min_p=1.5), "min_p must be in [0, 1]"),
 ])
 def test_sampling_settings_are_checked(kw, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")
-                       .replace("]", r"\]")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         SamplingConfig(**kw)
 
 
