@@ -197,3 +197,43 @@ def fresh_seeds(method: str) -> list:
     return [ec.generate(copy.deepcopy(base), ids, attention_mask=mask, method=method,
                         max_new_tokens=NEW_TOKENS, do_sample=True, eos_token_id=[])
             [:, ids.size(1):].tolist() for _ in range(2)]
+
+
+def zero3_step_after_generate() -> dict:
+    """DeepSpeed ZeRO-3 over both ranks (each its own data-parallel rank, the model switched
+    to one-rank attention): generate, then one training step. Under torch.inference_mode the
+    tensors ZeRO-3 puts in the parameters while it gathers and frees them for the generation's
+    forwards are inference tensors (which autograd cannot save for backward); counted here."""
+    import deepspeed
+
+    from easy_context.train.engines.deepspeed import _start_deepspeed_comm
+
+    _start_deepspeed_comm()
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              # every parameter partitioned (tiny ones stay whole below the default
+              # persistence threshold, and are never gathered)
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+              "zero_force_ds_cpu_optimizer": False,
+              "bf16": {"enabled": False}}
+    base = tiny_model("llama")
+    ids, mask = prompts(base.config.vocab_size, (9,))
+    want = reference(copy.deepcopy(base).eval(), ids, mask, 4)[0, ids.size(1):].tolist()
+    optimizer = torch.optim.AdamW(base.parameters(), lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=base, optimizer=optimizer, config=config,
+                                      dist_init_required=False)
+    try:
+        engine.module.eval()
+        got = ec.generate(engine.module, ids, attention_mask=mask, method="local",
+                          max_new_tokens=4, eos_token_id=[], pad_token_id=0)
+        # what ZeRO-3 leaves in each parameter's .data after freeing its gathered copy
+        inference = sum(p.data.is_inference() for p in engine.module.parameters())
+        engine.module.train()
+        batch = ids[:, -8:]
+        before = engine(input_ids=batch, labels=batch).loss
+        engine.backward(before)
+        engine.step()
+        after = engine(input_ids=batch, labels=batch).loss
+        return {"want": want, "got": got[0, ids.size(1):].tolist(), "inference": inference,
+                "before": float(before), "after": float(after)}
+    finally:
+        engine.destroy()
