@@ -50,6 +50,9 @@ class GenerationResult:
     new_tokens: int  # decode steps run (T)
     lengths: list[int]  # each row's new tokens up to and including the one that stopped it
     cache_bytes: int  # this rank's KV cache (keys, values, positions, validity)
+    # with output_logits: each step's (B, V) float32 logits before any processor, as
+    # transformers' generate(output_logits=True) gives them
+    logits: list[Tensor] | None = None
 
 
 def _settings(model: nn.Module, method: str | None, group, ring_degree: int | None
@@ -216,7 +219,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
              beyond_rope_range: bool = False, min_p: float | None = None,
              repetition_penalty: float | None = None, min_new_tokens: int | None = None,
              num_return_sequences: int | None = None, streamer=None,
-             synced_gpus: bool | None = None) -> Tensor | GenerationResult:
+             synced_gpus: bool | None = None,
+             output_logits: bool = False) -> Tensor | GenerationResult:
     """Generate up to ``max_new_tokens`` after each of the (B, L) prompts, sequence-parallel.
 
     Every rank of the group calls this with the same ``input_ids`` (and ``attention_mask``,
@@ -237,7 +241,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
     groups too (FSDP2, ZeRO-3; ``synced_gpus`` None detects it), a group that is done keeps
     running forward passes until every group is (transformers' ``synced_gpus``). Returns
     (B * num_return_sequences, L + T) on every rank, or a GenerationResult with timings and
-    this rank's cache bytes when ``return_stats``. A prompt plus its new tokens beyond the
+    this rank's cache bytes when ``return_stats`` (and each step's logits with
+    ``output_logits``). A prompt plus its new tokens beyond the
     model's RoPE range (``max_position_embeddings`` with plain RoPE) is refused unless
     ``beyond_rope_range``: for probing where a model breaks down on purpose.
     """
@@ -330,6 +335,7 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
     new: list[Tensor] = []
     texts: list[list[int]] = [[] for _ in range(b)]
     timings = {}
+    raw: list[Tensor] = []
 
     def run() -> None:
         nonlocal done
@@ -353,6 +359,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
         token = None
         while True:
             if not finished:
+                if output_logits:
+                    raw.append(logits.cpu())
                 token = choose(process(logits, step))
                 if world > 1:  # one source of truth for the token: group rank 0's (all agree)
                     dist.broadcast(token, src=0 if pg is None else dist.get_global_rank(pg, 0),
@@ -395,4 +403,5 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
     if not return_stats:
         return sequences
     return GenerationResult(sequences, timings["prefill"], timings["decode"], len(new),
-                            [len(t) for t in texts], cache.nbytes())
+                            [len(t) for t in texts], cache.nbytes(),
+                            raw if output_logits else None)

@@ -38,19 +38,35 @@ def reference(model, ids, mask, new_tokens: int = NEW_TOKENS) -> torch.Tensor:
                           eos_token_id=None, pad_token_id=0)
 
 
+LOGITS_TOL = 1e-5  # each step's logits against transformers' (fp32), max abs difference
+
+
 def compare_methods(family: str, methods: list[str], lengths: tuple[int, ...],
                     ring_degree: int | None = None) -> dict[str, tuple[list, list]]:
-    """{method: (reference tokens, sequence-parallel tokens)} for the new tokens."""
+    """{method: (reference tokens, sequence-parallel tokens)} for the new tokens; and for
+    each method, "<method> logits": (True, whether every step's (B, V) logits are within
+    LOGITS_TOL of transformers') -- the tokens alone are argmaxes whose top two logits may be
+    ~1e-2 apart, and a tiny model may repeat one token whatever the attention gives."""
     base = tiny_model(family).eval()
     ids, mask = prompts(base.config.vocab_size, lengths)
-    want = reference(copy.deepcopy(base), ids, mask)
+    out = copy.deepcopy(base).generate(
+        ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+        pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    want, want_logits = out.sequences, torch.stack(out.logits, dim=1).float()  # (B, T, V)
     report = {}
     for method in methods:
         model = copy.deepcopy(base)
         rd = ring_degree if method == "usp_attn" else None
         got = ec.generate(model, ids, attention_mask=mask, method=method, ring_degree=rd,
-                          max_new_tokens=NEW_TOKENS, eos_token_id=[], pad_token_id=0)
-        report[method] = (want[:, ids.size(1):].tolist(), got[:, ids.size(1):].tolist())
+                          max_new_tokens=NEW_TOKENS, eos_token_id=[], pad_token_id=0,
+                          return_stats=True, output_logits=True)
+        report[method] = (want[:, ids.size(1):].tolist(),
+                          got.sequences[:, ids.size(1):].tolist())
+        logits = torch.stack(got.logits, dim=1)  # (B, T, V)
+        err = (logits - want_logits).abs().max() if logits.shape == want_logits.shape else None
+        report[f"{method} logits"] = (f"within {LOGITS_TOL}",
+                                      f"within {LOGITS_TOL}" if err is not None
+                                      and float(err) <= LOGITS_TOL else f"off by {err}")
     return report
 
 
