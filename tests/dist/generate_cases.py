@@ -256,3 +256,23 @@ def zero3_step_after_generate() -> dict:
                 "before": float(before), "after": float(after)}
     finally:
         engine.destroy()
+
+
+def sharded_by_an_outer_unit() -> str:
+    """The training engine's layout: FSDP2 on each decoder layer and on a loss module around
+    the model, so the embeddings and head belong to a unit generate cannot run: refused."""
+    from torch.distributed.fsdp import fully_shard
+
+    from easy_context.integrations.hf import CausalLMLoss
+    from easy_context.train.engines.fsdp import decoder_layers
+
+    model = tiny_model("llama").eval()
+    for layer in decoder_layers(model):
+        fully_shard(layer)
+    fully_shard(CausalLMLoss(model))
+    ids, mask = prompts(model.config.vocab_size, (9,))
+    try:
+        ec.generate(model, ids, attention_mask=mask, method="local", max_new_tokens=2)
+    except ValueError as e:
+        return str(e)
+    return ""

@@ -78,10 +78,12 @@ def test_eos_ends_a_row_and_pads_it(dist2):
             assert ended[1] == free[1] and len(ended[1]) == NEW_TOKENS
 
 
-def test_command_line_on_two_ranks_equals_transformers(tmp_path):
+def test_command_line_on_two_ranks_equals_transformers(tmp_path, trained_needle_model):
     """``easy-context generate`` with two prompts of different lengths on 2 spawned ranks:
     the completions transformers' greedy generate gives in this process, stopped after the
-    stop string, which is kept."""
+    stop string, which is kept. The model is the trained needle fixture, which copies the
+    code its prompt's needle holds (far back, on the other rank's shard), so its completions
+    depend on the context: an attention or cache bug changes them."""
     import json
     import os
     import subprocess
@@ -90,10 +92,10 @@ def test_command_line_on_two_ranks_equals_transformers(tmp_path):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tests.unit.eval_fixtures import random_model_dir
-
-    folder = random_model_dir(tmp_path / "model")
-    prompts = ["The grass is green and the sky", "Once upon a time"]
+    folder = trained_needle_model
+    filler = " The grass is green. The sky is blue." * 3
+    prompts = [f"The red code=472.{filler}{filler} Recall the red code=",
+               f"The blue code=815.{filler} Recall the blue code="]
     out = tmp_path / "out.jsonl"
     repo = Path(__file__).resolve().parents[2]
     run = subprocess.run(
@@ -115,9 +117,14 @@ def test_command_line_on_two_ranks_equals_transformers(tmp_path):
         assert row["completion"] == tok.decode(ids, skip_special_tokens=True)
         assert row["ranks"] == 2 and row["new_tokens"] == len(ids)
     assert rows[0]["prompt_tokens"] == len(tok(prompts[0])["input_ids"])
+    # the completions depend on the context: another code in the needle, another answer
+    other = tok([prompts[0].replace("472", "906")], return_tensors="pt")
+    moved = model.generate(**other, max_new_tokens=12, do_sample=False,
+                           pad_token_id=tok.pad_token_id)[0, other["input_ids"].size(1):]
+    assert tok.decode(moved, skip_special_tokens=True) != rows[0]["completion"]
     # a stop string: the first completion cut after its first occurrence, which stays
     text = rows[0]["completion"]
-    assert len(text) >= 6, text  # the fixture's model writes 12 characters here
+    assert len(text) >= 6, text
     stop = text[3:5]
     run = subprocess.run(
         [sys.executable, "-m", "easy_context.cli", "generate", "--model", str(folder),
@@ -181,3 +188,10 @@ def test_a_zero3_training_step_after_generate(dist2):
         assert r["got"] == r["want"], r
         assert r["inference"] == 0, r
         assert r["after"] < r["before"], r
+
+
+def test_a_model_whose_head_an_outer_fsdp_unit_shards_is_refused(dist1):
+    from .generate_cases import sharded_by_an_outer_unit
+
+    (error,) = dist1.run(sharded_by_an_outer_unit)
+    assert "sharded (FSDP2) by a unit outside the model" in error, error
