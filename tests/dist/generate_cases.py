@@ -235,15 +235,19 @@ def zero3_step_after_generate() -> dict:
               "zero_force_ds_cpu_optimizer": False,
               "bf16": {"enabled": False}}
     base = tiny_model("llama")
-    ids, mask = prompts(base.config.vocab_size, (9,))
-    want = reference(copy.deepcopy(base).eval(), ids, mask, 4)[0, ids.size(1):].tolist()
+    # each rank its own prompt, rank 0's stopping (EOS) at its third token: the ranks are
+    # data-parallel groups of one, and rank 1's forwards need rank 0's all-gathers
+    rows, eos = _stopping_prompts(base.eval(), 2, 6)
+    ids, mask = rows[dist.get_rank()]
+    want = base.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                         eos_token_id=eos, pad_token_id=0)[0, ids.size(1):].tolist()
     optimizer = torch.optim.AdamW(base.parameters(), lr=1e-2)
     engine, *_ = deepspeed.initialize(model=base, optimizer=optimizer, config=config,
                                       dist_init_required=False)
     try:
         engine.module.eval()
         got = ec.generate(engine.module, ids, attention_mask=mask, method="local",
-                          max_new_tokens=4, eos_token_id=[], pad_token_id=0)
+                          max_new_tokens=6, eos_token_id=eos, pad_token_id=0)
         # what ZeRO-3 leaves in each parameter's .data after freeing its gathered copy
         inference = sum(p.data.is_inference() for p in engine.module.parameters())
         engine.module.train()

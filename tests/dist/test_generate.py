@@ -177,14 +177,18 @@ def test_no_seed_draws_a_fresh_one_per_call_shared_by_the_group(dist2):
 
 @pytest.mark.slow
 def test_a_zero3_training_step_after_generate(dist2):
-    """generate on a DeepSpeed ZeRO-3 model, then a training step on it: no parameter holds
+    """generate on a DeepSpeed ZeRO-3 model, each rank its own prompt (rank 0's stops at its
+    third token, rank 1's runs 6: the done rank keeps running forwards for the other's
+    parameter all-gathers), then a training step on it: no parameter holds
     an inference tensor afterwards (with torch.inference_mode around generate, 21 of the 21
     did: the placeholders ZeRO-3 leaves when it frees a gathered parameter), the step runs
     and lowers the loss; the tokens are transformers' greedy ones."""
     pytest.importorskip("deepspeed")
     from .generate_cases import zero3_step_after_generate
 
-    for r in dist2.run(zero3_step_after_generate):
+    reports = dist2.run(zero3_step_after_generate)
+    assert [len(r["got"]) for r in reports] == [3, 6], reports
+    for r in reports:
         assert r["got"] == r["want"], r
         assert r["inference"] == 0, r
         assert r["after"] < r["before"], r
