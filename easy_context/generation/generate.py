@@ -318,8 +318,7 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
     ids = torch.zeros(b, padded, dtype=torch.long)
     for row in range(b):
         ids[row, :lengths[row]] = input_ids[row, length - lengths[row]:].cpu()
-    process.start([ids[row, :lengths[row]] for row in range(b)],
-                  model.get_output_embeddings().weight.shape[0])
+    process.start([ids[row, :lengths[row]] for row in range(b)])
     positions = torch.arange(padded).expand(b, padded)
     valid = positions < lengths[:, None]
     local = [shard_sequence(t, m.name, rank, world, ring_degree=settings.ring_degree)

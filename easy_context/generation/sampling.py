@@ -92,13 +92,19 @@ class LogitsProcessing:
         self.min_new_tokens = min_new_tokens
         self.eos = sorted(set(eos_token_ids))
         self.seen: Tensor | None = None  # (B, V) bool: tokens the penalty applies to
+        self.prompts: list[Tensor] = []
 
-    def start(self, prompts: list[Tensor], vocab: int) -> None:
+    def start(self, prompts: list[Tensor]) -> None:
         """``prompts``: each row's real prompt tokens (no padding)."""
-        if self.penalty != 1.0:
-            self.seen = torch.zeros(len(prompts), vocab, dtype=torch.bool)
-            for row, ids in enumerate(prompts):
+        self.prompts = prompts
+
+    def _seen(self, vocab: int) -> Tensor:
+        # made at the first step, from the logits' width (a ZeRO-3 head's weight is empty)
+        if self.seen is None:
+            self.seen = torch.zeros(len(self.prompts), vocab, dtype=torch.bool)
+            for row, ids in enumerate(self.prompts):
                 self.seen[row, ids[(ids >= 0) & (ids < vocab)]] = True
+        return self.seen
 
     def add(self, token: Tensor) -> None:
         """(B,) this step's tokens join what the penalty sees."""
@@ -107,8 +113,8 @@ class LogitsProcessing:
 
     def __call__(self, logits: Tensor, step: int) -> Tensor:
         """(B, V) float logits before step ``step``'s token (0 for the first new token)."""
-        if self.seen is not None:
-            seen = self.seen.to(logits.device)
+        if self.penalty != 1.0:
+            seen = self._seen(logits.size(-1)).to(logits.device)
             penalised = torch.where(logits < 0, logits * self.penalty, logits / self.penalty)
             logits = torch.where(seen, penalised, logits)
         if step < self.min_new_tokens and self.eos:
