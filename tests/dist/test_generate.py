@@ -145,7 +145,6 @@ def test_lora_adapters_and_a_4bit_base(dist2, four_bit):
     _assert_equal(dist2.run(compare_adapted, four_bit, ["zigzag_ring_attn", "ulysses_attn"]))
 
 
-@pytest.mark.slow
 def test_data_parallel_groups_on_an_fsdp2_model_stop_at_different_steps(dist4):
     """2 data-parallel groups x 2 sequence-parallel ranks on a model FSDP2 shards over all 4
     (as the Trainer and accelerate shard it): group 0's row stops (EOS) at its third token,
@@ -175,7 +174,6 @@ def test_no_seed_draws_a_fresh_one_per_call_shared_by_the_group(dist2):
     assert first[0] != first[1]  # two calls, two seeds
 
 
-@pytest.mark.slow
 def test_a_zero3_training_step_after_generate(dist2):
     """generate on a DeepSpeed ZeRO-3 model, each rank its own prompt (rank 0's stops at its
     third token, rank 1's runs 6: the done rank keeps running forwards for the other's
