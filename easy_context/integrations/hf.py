@@ -387,6 +387,15 @@ def between_decoder_and_head(model: nn.Module, head: nn.Module) -> bool:
     return False
 
 
+def generation_defaults() -> dict:
+    """transformers' own values for the generation settings that neither the call nor the
+    model's generation_config sets (greedy; top_k 50, temperature 1, top_p 1 when sampling;
+    no repetition penalty): what its ``generate`` falls back to."""
+    from transformers import GenerationConfig
+
+    return dict(GenerationConfig._get_default_generation_params())
+
+
 def output_head(model: nn.Module):
     """(the output projection, what the family does to its logits: a LogitTransform or None),
     or (None, None) when the logits are not a linear layer of the decoder's last hidden state
