@@ -13,7 +13,8 @@ process's. Each method runs at least once; DDP, FSDP2 and DeepSpeed ZeRO-3; padd
 (right and left), packed (DataCollatorWithFlattening, TRL packing) and unpacked batches; LoRA
 through a PeftModel and through SFTTrainer's peft_config; max-length mode; bf16; the
 Trainer's gradient_checkpointing beside our own checkpointing; predict() without labels;
-resume from a checkpoint (one and two data-parallel groups).
+resume from a checkpoint (one and two data-parallel groups); under FSDP2, save_model's file
+holds the trained weights (the full model and LoRA's adapters).
 """
 
 from __future__ import annotations
@@ -148,6 +149,8 @@ def test_steps_and_eval_equal_one_process(name, assets, dist1, dist2, dist4):
     assert not [k for k, (error, _) in errors.items() if not error <= bound], errors
     # every tensor moved (LoRA's A included), so each comparison has teeth
     assert all(change > 0 for _, change in errors.values()), errors
+    if "gathered" in got:  # FSDP2: save_model's file holds the weights that torch gathers
+        assert _largest_difference(got["gathered"], got["weights"]) == 0.0
     # the counts one process logs: each group's batch once. Not total_flos under ZeRO-3:
     # transformers counts it from param.numel() of the partitioned parameters there
     # (measured 0.78x the one-process count without ZeRO-3).
