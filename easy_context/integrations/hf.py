@@ -30,7 +30,7 @@ from ..parallel.settings import SequenceParallelSettings, module_settings, store
 from ..sequence_parallel import sequence_parallel_attention
 from ..utils.decoder import decoder_of, text_config
 from . import whole_sequence as ws
-from .hf_recurrent import recurrent_layer_types, route_recurrent_layers
+from .hf_recurrent import RUNS as RECURRENT_RUNS, recurrent_layer_types, route_recurrent_layers
 
 Tensor = torch.Tensor
 
@@ -187,9 +187,8 @@ def check_model_supported(model: nn.Module) -> None:
 
     Every attention layer can (full, sliding-window, chunked; soft-capped, with sinks, with
     its own value head dim). Layers that are not softmax attention carry state along the
-    sequence: those hf_recurrent.py routes to easy_context.recurrent run (Qwen3-Next's gated
-    DeltaNet, Granite 4 hybrids' Mamba-2); the others (Mamba-1, KDA, short convolutions:
-    Jamba, Kimi Linear, LFM2, ...) are refused by name."""
+    sequence: those hf_recurrent.py routes to easy_context.recurrent run (its ``RUNS`` names
+    them); the others (Mamba-1, KDA, ...) are refused by name."""
     config = _text_config(model)
     layer_types = list(getattr(config, "layer_types", None) or [])
     if not layer_types and getattr(config, "layers_block_type", None):
@@ -202,8 +201,7 @@ def check_model_supported(model: nn.Module) -> None:
             f"{type(model).__name__} has layers that are not attention ({', '.join(other)}: "
             f"layers {layers[:8]}{'...' if len(layers) > 8 else ''}); sequence parallelism "
             "runs attention and, of the layers that carry state along the whole sequence, "
-            "Qwen3-Next's gated DeltaNet and Granite 4 hybrids' Mamba-2 only. Use a model whose "
-            "every other layer is attention")
+            f"{RECURRENT_RUNS} only. Use a model whose every other layer is attention")
 
 
 _MASK_HOOK_ATTR = "_easy_context_mask_hook"

@@ -46,8 +46,16 @@ MAMBA2_FUNCS = frozenset({
     "mamba_split_conv1d_scan_combined", "mamba2_scan_forward", "selective_state_update",
     "mamba_chunk_scan_combined"})
 # Layer classes whose whole forward was checked against one process (tests/dist/test_hf_recurrent.py).
+# Qwen3.5 (dense and MoE): Qwen3-Next's layer with its projections split (in_proj_qkv, _z,
+# _b, _a), the same kernel calls.
 VERIFIED = {"Qwen3NextGatedDeltaNet": GATED_DELTA_NET_FUNCS,
+            "Qwen3_5GatedDeltaNet": GATED_DELTA_NET_FUNCS,
+            "Qwen3_5MoeGatedDeltaNet": GATED_DELTA_NET_FUNCS,
             "GraniteMoeHybridMambaLayer": MAMBA2_FUNCS}
+
+# What runs, in words (check_model_supported's refusal and the docs name it).
+RUNS = ("the gated DeltaNet of Qwen3-Next and Qwen3.5 (dense and MoE) and Granite 4 hybrids' "
+        "Mamba-2")
 
 
 def _settings(layer: nn.Module) -> tuple[SequenceParallelSettings, str]:

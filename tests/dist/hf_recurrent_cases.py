@@ -66,8 +66,13 @@ def check_qwen3_next(methods: list[str], piece: int = 2, chunked: bool = False) 
 def check_qwen3_next_documents(method: str, ring_degree: int | None = None):
     """Packed documents (position ids restarting; documents straddle the shards): equal to
     each document run alone from a zero state."""
+    return check_hybrid_documents("qwen3_next", method, ring_degree)
+
+
+def check_hybrid_documents(family: str, method: str, ring_degree: int | None = None):
+    """check_qwen3_next_documents for any family of HYBRIDS (or "qwen3_next")."""
     world = dist.get_world_size()
-    base = tiny_qwen3_next()
+    base = tiny_qwen3_next() if family == "qwen3_next" else tiny_hybrid(family)
     length = 2 * world * 5
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, base.config.vocab_size, (1, length + 1), generator=gen)
@@ -117,6 +122,53 @@ def check_granite_hybrid(methods: list[str], piece: int = 2) -> dict:
     world = dist.get_world_size()
     base = tiny_granite_hybrid()
     base.train()  # the fused-kernel branch is taken in training only: it must decline
+    inputs, positions, targets = make_batch(2 * world * piece, base.config.vocab_size)
+    ref = copy.deepcopy(base).double()
+    ref_loss = _loss64(ref, inputs, targets, positions) / (targets != -100).sum()
+    ref_loss.backward()
+    report = {}
+    for method in methods:
+        ring_degree = 2 if method == "usp_attn" else None
+        model, loss = sharded_loss(base, method, inputs, positions, targets, ring_degree, False)
+        report[method] = (abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+                          _grad_errors(model, ref))
+    return report
+
+
+# More hybrid families: (model type, config overrides on COMMON). Each mixes a recurrent layer
+# with an attention layer; MoE families with few experts.
+DELTA = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+             linear_value_head_dim=8, linear_conv_kernel_dim=4)
+HYBRIDS = {
+    "qwen3_5": ("qwen3_5_text", dict(layer_types=["linear_attention", "full_attention"], **DELTA)),
+    "qwen3_5_moe": ("qwen3_5_moe_text", dict(
+        layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16, **DELTA)),
+}
+
+
+def tiny_hybrid(family: str, seed: int = 0):
+    """A tiny model of ``HYBRIDS[family]``, mild decays (module docstring), in training mode
+    (a layer's training-only branch, e.g. Mamba-2's fused kernel, is taken)."""
+    model_type, overrides = HYBRIDS[family]
+    config = AutoConfig.for_model(model_type, **{**COMMON, **overrides})
+    torch.manual_seed(seed)
+    # eager experts: the grouped-matmul path takes no float64 (the reference)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                             experts_implementation="eager").float()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(getattr(m, "A_log", None), torch.Tensor) and \
+                    isinstance(getattr(m, "dt_bias", None), torch.Tensor):
+                m.A_log.copy_(torch.linspace(-2, 0.5, m.A_log.numel()).view_as(m.A_log))
+                m.dt_bias.zero_()
+    return model.train()
+
+
+def check_hybrid(family: str, methods: list[str], piece: int = 2) -> dict:
+    """{method: (loss rel error, max grad rel error)} against float64 in one process."""
+    world = dist.get_world_size()
+    base = tiny_hybrid(family)
     inputs, positions, targets = make_batch(2 * world * piece, base.config.vocab_size)
     ref = copy.deepcopy(base).double()
     ref_loss = _loss64(ref, inputs, targets, positions) / (targets != -100).sum()

@@ -1,4 +1,4 @@
-"""A hybrid model (tiny Qwen3-Next: gated DeltaNet and attention layers) trains
+"""Hybrid models (tiny Qwen3-Next, Qwen3.5 dense and MoE: gated DeltaNet and attention layers; Granite 4: Mamba-2) train
 sequence-parallel exactly: one step's loss and every parameter gradient within 1e-5 (fp32) of
 one process, for every method at 1 and 2 ranks (three at 4), pieces shorter than the conv halo, packed
 documents; unrouted recurrent layers are refused."""
@@ -7,7 +7,8 @@ import pytest
 
 import easy_context as ec
 
-from .hf_recurrent_cases import (check_granite_hybrid, check_qwen3_next,
+from .hf_recurrent_cases import (check_granite_hybrid, check_hybrid, check_hybrid_documents,
+                                 check_qwen3_next,
                                  check_qwen3_next_documents, check_unrouted_is_refused)
 
 TOL = 1e-5
@@ -47,3 +48,8 @@ def test_qwen3_next_packed_documents_2_ranks(dist2, method, ring_degree):
 def test_hybrid_switched_without_apply_is_refused(dist2):
     messages = dist2.run(check_unrouted_is_refused)
     assert all("apply_sequence_parallel" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_hybrid_family_every_method_2_ranks(dist2, family):
+    _assert_small(dist2.run(check_hybrid, family, sorted(ec.METHODS)))
