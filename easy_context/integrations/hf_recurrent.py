@@ -45,17 +45,22 @@ MAMBA2_FUNCS = frozenset({
     "causal_conv1d_forward", "causal_conv1d_fn", "causal_conv1d_update",
     "mamba_split_conv1d_scan_combined", "mamba2_scan_forward", "selective_state_update",
     "mamba_chunk_scan_combined"})
+# Gated short convolutions (LFM2, LFM2-MoE, LFM3): B * x through the causal conv, times C;
+# the conv is the only token mixing.
+SHORT_CONV_FUNCS = frozenset({"causal_conv1d_forward", "causal_conv1d_fn", "causal_conv1d_update"})
 # Layer classes whose whole forward was checked against one process (tests/dist/test_hf_recurrent.py).
 # Qwen3.5 (dense and MoE): Qwen3-Next's layer with its projections split (in_proj_qkv, _z,
 # _b, _a), the same kernel calls.
 VERIFIED = {"Qwen3NextGatedDeltaNet": GATED_DELTA_NET_FUNCS,
             "Qwen3_5GatedDeltaNet": GATED_DELTA_NET_FUNCS,
             "Qwen3_5MoeGatedDeltaNet": GATED_DELTA_NET_FUNCS,
-            "GraniteMoeHybridMambaLayer": MAMBA2_FUNCS}
+            "GraniteMoeHybridMambaLayer": MAMBA2_FUNCS,
+            "Lfm2ShortConv": SHORT_CONV_FUNCS, "Lfm2MoeShortConv": SHORT_CONV_FUNCS,
+            "Lfm3ShortConv": SHORT_CONV_FUNCS}
 
 # What runs, in words (check_model_supported's refusal and the docs name it).
-RUNS = ("the gated DeltaNet of Qwen3-Next and Qwen3.5 (dense and MoE) and Granite 4 hybrids' "
-        "Mamba-2")
+RUNS = ("the gated DeltaNet of Qwen3-Next and Qwen3.5 (dense and MoE), the gated short "
+        "convolutions of LFM2, LFM2-MoE and LFM3, and Granite 4 hybrids' Mamba-2")
 
 
 def _settings(layer: nn.Module) -> tuple[SequenceParallelSettings, str]:

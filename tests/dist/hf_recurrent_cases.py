@@ -144,6 +144,16 @@ HYBRIDS = {
     "qwen3_5_moe": ("qwen3_5_moe_text", dict(
         layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=16, shared_expert_intermediate_size=16, **DELTA)),
+    # gated short convolutions, kernel 4 (a halo of 3 against pieces of 2), with biases
+    "granite_hybrid": ("granitemoehybrid", GRANITE),
+    "lfm2": ("lfm2", dict(layer_types=["conv", "full_attention"], conv_L_cache=4,
+                          conv_bias=True, block_auto_adjust_ff_dim=False)),
+    "lfm2_moe": ("lfm2_moe", dict(layer_types=["conv", "full_attention"], conv_L_cache=4,
+                                  num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=16)),
+    "lfm3": ("lfm3", dict(layer_types=["conv", "sliding_attention", "full_attention"],
+                          num_hidden_layers=3, sliding_window=3, pad_token_id=0, bos_token_id=1,
+                          eos_token_id=2)),
 }
 
 

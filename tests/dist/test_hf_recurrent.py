@@ -50,6 +50,21 @@ def test_hybrid_switched_without_apply_is_refused(dist2):
     assert all("apply_sequence_parallel" in m for m in messages), messages
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "lfm3"])
 def test_hybrid_family_every_method_2_ranks(dist2, family):
     _assert_small(dist2.run(check_hybrid, family, sorted(ec.METHODS)))
+
+
+@pytest.mark.parametrize("family,method", [("lfm2", "zigzag_ring_attn"),
+                                           ("granite_hybrid", "ulysses_attn")])
+def test_hybrid_packed_documents_2_ranks(dist2, family, method):
+    # one family per kernel kind not covered above: short conv, Mamba-2
+    reports = dist2.run(check_hybrid_documents, family, method)
+    assert all(le <= TOL and ge <= TOL for le, ge in reports), reports
+
+
+@pytest.mark.slow
+def test_lfm2_4_ranks(dist4):
+    # pieces of 1 token (zigzag over 4 ranks): the short conv's halo of 3 spans 3 pieces
+    _assert_small(dist4.run(check_hybrid, "lfm2", ["zigzag_ring_attn", "ulysses_attn",
+                                                   "usp_attn"], 1))
