@@ -182,6 +182,12 @@ def rope_types(config) -> set[str]:
     return {str(params.get("rope_type", "default"))}
 
 
+# Layer types whose block mixes no tokens (Nemotron-H: a block whose only mixer is an MLP or a
+# MoE, called on the hidden states alone). No attribute tells a per-token block from a
+# recurrent one, hence the names.
+PER_TOKEN_LAYER_TYPES = frozenset({"mlp", "moe"})
+
+
 def check_model_supported(model: nn.Module) -> None:
     """Raise a ValueError naming the reason when ``model`` cannot run sequence-parallel.
 
@@ -194,6 +200,7 @@ def check_model_supported(model: nn.Module) -> None:
     if not layer_types and getattr(config, "layers_block_type", None):
         layer_types = list(config.layers_block_type)  # Jamba-style configs
     other = sorted({str(t) for t in layer_types} - ATTENTION_LAYER_TYPES - {"attention"}
+                   - PER_TOKEN_LAYER_TYPES
                    - recurrent_layer_types(model, layer_types))  # hf_recurrent.py routes those
     if other:
         layers = [i for i, t in enumerate(layer_types) if str(t) in other]

@@ -55,12 +55,15 @@ VERIFIED = {"Qwen3NextGatedDeltaNet": GATED_DELTA_NET_FUNCS,
             "Qwen3_5GatedDeltaNet": GATED_DELTA_NET_FUNCS,
             "Qwen3_5MoeGatedDeltaNet": GATED_DELTA_NET_FUNCS,
             "GraniteMoeHybridMambaLayer": MAMBA2_FUNCS,
+            # Granite's Mamba-2 layer, forward line for line (Bamba's and Nemotron-H's)
+            "BambaMixer": MAMBA2_FUNCS, "NemotronHMamba2Mixer": MAMBA2_FUNCS,
             "Lfm2ShortConv": SHORT_CONV_FUNCS, "Lfm2MoeShortConv": SHORT_CONV_FUNCS,
             "Lfm3ShortConv": SHORT_CONV_FUNCS}
 
 # What runs, in words (check_model_supported's refusal and the docs name it).
 RUNS = ("the gated DeltaNet of Qwen3-Next and Qwen3.5 (dense and MoE), the gated short "
-        "convolutions of LFM2, LFM2-MoE and LFM3, and Granite 4 hybrids' Mamba-2")
+        "convolutions of LFM2, LFM2-MoE and LFM3, and the Mamba-2 of Granite 4 hybrids, "
+        "Bamba and Nemotron-H")
 
 
 def _settings(layer: nn.Module) -> tuple[SequenceParallelSettings, str]:

@@ -146,6 +146,15 @@ HYBRIDS = {
         moe_intermediate_size=16, shared_expert_intermediate_size=16, **DELTA)),
     # gated short convolutions, kernel 4 (a halo of 3 against pieces of 2), with biases
     "granite_hybrid": ("granitemoehybrid", GRANITE),
+    # Mamba-2 (Granite's layer under other names); Nemotron-H's MLP and MoE blocks too
+    "bamba": ("bamba", dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=8,
+                            mamba_expand=2, mamba_d_state=8, mamba_n_groups=2, mamba_d_conv=4,
+                            mamba_chunk_size=8)),
+    "nemotron_h": ("nemotron_h", dict(
+        layer_types=["linear_attention", "moe", "full_attention", "mlp"], num_hidden_layers=4,
+        mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=8, n_groups=2, conv_kernel=4,
+        chunk_size=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        moe_shared_expert_intermediate_size=16)),
     "lfm2": ("lfm2", dict(layer_types=["conv", "full_attention"], conv_L_cache=4,
                           conv_bias=True, block_auto_adjust_ff_dim=False)),
     "lfm2_moe": ("lfm2_moe", dict(layer_types=["conv", "full_attention"], conv_L_cache=4,
