@@ -304,7 +304,8 @@ def output_head(model: nn.Module):
     """(the output projection, what the family does to its logits: a LogitTransform or None),
     or (None, None) when the head is not a linear layer. Gemma 2/3 soft-cap the logits
     (``final_logit_softcapping``), Cohere scales them (``logit_scale``), Granite divides
-    (``logits_scaling``); the chunked losses apply the same, chunk by chunk."""
+    (``logits_scaling``), Falcon-H1 multiplies (``lm_head_multiplier``); the chunked losses
+    apply the same, chunk by chunk."""
     from ..memory.loss import LogitTransform
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -316,6 +317,9 @@ def output_head(model: nn.Module):
     scaling = getattr(config, "logits_scaling", None)
     if scaling not in (None, 1.0, False):
         scale /= float(scaling)
+    multiplier = getattr(config, "lm_head_multiplier", None)
+    if multiplier not in (None, 1.0, False):
+        scale *= float(multiplier)
     if softcap in (None, 0, False) and scale == 1.0:
         return head, None
     return head, LogitTransform(scale, None if softcap in (None, 0, False) else float(softcap))

@@ -57,13 +57,16 @@ VERIFIED = {"Qwen3NextGatedDeltaNet": GATED_DELTA_NET_FUNCS,
             "GraniteMoeHybridMambaLayer": MAMBA2_FUNCS,
             # Granite's Mamba-2 layer, forward line for line (Bamba's and Nemotron-H's)
             "BambaMixer": MAMBA2_FUNCS, "NemotronHMamba2Mixer": MAMBA2_FUNCS,
+            # the same with per-channel multipliers on its input and projection (Falcon-H1,
+            # whose layers run it beside attention and add the two)
+            "FalconH1Mixer": MAMBA2_FUNCS,
             "Lfm2ShortConv": SHORT_CONV_FUNCS, "Lfm2MoeShortConv": SHORT_CONV_FUNCS,
             "Lfm3ShortConv": SHORT_CONV_FUNCS}
 
 # What runs, in words (check_model_supported's refusal and the docs name it).
 RUNS = ("the gated DeltaNet of Qwen3-Next and Qwen3.5 (dense and MoE), the gated short "
         "convolutions of LFM2, LFM2-MoE and LFM3, and the Mamba-2 of Granite 4 hybrids, "
-        "Bamba and Nemotron-H")
+        "Bamba, Nemotron-H and Falcon-H1")
 
 
 def _settings(layer: nn.Module) -> tuple[SequenceParallelSettings, str]:
@@ -169,6 +172,8 @@ def recurrent_layer_types(model: nn.Module, layer_types: list[str]) -> set[str]:
     found: dict[int, bool] = {}
     for m in model.modules():
         index = getattr(m, "layer_idx", None)
+        if hasattr(m, "is_causal"):
+            continue  # an attention layer (its kernel functions, e.g. RoPE, mix no tokens)
         if isinstance(index, int) and _kernel_funcs(m):
             found[index] = found.get(index, True) and routable(m)
     kinds = {}

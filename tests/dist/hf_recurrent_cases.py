@@ -150,6 +150,11 @@ HYBRIDS = {
     "bamba": ("bamba", dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=8,
                             mamba_expand=2, mamba_d_state=8, mamba_n_groups=2, mamba_d_conv=4,
                             mamba_chunk_size=8)),
+    "falcon_h1": ("falcon_h1", dict(
+        mamba_n_heads=8, mamba_d_head=8, mamba_expand=2, mamba_d_state=8, mamba_n_groups=2,
+        mamba_d_ssm=64, mamba_d_conv=4, mamba_chunk_size=8, ssm_in_multiplier=0.7,
+        ssm_out_multiplier=1.3, key_multiplier=0.9, embedding_multiplier=1.1,
+        attention_in_multiplier=0.8, attention_out_multiplier=1.2, lm_head_multiplier=0.5)),
     "nemotron_h": ("nemotron_h", dict(
         layer_types=["linear_attention", "moe", "full_attention", "mlp"], num_hidden_layers=4,
         mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=8, n_groups=2, conv_kernel=4,
@@ -184,8 +189,9 @@ def tiny_hybrid(family: str, seed: int = 0):
     return model.train()
 
 
-def check_hybrid(family: str, methods: list[str], piece: int = 2) -> dict:
-    """{method: (loss rel error, max grad rel error)} against float64 in one process."""
+def check_hybrid(family: str, methods: list[str], piece: int = 2, chunked: bool = False) -> dict:
+    """{method: (loss rel error, max grad rel error)} against float64 in one process
+    (``chunked``: the chunked loss, which applies the head's logit scaling itself)."""
     world = dist.get_world_size()
     base = tiny_hybrid(family)
     inputs, positions, targets = make_batch(2 * world * piece, base.config.vocab_size)
@@ -195,7 +201,8 @@ def check_hybrid(family: str, methods: list[str], piece: int = 2) -> dict:
     report = {}
     for method in methods:
         ring_degree = 2 if method == "usp_attn" else None
-        model, loss = sharded_loss(base, method, inputs, positions, targets, ring_degree, False)
+        model, loss = sharded_loss(base, method, inputs, positions, targets, ring_degree,
+                                   chunked)
         report[method] = (abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
                           _grad_errors(model, ref))
     return report

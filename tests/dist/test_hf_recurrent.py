@@ -51,7 +51,7 @@ def test_hybrid_switched_without_apply_is_refused(dist2):
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "lfm3",
-                                    "bamba", "nemotron_h"])
+                                    "bamba", "nemotron_h", "falcon_h1"])
 def test_hybrid_family_every_method_2_ranks(dist2, family):
     _assert_small(dist2.run(check_hybrid, family, sorted(ec.METHODS)))
 
@@ -69,3 +69,8 @@ def test_lfm2_4_ranks(dist4):
     # pieces of 1 token (zigzag over 4 ranks): the short conv's halo of 3 spans 3 pieces
     _assert_small(dist4.run(check_hybrid, "lfm2", ["zigzag_ring_attn", "ulysses_attn",
                                                    "usp_attn"], 1))
+
+
+def test_falcon_h1_chunked_loss_2_ranks(dist2):
+    # the chunked loss scales the logits by lm_head_multiplier, as Falcon-H1's forward does
+    _assert_small(dist2.run(check_hybrid, "falcon_h1", ["zigzag_ring_attn"], 2, True))
