@@ -60,13 +60,16 @@ VERIFIED = {"Qwen3NextGatedDeltaNet": GATED_DELTA_NET_FUNCS,
             # the same with per-channel multipliers on its input and projection (Falcon-H1,
             # whose layers run it beside attention and add the two)
             "FalconH1Mixer": MAMBA2_FUNCS,
+            # and Zamba2's, fed (in its "hybrid" layers) a shared attention block's output, per
+            # token through a linear layer
+            "Zamba2MambaMixer": MAMBA2_FUNCS,
             "Lfm2ShortConv": SHORT_CONV_FUNCS, "Lfm2MoeShortConv": SHORT_CONV_FUNCS,
             "Lfm3ShortConv": SHORT_CONV_FUNCS}
 
 # What runs, in words (check_model_supported's refusal and the docs name it).
 RUNS = ("the gated DeltaNet of Qwen3-Next and Qwen3.5 (dense and MoE), the gated short "
         "convolutions of LFM2, LFM2-MoE and LFM3, and the Mamba-2 of Granite 4 hybrids, "
-        "Bamba, Nemotron-H and Falcon-H1")
+        "Bamba, Nemotron-H, Falcon-H1 and Zamba2")
 
 
 def _settings(layer: nn.Module) -> tuple[SequenceParallelSettings, str]:

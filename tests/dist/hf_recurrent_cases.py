@@ -155,6 +155,13 @@ HYBRIDS = {
         mamba_d_ssm=64, mamba_d_conv=4, mamba_chunk_size=8, ssm_in_multiplier=0.7,
         ssm_out_multiplier=1.3, key_multiplier=0.9, embedding_multiplier=1.1,
         attention_in_multiplier=0.8, attention_out_multiplier=1.2, lm_head_multiplier=0.5)),
+    # Zamba2: a shared attention block (on [hidden, embeddings], with per-layer adapters) feeding
+    # the Mamba-2 of its "hybrid" layers
+    "zamba2": ("zamba2", dict(
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], num_hidden_layers=4,
+        head_dim=16, num_key_value_heads=4, n_mamba_heads=8, mamba_expand=2, mamba_d_state=8, mamba_ngroups=2,
+        mamba_d_conv=4, chunk_size=8, use_mem_rope=True, use_shared_attention_adapter=True,
+        adapter_rank=4)),
     "nemotron_h": ("nemotron_h", dict(
         layer_types=["linear_attention", "moe", "full_attention", "mlp"], num_hidden_layers=4,
         mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=8, n_groups=2, conv_kernel=4,

@@ -51,7 +51,7 @@ def test_hybrid_switched_without_apply_is_refused(dist2):
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "lfm3",
-                                    "bamba", "nemotron_h", "falcon_h1"])
+                                    "bamba", "nemotron_h", "falcon_h1", "zamba2"])
 def test_hybrid_family_every_method_2_ranks(dist2, family):
     _assert_small(dist2.run(check_hybrid, family, sorted(ec.METHODS)))
 
