@@ -54,6 +54,8 @@ SHORT_CONV_FUNCS = frozenset({"causal_conv1d_forward", "causal_conv1d_fn", "caus
 VERIFIED = {"Qwen3NextGatedDeltaNet": GATED_DELTA_NET_FUNCS,
             "Qwen3_5GatedDeltaNet": GATED_DELTA_NET_FUNCS,
             "Qwen3_5MoeGatedDeltaNet": GATED_DELTA_NET_FUNCS,
+            # OLMo hybrid: separate projections, a g_proj gate, beta scaled by 2; same kernels
+            "OlmoHybridGatedDeltaNet": GATED_DELTA_NET_FUNCS,
             "GraniteMoeHybridMambaLayer": MAMBA2_FUNCS,
             # Granite's Mamba-2 layer, forward line for line (Bamba's and Nemotron-H's)
             "BambaMixer": MAMBA2_FUNCS, "NemotronHMamba2Mixer": MAMBA2_FUNCS,
@@ -67,8 +69,8 @@ VERIFIED = {"Qwen3NextGatedDeltaNet": GATED_DELTA_NET_FUNCS,
             "Lfm3ShortConv": SHORT_CONV_FUNCS}
 
 # What runs, in words (check_model_supported's refusal and the docs name it).
-RUNS = ("the gated DeltaNet of Qwen3-Next and Qwen3.5 (dense and MoE), the gated short "
-        "convolutions of LFM2, LFM2-MoE and LFM3, and the Mamba-2 of Granite 4 hybrids, "
+RUNS = ("the gated DeltaNet of Qwen3-Next, Qwen3.5 (dense and MoE) and OLMo hybrid, the gated "
+        "short convolutions of LFM2, LFM2-MoE and LFM3, and the Mamba-2 of Granite 4 hybrids, "
         "Bamba, Nemotron-H, Falcon-H1 and Zamba2")
 
 

@@ -144,6 +144,10 @@ HYBRIDS = {
     "qwen3_5_moe": ("qwen3_5_moe_text", dict(
         layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=16, shared_expert_intermediate_size=16, **DELTA)),
+    # separate q/k/v/a/b/g projections; beta in [0, 2] (linear_allow_neg_eigval)
+    "olmo_hybrid": ("olmo_hybrid", dict(layer_types=["linear_attention", "full_attention"],
+                                        pad_token_id=0, eos_token_id=1,
+                                        linear_allow_neg_eigval=True, **DELTA)),
     # gated short convolutions, kernel 4 (a halo of 3 against pieces of 2), with biases
     "granite_hybrid": ("granitemoehybrid", GRANITE),
     # Mamba-2 (Granite's layer under other names); Nemotron-H's MLP and MoE blocks too
@@ -159,7 +163,8 @@ HYBRIDS = {
     # the Mamba-2 of its "hybrid" layers
     "zamba2": ("zamba2", dict(
         layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], num_hidden_layers=4,
-        head_dim=16, num_key_value_heads=4, n_mamba_heads=8, mamba_expand=2, mamba_d_state=8, mamba_ngroups=2,
+        head_dim=16, num_key_value_heads=4, n_mamba_heads=8, mamba_expand=2, mamba_d_state=8,
+        mamba_ngroups=2,
         mamba_d_conv=4, chunk_size=8, use_mem_rope=True, use_shared_attention_adapter=True,
         adapter_rank=4)),
     "nemotron_h": ("nemotron_h", dict(

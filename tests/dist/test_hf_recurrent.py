@@ -1,7 +1,9 @@
-"""Hybrid models (tiny Qwen3-Next, Qwen3.5 dense and MoE: gated DeltaNet and attention layers; Granite 4: Mamba-2) train
-sequence-parallel exactly: one step's loss and every parameter gradient within 1e-5 (fp32) of
-one process, for every method at 1 and 2 ranks (three at 4), pieces shorter than the conv halo, packed
-documents; unrouted recurrent layers are refused."""
+"""Hybrid models train sequence-parallel exactly: one step's loss and every parameter gradient
+within 1e-5 (fp32) of float64 in one process, for every method at 2 ranks (Qwen3-Next at 1 too;
+three methods at 4 for Qwen3-Next and LFM2), pieces shorter than the conv halo, packed documents
+(gated DeltaNet, short conv, Mamba-2); unrouted recurrent layers are refused. Families: gated
+DeltaNet (Qwen3-Next, Qwen3.5 dense and MoE, OLMo hybrid), short convolutions (LFM2, LFM2-MoE,
+LFM3), Mamba-2 (Granite 4, Bamba, Nemotron-H, Falcon-H1, Zamba2)."""
 
 import pytest
 
@@ -50,8 +52,8 @@ def test_hybrid_switched_without_apply_is_refused(dist2):
     assert all("apply_sequence_parallel" in m for m in messages), messages
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "lfm3",
-                                    "bamba", "nemotron_h", "falcon_h1", "zamba2"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "olmo_hybrid", "lfm2", "lfm2_moe",
+                                    "lfm3", "bamba", "nemotron_h", "falcon_h1", "zamba2"])
 def test_hybrid_family_every_method_2_ranks(dist2, family):
     _assert_small(dist2.run(check_hybrid, family, sorted(ec.METHODS)))
 
