@@ -168,7 +168,21 @@ def _kernel_funcs(module: nn.Module) -> dict[str, nn.Module]:
 def routable(module: nn.Module) -> bool:
     """Whether ``module`` is a recurrent layer this package runs sequence-parallel."""
     expected = VERIFIED.get(type(module).__name__)
-    return expected is not None and set(_kernel_funcs(module)) == expected
+    return (expected is not None and set(_kernel_funcs(module)) == expected
+            and not _forward_replaced(module))
+
+
+def _forward_replaced(module: nn.Module) -> bool:
+    # kernels' kernelize puts a hub layer's forward on the instance (classes that transformers
+    # marks use_kernel_forward_from_hub, e.g. Qwen3.5's gated DeltaNet): that forward calls
+    # none of the routed kernel functions, so it would run on a shard as if it were the whole
+    # sequence. (accelerate's hooks also set one, around the forward they found)
+    forward = module.__dict__.get("forward")
+    if forward is None:
+        return False
+    if hasattr(module, "_hf_hook"):
+        forward = module.__dict__.get("_old_forward", forward)
+    return getattr(forward, "__func__", None) is not type(module).forward
 
 
 def recurrent_layer_types(model: nn.Module, layer_types: list[str]) -> set[str]:
@@ -180,6 +194,11 @@ def recurrent_layer_types(model: nn.Module, layer_types: list[str]) -> set[str]:
         if hasattr(m, "is_causal"):
             continue  # an attention layer (its kernel functions, e.g. RoPE, mix no tokens)
         if isinstance(index, int) and _kernel_funcs(m):
+            if type(m).__name__ in VERIFIED and _forward_replaced(m):
+                raise ValueError(
+                    f"{type(m).__name__} (layer {index}) has its forward replaced (a hub kernel "
+                    "layer from kernels' kernelize / use_kernels=True), which does not run "
+                    "sequence-parallel: load the model without use_kernels")
             found[index] = found.get(index, True) and routable(m)
     kinds = {}
     for i, t in enumerate(layer_types):

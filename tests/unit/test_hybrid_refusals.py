@@ -33,3 +33,28 @@ def test_runs_names_every_verified_family():
     for name in VERIFIED:
         prefix = max((p for p in families if name.startswith(p)), key=len, default=None)
         assert prefix is not None and families[prefix] in RUNS, name
+
+
+def test_layer_forward_replaced_by_a_hub_kernel_is_refused():
+    # kernelize (use_kernels=True) sets a hub layer's forward on the instance, bypassing the
+    # kernel functions easy_context routes: refused, not run per shard
+    from types import MethodType
+
+    config = AutoConfig.for_model(
+        "qwen3_5_text", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+    model = AutoModelForCausalLM.from_config(config)
+    check_model_supported(model)  # as built: runs
+    layer = model.model.layers[0].linear_attn
+    layer.forward = MethodType(type(layer).forward, layer)  # the class's own: still runs
+    check_model_supported(model)
+
+    def hub_forward(self, hidden_states, **kwargs):  # stands in for a hub layer's forward
+        return hidden_states
+
+    layer.forward = MethodType(hub_forward, layer)  # what kernelize does
+    with pytest.raises(ValueError, match="Qwen3_5GatedDeltaNet \\(layer 0\\) has its forward "
+                                         "replaced"):
+        check_model_supported(model)
