@@ -48,10 +48,11 @@ MAMBA2_FUNCS = frozenset({
 # Gated short convolutions (LFM2, LFM2-MoE, LFM3): B * x through the causal conv, times C;
 # the conv is the only token mixing.
 SHORT_CONV_FUNCS = frozenset({"causal_conv1d_forward", "causal_conv1d_fn", "causal_conv1d_update"})
-# Layer classes whose whole forward was checked against one process (tests/dist/test_hf_recurrent.py).
-# Qwen3.5 (dense and MoE): Qwen3-Next's layer with its projections split (in_proj_qkv, _z,
-# _b, _a), the same kernel calls.
+# Layer classes whose whole forward was checked against one process
+# (tests/dist/test_hf_recurrent.py): each mixes tokens only through its kernel functions.
 VERIFIED = {"Qwen3NextGatedDeltaNet": GATED_DELTA_NET_FUNCS,
+            # Qwen3.5 (dense and MoE): Qwen3-Next's layer with its projections split
+            # (in_proj_qkv, _z, _b, _a), the same kernel calls
             "Qwen3_5GatedDeltaNet": GATED_DELTA_NET_FUNCS,
             "Qwen3_5MoeGatedDeltaNet": GATED_DELTA_NET_FUNCS,
             # OLMo hybrid: separate projections, a g_proj gate, beta scaled by 2; same kernels
@@ -65,6 +66,7 @@ VERIFIED = {"Qwen3NextGatedDeltaNet": GATED_DELTA_NET_FUNCS,
             # and Zamba2's, fed (in its "hybrid" layers) a shared attention block's output, per
             # token through a linear layer
             "Zamba2MambaMixer": MAMBA2_FUNCS,
+            # one ShortConv, three families
             "Lfm2ShortConv": SHORT_CONV_FUNCS, "Lfm2MoeShortConv": SHORT_CONV_FUNCS,
             "Lfm3ShortConv": SHORT_CONV_FUNCS}
 
