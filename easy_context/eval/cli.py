@@ -152,25 +152,33 @@ def _needle_rank(args: argparse.Namespace) -> dict:
 
 def run_eval_needle(args: argparse.Namespace) -> int:
     """Run the needle eval; write results.json and heatmap.png; print the average score."""
-    from .needle import NeedleConfig
+    from transformers import AutoTokenizer
+
+    from ..models import check_model_path
+    from .needle import NeedleConfig, build_haystack, check_needle_prompts, read_haystack_dir
     from .plots import plot_needle_heatmap
 
-    from .needle import read_haystack_dir
-
-    # bad flags fail before any launch
+    # bad flags, lengths too short for the prompt, a haystack folder too short (without
+    # repetition): all before any launch
     _check_common(args, [args.model], tokenizer=True)
     if args.generate and args.nproc_per_node > 1:
         raise ValueError("--generate runs in one process (decoding is not sequence-parallel); "
                          "drop --nproc-per-node or --generate")
-    NeedleConfig(args.min_context_length, args.max_context_length, args.context_interval,
-                 args.depth_interval, args.num_samples, args.rnd_number_digits,
-                 args.num_distractor, args.num_values)
+    cfg = NeedleConfig(args.min_context_length, args.max_context_length, args.context_interval,
+                       args.depth_interval, args.num_samples, args.rnd_number_digits,
+                       args.num_distractor, args.num_values, args.seed, args.add_bos)
     if args.num_distractor < 0:
         raise ValueError(f"--num-distractor must be >= 0, got {args.num_distractor}")
     if args.haystack_dir is not None and not read_haystack_dir(args.haystack_dir).strip():
         raise ValueError(f"haystack folder {args.haystack_dir}: its .txt files are empty")
     out = Path(args.output_dir or Path("needle_output") / model_name(args.model))
     check_output_path("--output-dir", out, folder=True)
+    tok = AutoTokenizer.from_pretrained(check_model_path(args.model),
+                                        trust_remote_code=args.trust_remote_code)
+    tok.model_max_length = 1 << 40
+    check_needle_prompts(tok, cfg)
+    if args.haystack_dir is not None and args.no_repeat_haystack:
+        build_haystack(tok, args.max_context_length, args.haystack_dir, repeat=False)
     results = launch(_needle_rank, args.nproc_per_node, args)
     if not _is_main():
         return 0

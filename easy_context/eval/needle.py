@@ -208,10 +208,19 @@ def _random_number(rng: random.Random, digits: int, taken: set[str], distinct: b
             return value
 
 
-def build_prompt(hay: Haystack, tokenizer: PreTrainedTokenizerBase, cfg: NeedleConfig,
-                 context_length: int, depth: float, sample: int) -> NeedlePrompt:
-    """The prompt for one cell and sample, about ``context_length`` tokens long (exact for
-    tokenizers whose pieces do not merge across the joins; within a few tokens otherwise)."""
+@dataclass
+class _SampleText:
+    """What one sample puts around the haystack: the same in every cell."""
+
+    key: str  # the queried key
+    values: list[str]
+    needles: list[tuple[str, bool]]  # (text, whether it holds the queried key)
+    question: str
+    add_bos: bool
+    overhead: int  # tokens of prefix, needles, question, answer (and BOS)
+
+
+def _sample_text(tokenizer: PreTrainedTokenizerBase, cfg: NeedleConfig, sample: int) -> _SampleText:
     t = cfg.template
     # The numbers depend on the sample only, so every cell asks about the same numbers.
     rng = random.Random(f"{cfg.seed}:values:{sample}")
@@ -230,10 +239,36 @@ def build_prompt(hay: Haystack, tokenizer: PreTrainedTokenizerBase, cfg: NeedleC
     answer_guess = t.answer_prefix + ", ".join(values)
     overhead = len(tokenizer(t.prefix + "".join(n + " " for n, _ in needles) + question
                              + answer_guess, add_special_tokens=False)["input_ids"]) + add_bos
-    budget = context_length - overhead
-    if budget < 1:
+    return _SampleText(keys[0], values, needles, question, add_bos, overhead)
+
+
+def _check_fits(context_length: int, overhead: int) -> None:
+    if context_length - overhead < 1:
         raise ValueError(f"context length {context_length} is too short for the prompt template "
                          f"and needles ({overhead} tokens); raise --min-context-length")
+
+
+def check_needle_prompts(tokenizer: PreTrainedTokenizerBase, cfg: NeedleConfig) -> None:
+    """The errors ``build_prompt`` would meet at the shortest context length, met without a
+    model or a haystack (before any rank starts): a slow tokenizer, add_bos without a BOS
+    token, a context length too short for the template, needles and answer of some sample."""
+    if not tokenizer.is_fast:
+        raise ValueError("the needle eval needs a fast tokenizer (character offsets); "
+                         f"{type(tokenizer).__name__} is a slow one")
+    for sample in range(cfg.num_samples):
+        _check_fits(cfg.min_context_length, _sample_text(tokenizer, cfg, sample).overhead)
+
+
+def build_prompt(hay: Haystack, tokenizer: PreTrainedTokenizerBase, cfg: NeedleConfig,
+                 context_length: int, depth: float, sample: int) -> NeedlePrompt:
+    """The prompt for one cell and sample, about ``context_length`` tokens long (exact for
+    tokenizers whose pieces do not merge across the joins; within a few tokens otherwise)."""
+    t = cfg.template
+    text_of = _sample_text(tokenizer, cfg, sample)
+    values, needles, question = text_of.values, text_of.needles, text_of.question
+    add_bos = text_of.add_bos
+    _check_fits(context_length, text_of.overhead)
+    budget = context_length - text_of.overhead
     if budget > len(hay):
         raise ValueError(f"haystack has {len(hay)} tokens, context length {context_length} needs "
                          f"{budget}; build the haystack for the longest context")
@@ -260,7 +295,7 @@ def build_prompt(hay: Haystack, tokenizer: PreTrainedTokenizerBase, cfg: NeedleC
     start = next(j for j, (_, e) in enumerate(offsets) if e > len(prompt))
     if add_bos:
         ids, start = [tokenizer.bos_token_id] + ids, start + 1
-    return NeedlePrompt(ids, start, len(ids) - start, keys[0], ordered_values,
+    return NeedlePrompt(ids, start, len(ids) - start, text_of.key, ordered_values,
                         depth=first / max(end, 1))
 
 

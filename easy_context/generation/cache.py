@@ -66,10 +66,11 @@ class ShardedKVCache:
         self.positions[:, :s], self.valid[:, :s] = positions, valid
         self.length, self._query = s, None
 
-    def start_decode(self, step: int, query_positions: Tensor) -> None:
+    def start_decode(self, step: int, query_positions: Tensor, keep: bool = True) -> None:
         """Decode step ``step`` (0, 1, ...) for tokens at ``query_positions`` (B,): rank
-        ``step % world`` keeps them."""
-        self._owner = step % self.world
+        ``step % world`` keeps them (no rank when not ``keep``: a forward whose result is
+        not used, run only to stay in step with other groups' parameter all-gathers)."""
+        self._owner = step % self.world if keep else -1
         self._query = query_positions
         if self._owner == self.rank:
             if self.length >= self.positions.size(1):

@@ -32,12 +32,20 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true",
                         help="wrap each prompt as a user turn in the tokenizer's chat template")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    # sampling flags left out come from the model's generation_config.json, then from
+    # transformers' defaults (as transformers' generate takes them)
+    parser.add_argument("--do-sample", action="store_true", default=None,
+                        help="sample instead of greedy (default: the model's generation config)")
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0,
-                        help="sampling seed: the same tokens on any number of ranks")
+    parser.add_argument("--min-p", type=float, default=None)
+    parser.add_argument("--repetition-penalty", type=float, default=None)
+    parser.add_argument("--min-new-tokens", type=int, default=None,
+                        help="no EOS before this many new tokens")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="sampling seed: the same tokens on any number of ranks "
+                             "(default: a fresh one each run)")
     parser.add_argument("--stop", action="append", default=None,
                         help="stop a completion after this string; repeat for several")
     parser.add_argument("--output", default=None,
@@ -90,7 +98,12 @@ def _check(args: argparse.Namespace) -> None:
                          "sequence-parallel method with --nproc-per-node > 1")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    SamplingConfig(args.do_sample, args.temperature, args.top_k, args.top_p, args.seed)
+    SamplingConfig(bool(args.do_sample), 1.0 if args.temperature is None else args.temperature,
+                   args.top_k, 1.0 if args.top_p is None else args.top_p, 0, args.min_p)
+    if args.repetition_penalty is not None and not args.repetition_penalty > 0:
+        raise ValueError(f"--repetition-penalty must be > 0, got {args.repetition_penalty}")
+    if args.min_new_tokens is not None and args.min_new_tokens < 0:
+        raise ValueError(f"--min-new-tokens must be >= 0, got {args.min_new_tokens}")
     parse_rope_scaling(args.rope_scaling)
     if any(not s for s in args.stop or []):
         raise ValueError("--stop must not be empty")
@@ -161,7 +174,9 @@ def _generate_rank(args: argparse.Namespace) -> list[dict]:
     result = generate(model, ids.to(dev), attention_mask=mask.to(dev),
                       max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                      seed=args.seed, stop_strings=args.stop, tokenizer=tok,
+                      seed=args.seed, min_p=args.min_p,
+                      repetition_penalty=args.repetition_penalty,
+                      min_new_tokens=args.min_new_tokens, stop_strings=args.stop, tokenizer=tok,
                       pad_token_id=tok.pad_token_id, return_stats=True)
     rows = []
     for i in range(ids.size(0)):

@@ -48,7 +48,9 @@ def partial_attention(q: Tensor, k: Tensor, v: Tensor, seen: Tensor, scale: floa
     b, hq, d = q.shape
     hkv = k.size(1)
     qg = q.view(b, hkv, hq // hkv, d)  # GQA: the query heads that share each KV head
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float().mul_(scale)  # (B, Hkv, G, n)
+    # the scores in float32 from the start, as the prefill's kernels make them: a bf16 matmul
+    # would round each q.k to 8 bits of mantissa before the float32 softmax
+    scores = torch.matmul(qg.float(), k.float().transpose(-1, -2)).mul_(scale)  # (B, Hkv, G, n)
     if softcap is not None:
         scores.div_(softcap).tanh_().mul_(softcap)
     scores.masked_fill_(~seen[:, None, None, :], float("-inf"))

@@ -15,7 +15,11 @@ prompt's last token (held by one rank) goes through the head alone.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -23,14 +27,16 @@ import torch.distributed as dist
 from torch import nn
 
 from ..integrations.hf import (KV_CACHE_KWARG, RESCALING_ROPE, apply_sequence_parallel,
-                                output_head, rope_types)
+                                between_decoder_and_head, generation_defaults, output_head,
+                                rope_types)
 from ..mesh import group_size, process_group
 from ..parallel import get_method
+from ..parallel.comm import gather_shards
 from ..parallel.settings import SequenceParallelSettings, module_settings
 from ..sequence_parallel import required_multiple, shard_sequence
 from ..utils.decoder import decoder_of, text_config
 from .cache import ShardedKVCache, group_rank
-from .sampling import SamplingConfig, StopCriteria, TokenChooser
+from .sampling import LogitsProcessing, SamplingConfig, StopCriteria, TokenChooser
 
 Tensor = torch.Tensor
 
@@ -45,6 +51,9 @@ class GenerationResult:
     new_tokens: int  # decode steps run (T)
     lengths: list[int]  # each row's new tokens up to and including the one that stopped it
     cache_bytes: int  # this rank's KV cache (keys, values, positions, validity)
+    # with output_logits: each step's (B, V) float32 logits before any processor, as
+    # transformers' generate(output_logits=True) gives them
+    logits: list[Tensor] | None = None
 
 
 def _settings(model: nn.Module, method: str | None, group, ring_degree: int | None
@@ -108,30 +117,135 @@ def _next_logits(model: nn.Module, hidden: Tensor) -> Tensor:
     return transform.apply_(logits) if transform is not None else logits
 
 
-@torch.inference_mode()
+def _parameters_sharded(model: nn.Module) -> bool:
+    """Whether the model's parameters are sharded and gathered module by module in each
+    forward (FSDP2's DTensors, DeepSpeed ZeRO-3's partitioned parameters): then every rank
+    that shares them must run the same forwards."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - a torch without DTensor shards nothing this way
+        DTensor = ()
+    return any(isinstance(p, DTensor) or hasattr(p, "ds_id") for p in model.parameters())
+
+
+@contextmanager
+def _fsdp_root_forward(model: nn.Module):
+    """Yield a runner that calls a function as a forward of ``model`` when ``model`` is an
+    FSDP2 root, and plainly otherwise.
+
+    generate calls the decoder and the head directly, not ``model.forward``; under FSDP2
+    the root's own parameters (embeddings, final norm, head) are gathered only in the root's
+    forward, and the root must run first (the first unit to run becomes the root). FSDP2's
+    register_fsdp_forward_method runs a method between the root's pre- and post-forward
+    hooks: the whole generation runs as one root forward, each decoder layer still gathers
+    and frees its own parameters in its own forward."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        yield lambda fn: fn()
+        return
+    if not isinstance(model, FSDPModule):
+        wrapped = {id(p) for m in model.modules() if isinstance(m, FSDPModule)
+                   for p in m.parameters()}
+        if any(isinstance(p, DTensor) and id(p) not in wrapped for p in model.parameters()):
+            raise ValueError(
+                "some of the model's parameters are sharded (FSDP2) by a unit outside the model "
+                "(the training engine's loss module): generate with a model sharded as "
+                "transformers' Trainer and accelerate shard it (fully_shard on each decoder "
+                "layer, then on the model itself), or on an unsharded copy")
+        yield lambda fn: fn()
+        return
+    name = "_easy_context_generation_pass"
+    setattr(model, name, lambda fn: fn())
+    register_fsdp_forward_method(model, name)
+    try:
+        yield getattr(model, name)
+    finally:
+        delattr(model, name)
+
+
+def _fingerprint(input_ids: Tensor, attention_mask: Tensor | None, settings: dict) -> int:
+    """A 63-bit hash of the prompts and every setting that decides the tokens."""
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
+    h.update(str(tuple(input_ids.shape)).encode())
+    h.update(input_ids.detach().to("cpu", torch.long).contiguous().numpy().tobytes())
+    if attention_mask is not None:
+        h.update(attention_mask.detach().to("cpu", torch.long).contiguous().numpy().tobytes())
+    return int.from_bytes(h.digest()[:8], "little") >> 1
+
+
+def agree_and_seed(fingerprint: int, seed: int | None, group, world: int,
+                   device: torch.device) -> int:
+    """One all-gather over the sequence-parallel group: every rank must hold the same prompts
+    and settings (``fingerprint``), or every rank raises the same ValueError before the
+    prefill; the seed is group rank 0's (a fresh one drawn there when ``seed`` is None).
+    On the model's device (NCCL gathers device tensors only)."""
+    mine = seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+    if world == 1:
+        return mine
+    parts = gather_shards(torch.tensor([[fingerprint, mine]], dtype=torch.long, device=device),
+                          group)[:, 0].cpu()  # (world, 2)
+    differ = [r for r in range(world) if int(parts[r, 0]) != int(parts[0, 0])]
+    if differ:
+        raise ValueError(
+            f"the ranks of the sequence-parallel group were given different prompts or "
+            f"generation settings (group ranks {differ} differ from rank 0): every rank of a "
+            "group must call generate with the same input_ids, attention_mask and flags")
+    return int(parts[0, 1])
+
+
+def _resolve(model: nn.Module, given: dict) -> dict:
+    """The call's settings where given (not None), else the model's generation_config's, else
+    transformers' defaults: the priority transformers' generate gives them."""
+    config = getattr(model, "generation_config", None)
+    defaults = generation_defaults()
+    out = {}
+    for name, value in given.items():
+        if value is None and config is not None:
+            value = getattr(config, name, None)
+        out[name] = value if value is not None else defaults.get(name)
+    return out
+
+
+@torch.no_grad()
 def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, group=None,
              ring_degree: int | None = None, attention_mask: Tensor | None = None,
-             max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0,
-             top_p: float = 1.0, top_k: int | None = None, seed: int = 0,
+             max_new_tokens: int = 32, do_sample: bool | None = None,
+             temperature: float | None = None, top_p: float | None = None,
+             top_k: int | None = None, seed: int | None = None,
              eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
              stop_strings: str | list[str] | None = None, tokenizer=None,
              return_stats: bool = False,
-             beyond_rope_range: bool = False) -> Tensor | GenerationResult:
+             beyond_rope_range: bool = False, min_p: float | None = None,
+             repetition_penalty: float | None = None, min_new_tokens: int | None = None,
+             num_return_sequences: int | None = None, streamer=None,
+             synced_gpus: bool | None = None,
+             output_logits: bool = False) -> Tensor | GenerationResult:
     """Generate up to ``max_new_tokens`` after each of the (B, L) prompts, sequence-parallel.
 
     Every rank of the group calls this with the same ``input_ids`` (and ``attention_mask``,
-    left padding for prompts of different lengths). ``method`` (with ``group``,
-    ``ring_degree``) switches the model first; without it the model must already be
-    switched (easy_context.apply_sequence_parallel). Greedy by default (token for token what
-    transformers' greedy ``generate`` gives in one process); ``do_sample`` with
-    ``temperature``, ``top_k``, ``top_p`` and a ``seed`` that gives the same tokens on any
-    number of ranks. A row stops at an EOS token (``eos_token_id``, default the model's
+    left padding for prompts of different lengths, and the same flags: checked before the
+    prefill). ``method`` (with ``group``, ``ring_degree``) switches the model first; without
+    it the model must already be switched (easy_context.apply_sequence_parallel).
+
+    The model's ``generation_config`` is honoured as transformers' ``generate`` honours it:
+    ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``,
+    ``min_new_tokens`` and ``num_return_sequences`` left None come from it, then from
+    transformers' defaults (greedy; top_k 50 when sampling). Greedy gives token for token
+    what transformers' greedy ``generate`` gives in one process; sampling gives the same
+    tokens on any number of ranks for a ``seed`` (None: a fresh seed each call, drawn on
+    group rank 0). A row stops at an EOS token (``eos_token_id``, default the model's
     generation config) or after a stop string (needs ``tokenizer``); stopped rows are filled
-    with ``pad_token_id``. Returns (B, L + T) on every rank, or a GenerationResult with
-    timings and this rank's cache bytes when ``return_stats``. A prompt plus its new tokens
-    beyond the model's RoPE range (``max_position_embeddings`` with plain RoPE) is refused
-    unless ``beyond_rope_range``: for probing where a model breaks down on purpose (the demo
-    asks its model, trained at 512 tokens, for answers at 2048 before extending it).
+    with ``pad_token_id``. ``streamer`` gets the prompts, then each step's tokens (``put``),
+    then ``end()``, as transformers calls it. With parameters sharded across data-parallel
+    groups too (FSDP2, ZeRO-3; ``synced_gpus`` None detects it), a group that is done keeps
+    running forward passes until every group is (transformers' ``synced_gpus``). Returns
+    (B * num_return_sequences, L + T) on every rank, or a GenerationResult with timings and
+    this rank's cache bytes when ``return_stats`` (and each step's logits with
+    ``output_logits``). A prompt plus its new tokens beyond the
+    model's RoPE range (``max_position_embeddings`` with plain RoPE) is refused unless
+    ``beyond_rope_range``: for probing where a model breaks down on purpose.
     """
     if input_ids.dim() != 2 or input_ids.dtype != torch.long:
         raise ValueError(f"input_ids must be (batch, length) int64, got {tuple(input_ids.shape)} "
@@ -142,11 +256,32 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
 
     if max_length_settings(model) is not None:
         raise ValueError("generate runs the plain layers: load the model without max-length mode")
-    sampling = SamplingConfig(do_sample, temperature, top_k, top_p, seed)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None or between_decoder_and_head(model, head):
+        raise ValueError(f"{type(model).__name__}'s logits are not its output head applied to "
+                         "the decoder's last hidden state (a transform with parameters sits "
+                         "between them, as in BERT-style heads), which generate needs: "
+                         "generate in one process with model.generate")
+    flags = _resolve(model, dict(do_sample=do_sample, temperature=temperature, top_k=top_k,
+                                 top_p=top_p, min_p=min_p,
+                                 repetition_penalty=repetition_penalty,
+                                 min_new_tokens=min_new_tokens,
+                                 num_return_sequences=num_return_sequences))
+    sampling = SamplingConfig(bool(flags["do_sample"]), float(flags["temperature"]),
+                              flags["top_k"], float(flags["top_p"]), 0,
+                              None if flags["min_p"] is None else float(flags["min_p"]))
+    copies = int(flags["num_return_sequences"] or 1)
+    if copies < 1:
+        raise ValueError(f"num_return_sequences must be >= 1, got {copies}")
+    if copies > 1 and not sampling.do_sample:
+        raise ValueError(f"num_return_sequences={copies} with greedy decoding gives the same "
+                         "sequence each time: set do_sample=True, or num_return_sequences=1")
     if isinstance(stop_strings, str):
         stop_strings = [stop_strings]
     eos = _eos_ids(model, eos_token_id)
     stops = StopCriteria(eos, stop_strings, tokenizer)
+    process = LogitsProcessing(float(flags["repetition_penalty"]),
+                               int(flags["min_new_tokens"] or 0), eos)
     if pad_token_id is None:
         config = getattr(model, "generation_config", None)
         pad_token_id = getattr(config, "pad_token_id", None)
@@ -156,6 +291,10 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
     m = get_method(settings.method)
     world = 1 if m.layout == "whole" else group_size(settings.group)
     rank = group_rank(settings, world)
+    if copies > 1:  # each prompt repeated in place, as transformers expands it
+        input_ids = input_ids.repeat_interleave(copies, dim=0)
+        if attention_mask is not None:
+            attention_mask = attention_mask.repeat_interleave(copies, dim=0)
     lengths = _left_padded_lengths(input_ids, attention_mask)
     if not beyond_rope_range:
         check_rope_range(text_config(model.config), int(lengths.max()) + max_new_tokens)
@@ -168,8 +307,19 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
                          "position a forward sees, which decoding grows token by token: "
                          "generate on one rank (training is exact on any number), or use "
                          "linear or yarn scaling")
+    if synced_gpus is None:
+        synced_gpus = (dist.is_initialized() and dist.get_world_size() > world
+                       and _parameters_sharded(model))
 
     device = next(model.parameters()).device
+    pg = process_group(settings.group)
+    # before any other collective: the same prompts and flags on every rank of the group
+    fingerprint = _fingerprint(input_ids, attention_mask, dict(
+        flags, max_new_tokens=max_new_tokens, seed=seed, eos=eos, pad=pad_token_id,
+        stop_strings=stop_strings, beyond_rope_range=beyond_rope_range,
+        synced_gpus=bool(synced_gpus)))
+    sampling.seed = agree_and_seed(fingerprint, seed, pg, world, device)
+
     b, length = input_ids.shape
     # each prompt from the start of its row; rows padded at the end to a length the method
     # can shard (pads: token 0 in an invalid slot; positions counting on)
@@ -179,55 +329,89 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
     ids = torch.zeros(b, padded, dtype=torch.long)
     for row in range(b):
         ids[row, :lengths[row]] = input_ids[row, length - lengths[row]:].cpu()
+    process.start([ids[row, :lengths[row]] for row in range(b)])
     positions = torch.arange(padded).expand(b, padded)
     valid = positions < lengths[:, None]
     local = [shard_sequence(t, m.name, rank, world, ring_degree=settings.ring_degree)
              for t in (ids, positions, valid)]
     ids_l, pos_l, valid_l = (t.to(device) for t in local)
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
 
     cache = ShardedKVCache(settings, world, rank, ShardedKVCache.share(max_new_tokens, world))
-    cache.start_prefill(pos_l, valid_l)
     decoder = decoder_of(model)
-    start = time.perf_counter()
-    hidden = decoder(input_ids=ids_l, position_ids=pos_l, use_cache=False,
-                     **{KV_CACHE_KWARG: cache}).last_hidden_state  # (B, S_local, D)
-    # each prompt's last token: on one rank; summed over the group, the others add zeros
-    last = (pos_l == (lengths.to(device) - 1)[:, None]) & valid_l  # (B, S_local)
-    h = hidden[torch.arange(b, device=device), last.int().argmax(dim=1)]  # (B, D)
-    h = h * last.any(dim=1, keepdim=True).to(h.dtype)
-    pg = process_group(settings.group)
-    if world > 1:
-        dist.all_reduce(h, group=pg)
-    logits = _next_logits(model, h)
-    prefill_s = time.perf_counter() - start
-
     choose = TokenChooser(sampling)
     done = torch.zeros(b, dtype=torch.bool)
     new: list[Tensor] = []
     texts: list[list[int]] = [[] for _ in range(b)]
-    start = time.perf_counter()
-    for step in range(max_new_tokens):
-        token = choose(logits)
-        if world > 1:  # one source of truth for the token: group rank 0's (all agree)
-            dist.broadcast(token, src=0 if pg is None else dist.get_global_rank(pg, 0),
-                           group=pg)
-        token = torch.where(done.to(token.device), torch.full_like(token, pad_token_id), token)
-        new.append(token.cpu())
-        for row in range(b):
-            if not done[row]:
-                texts[row].append(int(token[row]))
-        done = stops.update(texts, new[-1], done)
-        if bool(done.all()) or step == max_new_tokens - 1:
-            break
-        query = (lengths + step).to(device)  # the new token's position in each row
-        cache.start_decode(step, query)
-        hidden = decoder(input_ids=token[:, None], position_ids=query[:, None],
-                         use_cache=False, **{KV_CACHE_KWARG: cache}).last_hidden_state[:, -1]
-        cache.finish_decode()
-        logits = _next_logits(model, hidden)
-    decode_s = time.perf_counter() - start
+    timings = {}
+    raw: list[Tensor] = []
+
+    def run() -> None:
+        nonlocal done
+        start = time.perf_counter()
+        cache.start_prefill(pos_l, valid_l)
+        hidden = decoder(input_ids=ids_l, position_ids=pos_l, use_cache=False,
+                         **{KV_CACHE_KWARG: cache}).last_hidden_state  # (B, S_local, D)
+        # each prompt's last token: on one rank; summed over the group, the others add zeros
+        last = (pos_l == (lengths.to(device) - 1)[:, None]) & valid_l  # (B, S_local)
+        h = hidden[torch.arange(b, device=device), last.int().argmax(dim=1)]  # (B, D)
+        h = h * last.any(dim=1, keepdim=True).to(h.dtype)
+        if world > 1:
+            dist.all_reduce(h, group=pg)
+        logits = _next_logits(model, h)
+        timings["prefill"] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        finished = False  # this group's rows are all done
+        step = 0
+        query = lengths.to(device)
+        token = None
+        while True:
+            if not finished:
+                if output_logits:
+                    raw.append(logits.cpu())
+                token = choose(process(logits, step))
+                if world > 1:  # one source of truth for the token: group rank 0's (all agree)
+                    dist.broadcast(token, src=0 if pg is None else dist.get_global_rank(pg, 0),
+                                   group=pg)
+                token = torch.where(done.to(token.device), torch.full_like(token, pad_token_id),
+                                    token)
+                new.append(token.cpu())
+                if streamer is not None:
+                    streamer.put(new[-1])
+                process.add(new[-1])
+                for row in range(b):
+                    if not done[row]:
+                        texts[row].append(int(token[row]))
+                done = stops.update(texts, new[-1], done)
+                finished = bool(done.all()) or step == max_new_tokens - 1
+                query = (lengths + step).to(device)  # the new token's position in each row
+            if synced_gpus:
+                # transformers' synced_gpus: every rank sharing the parameters runs forwards
+                # until all are done (their all-gathers pair up across the groups)
+                going = torch.tensor([0.0 if finished else 1.0], device=device)
+                dist.all_reduce(going)
+                if float(going) == 0.0:
+                    break
+            elif finished:
+                break
+            # a done group's forward keeps nothing and its logits are not used
+            cache.start_decode(step, query, keep=not finished)
+            hidden = decoder(input_ids=token[:, None], position_ids=query[:, None],
+                             use_cache=False, **{KV_CACHE_KWARG: cache}).last_hidden_state[:, -1]
+            cache.finish_decode()
+            logits = _next_logits(model, hidden)
+            step += 1
+        timings["decode"] = time.perf_counter() - start
+
+    with _fsdp_root_forward(model) as forward:
+        forward(run)
+    if streamer is not None:
+        streamer.end()
     sequences = torch.cat([input_ids.cpu(), torch.stack(new, dim=1)], dim=1).to(input_ids.device)
     if not return_stats:
         return sequences
-    return GenerationResult(sequences, prefill_s, decode_s, len(new),
-                            [len(t) for t in texts], cache.nbytes())
+    return GenerationResult(sequences, timings["prefill"], timings["decode"], len(new),
+                            [len(t) for t in texts], cache.nbytes(),
+                            raw if output_logits else None)

@@ -23,14 +23,17 @@ class SamplingConfig:
     top_k: int | None = None
     top_p: float = 1.0
     seed: int = 0
+    min_p: float | None = None
 
     def __post_init__(self) -> None:
         if self.do_sample and not self.temperature > 0:
             raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError(f"top_k must be >= 1 (0 or None: no top-k), got {self.top_k}")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
 
 class TokenChooser:
@@ -48,7 +51,8 @@ class TokenChooser:
         u = torch.rand(logits.size(0), generator=self.generator, dtype=torch.float64)
         x = logits.detach().to("cpu", torch.float64) / c.temperature
         x, order = x.sort(dim=-1, descending=True, stable=True)
-        if c.top_k is not None:
+        # transformers' warpers, in its order: temperature (above), top-k, top-p, min-p
+        if c.top_k:
             x[:, c.top_k:] = float("-inf")
         p = torch.softmax(x, dim=-1)
         if c.top_p < 1.0:
@@ -56,6 +60,10 @@ class TokenChooser:
             # transformers' TopPLogitsWarper keeps it
             before = p.cumsum(dim=-1) - p
             p = torch.where(before < c.top_p, p, torch.zeros_like(p))
+        if c.min_p is not None:
+            # MinPLogitsWarper: drop tokens below min_p times the top token's probability
+            # (renormalising what top-p kept scales both sides alike; the top token stays)
+            p = torch.where(p < c.min_p * p[:, :1], torch.zeros_like(p), p)
         cdf = p.cumsum(dim=-1)
         pick = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
         pick = pick.clamp_(max=p.size(-1) - 1)
@@ -66,6 +74,53 @@ class TokenChooser:
                 break
             pick = torch.where(zero, pick - 1, pick)
         return order.gather(1, pick[:, None]).squeeze(1).to(logits.device)
+
+
+class LogitsProcessing:
+    """What transformers' logits processors do before the token is chosen, greedy or
+    sampled, in its order: RepetitionPenaltyLogitsProcessor (every token of the prompt, not
+    its left padding, and every token generated so far: a negative logit times the penalty,
+    a positive one divided by it), then MinNewTokensLengthLogitsProcessor (no EOS before
+    ``min_new_tokens`` new tokens)."""
+
+    def __init__(self, repetition_penalty: float, min_new_tokens: int, eos_token_ids: list[int]):
+        if not repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
+        if min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be >= 0, got {min_new_tokens}")
+        self.penalty = float(repetition_penalty)
+        self.min_new_tokens = min_new_tokens
+        self.eos = sorted(set(eos_token_ids))
+        self.seen: Tensor | None = None  # (B, V) bool: tokens the penalty applies to
+        self.prompts: list[Tensor] = []
+
+    def start(self, prompts: list[Tensor]) -> None:
+        """``prompts``: each row's real prompt tokens (no padding)."""
+        self.prompts = prompts
+
+    def _seen(self, vocab: int) -> Tensor:
+        # made at the first step, from the logits' width (a ZeRO-3 head's weight is empty)
+        if self.seen is None:
+            self.seen = torch.zeros(len(self.prompts), vocab, dtype=torch.bool)
+            for row, ids in enumerate(self.prompts):
+                self.seen[row, ids[(ids >= 0) & (ids < vocab)]] = True
+        return self.seen
+
+    def add(self, token: Tensor) -> None:
+        """(B,) this step's tokens join what the penalty sees."""
+        if self.seen is not None:
+            self.seen[torch.arange(token.numel()), token.cpu()] = True
+
+    def __call__(self, logits: Tensor, step: int) -> Tensor:
+        """(B, V) float logits before step ``step``'s token (0 for the first new token)."""
+        if self.penalty != 1.0:
+            seen = self._seen(logits.size(-1)).to(logits.device)
+            penalised = torch.where(logits < 0, logits * self.penalty, logits / self.penalty)
+            logits = torch.where(seen, penalised, logits)
+        if step < self.min_new_tokens and self.eos:
+            logits = logits.clone()
+            logits[:, [i for i in self.eos if i < logits.size(-1)]] = float("-inf")
+        return logits
 
 
 class StopCriteria:

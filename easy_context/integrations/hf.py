@@ -194,7 +194,9 @@ def check_model_supported(model: nn.Module) -> None:
     Every attention layer can (full, sliding-window, chunked; soft-capped, with sinks, with
     its own value head dim). Layers that are not softmax attention carry state along the
     sequence: those hf_recurrent.py routes to easy_context.recurrent run (its ``RUNS`` names
-    them); the others (Mamba-1, KDA, ...) are refused by name."""
+    them); the others (Mamba-1, KDA, ...) are refused by name. So are models whose attention
+    does not go through transformers' attention interface, and decoders that take no
+    ``position_ids`` (BART-style: positions from the shard's own length)."""
     config = _text_config(model)
     layer_types = list(getattr(config, "layer_types", None) or [])
     if not layer_types and getattr(config, "layers_block_type", None):
@@ -209,9 +211,73 @@ def check_model_supported(model: nn.Module) -> None:
             f"layers {layers[:8]}{'...' if len(layers) > 8 else ''}); sequence parallelism "
             "runs attention and, of the layers that carry state along the whole sequence, "
             f"{RECURRENT_RUNS} only. Use a model whose every other layer is attention")
+    if not _attention_modules(model):
+        raise ValueError(f"found no attention layers in {type(model).__name__}: its attention "
+                         "does not go through transformers' attention interface")
+    reason = _positions_not_from_ids(model)
+    if reason:
+        raise ValueError(reason)
+
+
+def _positions_not_from_ids(model: nn.Module) -> str | None:
+    """Why the decoder's positions would not come from the ``position_ids`` each rank passes
+    (its global positions), or None. BART-style decoders (BART, mBART, Marian, Pegasus,
+    PLBart, Blenderbot, BigBird-Pegasus, MVP, TrOCR) take no ``position_ids``: they number
+    their learned or sinusoidal positions 0..S-1 from the input's own length, which on a
+    shard is the shard's, so every rank would embed the first positions of the sequence."""
+    decoder = decoder_of(model)
+    if "position_ids" in inspect.signature(decoder.forward).parameters:
+        return None
+    return (f"{type(model).__name__}'s decoder ({type(decoder).__name__}) takes no position_ids: "
+            "it numbers positions from the length of its own input, which under sequence "
+            "parallelism is one shard, so every rank would embed the first positions of the "
+            "sequence. Use a model whose decoder takes position_ids (RoPE or learned positions "
+            "read from position_ids, e.g. Llama, Qwen, GPT-2, OPT)")
+
+
+# Families whose training-mode forward draws random numbers per token: drawn over a shard,
+# they are other draws than the same tokens get in one process, so no step equals the
+# single-process one. PhiMoE samples its two experts per token (sparsemixer: Gumbel sampling
+# and a random Heun mask) whenever the model trains; no config field turns that off and no
+# attribute shows it, hence a name. Jitter (``jitter_noise``, ``input_jitter_noise``: Mixtral,
+# MiniMax, DBRX, PhiMoE) shows as an attribute of the module that draws it.
+SAMPLING_IN_TRAINING = {"phimoe": "samples its experts at random in training (Gumbel sampling)"}
+_JITTER_ATTRS = ("jitter_noise", "input_jitter_noise")
+
+
+def training_randomness(model: nn.Module) -> str | None:
+    """What of ``model`` draws random numbers per token in training mode, or None."""
+    config = _text_config(model)
+    reason = SAMPLING_IN_TRAINING.get(getattr(config, "model_type", None))
+    if reason:
+        return f"{type(model).__name__} {reason}"
+    for name, module in model.named_modules():
+        for attr in _JITTER_ATTRS:
+            value = getattr(module, attr, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                return (f"{type(model).__name__} multiplies its router inputs by random jitter "
+                        f"in training ({name}.{attr}={value}; set the config's jitter field, "
+                        "e.g. router_jitter_noise or input_jitter_noise, to 0)")
+    return None
+
+
+def _refuse_training_randomness(reason: str):
+    """A forward pre-hook for the decoder: in training mode, refuse (eval and generation
+    draw nothing and stay exact)."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        if module.training and getattr(module.config, "_attn_implementation", None) in _HF_NAMES:
+            raise ValueError(f"{reason}: each rank would draw for its shard what one process "
+                             "draws for the whole sequence, so training steps would differ; "
+                             "train it without sequence parallelism, or use it in eval mode "
+                             "(model.eval(): evaluation, generation)")
+        return None
+
+    return hook
 
 
 _MASK_HOOK_ATTR = "_easy_context_mask_hook"
+_RANDOM_HOOK_ATTR = "_easy_context_random_hook"
 
 
 def _refuse_padding(group):
@@ -277,9 +343,6 @@ def apply_sequence_parallel(model: nn.Module, method: str, group=None,
         heads = config.num_attention_heads
         m.check(heads, getattr(config, "num_key_value_heads", None) or heads, world, ring_degree)
     modules = _attention_modules(model)
-    if not modules:
-        raise ValueError(f"found no attention layers in {type(model).__name__}: its attention "
-                         "does not go through transformers' attention interface")
     if m.needs_ring_degree and world > 1 and 1 < ring_degree < world:
         group = usp_groups(group, ring_degree)  # once, not at every forward
     settings = SequenceParallelSettings(m.name, group, ring_degree)
@@ -296,32 +359,84 @@ def apply_sequence_parallel(model: nn.Module, method: str, group=None,
     ws.whole_sequence_rope(model, group, active, enabled=world > 1 and m.layout != "whole")
     layers = getattr(decoder, "layers", None)
     ws.tune_temperature_globally(model, list(layers) if layers is not None else [], active)
+    if getattr(decoder, _RANDOM_HOOK_ATTR, None) is not None:
+        getattr(decoder, _RANDOM_HOOK_ATTR).remove()
+        setattr(decoder, _RANDOM_HOOK_ATTR, None)
+    randomness = training_randomness(model) if m.layout != "whole" else None
+    if randomness:
+        setattr(decoder, _RANDOM_HOOK_ATTR, decoder.register_forward_pre_hook(
+            _refuse_training_randomness(randomness), with_kwargs=True))
     model.set_attn_implementation(hf_attention_name(m.name))
     return model
 
 
+# ``logits_scaling`` divides the logits in Granite (and MiniCPM3, before its head) but
+# multiplies them in HyperCLOVAX (``lm_head(h) * logits_scaling``): the config field is the
+# same, only the modeling code tells, hence names.
+LOGITS_SCALING_MULTIPLIES = frozenset({"hyperclovax"})
+
+
+def between_decoder_and_head(model: nn.Module, head: nn.Module) -> bool:
+    """Whether a top-level part of the model other than the one holding the decoder has
+    parameters outside the head: a prediction transform between the decoder and the
+    projection (BERT-style heads: dense, activation, LayerNorm, then the projection), so the
+    logits are not ``head(last hidden state)``. (Parts beside the decoder inside its own
+    parent, such as a vision tower, feed the decoder's input, not its output.)"""
+    decoder = decoder_of(model)
+    head_params = {id(p) for p in head.parameters()}
+    for child in model.children():
+        if child is head or any(m is decoder for m in child.modules()):
+            continue
+        if any(id(p) not in head_params for p in child.parameters()):
+            return True
+    return False
+
+
+def generation_defaults() -> dict:
+    """transformers' own values for the generation settings that neither the call nor the
+    model's generation_config sets (greedy; top_k 50, temperature 1, top_p 1 when sampling;
+    no repetition penalty): what its ``generate`` falls back to."""
+    from transformers import GenerationConfig
+
+    return dict(GenerationConfig._get_default_generation_params())
+
+
 def output_head(model: nn.Module):
     """(the output projection, what the family does to its logits: a LogitTransform or None),
-    or (None, None) when the head is not a linear layer. Gemma 2/3 soft-cap the logits
-    (``final_logit_softcapping``), Cohere scales them (``logit_scale``), Granite divides
-    (``logits_scaling``), Falcon-H1 multiplies (``lm_head_multiplier``); the chunked losses
+    or (None, None) when the logits are not a linear layer of the decoder's last hidden state
+    (a head that is no linear layer, or a transform with parameters between them). Gemma 2/3
+    soft-cap the logits (``final_logit_softcapping``), Cohere scales them (``logit_scale``),
+    Granite divides by ``logits_scaling`` and HyperCLOVAX multiplies by it, Falcon-H1
+    multiplies by ``lm_head_multiplier``; the chunked losses
     apply the same, chunk by chunk."""
     from ..memory.loss import LogitTransform
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not isinstance(head, nn.Linear):
+    if (not isinstance(head, nn.Linear) or between_decoder_and_head(model, head)
+            or {n for n, _ in head.named_parameters()} - {"weight", "bias"}):
+        # a Linear subclass with parameters of its own (Dory's learned per-token logit
+        # scale) computes more than ``hidden @ W.T``
         return None, None
     config = _text_config(model)
     softcap = getattr(config, "final_logit_softcapping", None)
     scale = float(getattr(config, "logit_scale", None) or 1.0)
     scaling = getattr(config, "logits_scaling", None)
     if scaling not in (None, 1.0, False):
-        scale /= float(scaling)
+        if getattr(config, "model_type", None) in LOGITS_SCALING_MULTIPLIES:
+            scale *= float(scaling)
+        else:
+            scale /= float(scaling)
     multiplier = getattr(config, "lm_head_multiplier", None)
     if multiplier not in (None, 1.0, False):
         scale *= float(multiplier)
     if softcap in (None, 0, False) and scale == 1.0:
         return head, None
+    if config is not model.config:
+        # a composite model (text inside a multimodal one): whether its top class applies the
+        # text config's soft-capping or scaling is its own code's choice (Gemma 3's
+        # ForConditionalGeneration applies no final soft-capping, Aya Vision scales), so the
+        # chunked loss does not guess: the logits path runs the model's own head
+        return None, None
     return head, LogitTransform(scale, None if softcap in (None, 0, False) else float(softcap))
 
 
@@ -358,8 +473,9 @@ def causal_lm_loss(model: nn.Module, input_ids: Tensor, position_ids: Tensor, ta
     if chunked is None:
         chunked = head is not None and head.out_features >= 16384
     if chunked and head is None:
-        raise ValueError(f"{type(model).__name__}'s output head is not a linear layer; use "
-                         "chunked=False")
+        raise ValueError(f"{type(model).__name__}'s logits are not a linear layer of the "
+                         "decoder's last hidden state (another head, or a transform between "
+                         "them); use chunked=False")
     extra = {} if document_ids is None else {"document_ids": document_ids}
     if chunked:
         if chunk_size is None:

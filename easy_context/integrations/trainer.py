@@ -32,6 +32,7 @@ sequence are refused up front. What changes:
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 import torch.distributed as dist
@@ -478,7 +479,13 @@ class SequenceParallelMixin:
         # the same batch, so it would count each sp times (and cut the last batch wrongly).
         # transformers resets gather_function when the loop ends.
         self.gather_function = self._gather_one_per_group
-        return super().evaluation_loop(*args, **kwargs)
+        output = super().evaluation_loop(*args, **kwargs)
+        # evaluate() and predict() then add speed_metrics to these metrics, counting
+        # ceil(samples / (eval_batch_size x world size)) steps: sp_size times too few
+        prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
+        dp_batch = self.args.eval_batch_size * self._easy_context.mesh.dp
+        steps = math.ceil(output.num_samples / dp_batch) if output.num_samples else 0
+        return output._replace(metrics=_StepsPerSecondFix(output.metrics, prefix, steps))
 
     def _gather_one_per_group(self, data, use_gather_object: bool = False):
         """accelerate's gather_for_metrics, with one rank (sp rank 0) of each group."""
@@ -502,6 +509,29 @@ class SequenceParallelMixin:
                 return data[:state.remainder]
             return recursively_apply(lambda t: t[:state.remainder], data)
         return data
+
+
+class _StepsPerSecondFix(dict):
+    """The evaluation loop's metrics. transformers' evaluate() and predict() update them with
+    speed_metrics(num_steps=ceil(samples / (eval_batch_size x world size))) before logging
+    them, returning them and handing them to the callbacks; the ranks of a group share their
+    batches, so the loop ran ceil(samples / (eval_batch_size x dp)) steps. The update puts
+    those steps over the same runtime (a plain dict otherwise: json, copies, pickling)."""
+
+    def __init__(self, metrics: dict, prefix: str, steps: int):
+        super().__init__(metrics)
+        self._key = f"{prefix}_steps_per_second"
+        self._runtime = f"{prefix}_runtime"
+        self._steps = steps
+
+    def update(self, *args, **kwargs) -> None:
+        super().update(*args, **kwargs)
+        runtime = self.get(self._runtime)
+        if self._key in self and runtime:
+            self[self._key] = round(self._steps / runtime, 3)
+
+    def __reduce__(self):  # pickles (and deep-copies) as the plain dict it stands for
+        return dict, (dict(self),)
 
 
 def _all_tensors(data) -> bool:

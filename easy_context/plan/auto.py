@@ -250,7 +250,9 @@ def _describe(setup) -> str:
             + tiling)
 
 
-def run_auto(args, shape, budget: int) -> int:
+def run_auto(args, shape, budget: int, lora: LoRASpec | None = None) -> int:
+    """``plan --auto``'s output for the parsed ``args``; ``lora``: the adapters to plan
+    every candidate with (plan.cli.lora_spec; None: full fine-tuning)."""
     n = args.devices
     host = None if args.host_memory is None else int(args.host_memory * GIB)
     head = (f"{shape.name}: {shape.num_params() / 1e9:.2f}B parameters on {n} x "
@@ -260,10 +262,8 @@ def run_auto(args, shape, budget: int) -> int:
     lines, result = [head], {"model": shape.name, "devices": n, "budget_gib": budget / GIB,
                             "host_gib": args.host_memory}
     plans = []
-    from .cli import lora_spec
-
     bases = [replace(b, deterministic=bool(getattr(args, "deterministic", False)))
-             for b in _bases(shape, n, lora=lora_spec(args))]
+             for b in _bases(shape, n, lora=lora)]
     if args.seq_len:
         plans.append(("for", plan_for_length(shape, args.seq_len, n, budget, host, args.dtype,
                                              bases=bases)))

@@ -150,7 +150,7 @@ def run_plan(args) -> int:
     if getattr(args, "auto", False):
         from .auto import run_auto
 
-        return run_auto(args, shape, budget)
+        return run_auto(args, shape, budget, lora_spec(args))
     n, kw = args.devices, _kw(args)
     method = None if args.method == "auto" else args.method
     result: dict = {"model": shape.name, "params_b": shape.num_params() / 1e9, "devices": n,

@@ -11,10 +11,16 @@ def decoder_of(model: nn.Module) -> nn.Module:
 
     transformers' lookup returns the causal LM itself for some families (Llama 4's text model
     keeps its decoder in ``.model`` while its base-model prefix names another attribute), and
-    calling that returns logits, not hidden states."""
+    calling that returns logits, not hidden states; ModernBERT's finds its output head)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     if decoder is model and isinstance(getattr(model, "model", None), nn.Module):
         return model.model
+    if decoder is not model and not hasattr(decoder, "config"):
+        # ModernBERT's decoder LM names its output projection ``decoder`` (BERT's head
+        # naming), and transformers' lookup finds that Linear: the base model is the stack.
+        base = getattr(model, "base_model", model)
+        if base is not model:
+            return base
     return decoder
 
 

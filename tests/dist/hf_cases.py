@@ -34,11 +34,15 @@ FAMILIES = {
 # reference ("eager": transformers' sdpa path has no soft-capping or sinks). Windows of no
 # convenient size (3 and 7 against shards of 10 and zigzag chunks of 5), one past the
 # sequence (64), chunks of 6, and multi-head latent attention (q/k head dim 12, v 6).
+# Gemma's query scale (query_pre_attn_scalar 5) differs from 1/sqrt(head_dim 8), and the q/k
+# projections start QK_INIT_SCALE x larger, so that soft-capping at 2.0 bites: a dropped scale
+# or soft-cap fails these families (test_variant_scalars_matter keeps that true).
 TWO_KINDS = ["sliding_attention", "full_attention"]
+QK_INIT_SCALE = 8.0
 VARIANT_FAMILIES = {
     "gemma2": dict(sliding_window=3, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
-                   query_pre_attn_scalar=8, layer_types=TWO_KINDS),
-    "gemma3_text": dict(sliding_window=7, query_pre_attn_scalar=8, layer_types=TWO_KINDS),
+                   query_pre_attn_scalar=5, layer_types=TWO_KINDS),
+    "gemma3_text": dict(sliding_window=7, query_pre_attn_scalar=5, layer_types=TWO_KINDS),
     "mistral_sliding": dict(sliding_window=7),
     "gpt_oss": dict(sliding_window=3, layer_types=TWO_KINDS, num_local_experts=4,
                     num_experts_per_tok=2),
@@ -54,16 +58,23 @@ VARIANT_FAMILIES = {
 }
 
 
-def tiny_model(family: str, seed: int = 0):
+def tiny_model(family: str, seed: int = 0, **overrides):
     if family in VARIANT_FAMILIES:
         model_type = family.removesuffix("_sliding")
-        config = AutoConfig.for_model(model_type, **{**COMMON, **VARIANT_FAMILIES[family]})
+        config = AutoConfig.for_model(model_type, **{**COMMON, **VARIANT_FAMILIES[family],
+                                                     **overrides})
         attn = "eager"
     else:
-        config = AutoConfig.for_model(family, **COMMON, **FAMILIES[family])
+        config = AutoConfig.for_model(family, **{**COMMON, **FAMILIES[family], **overrides})
         attn = "sdpa"
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attn).float()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn).float()
+    if family in VARIANT_FAMILIES:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("q_proj.weight", "k_proj.weight")):
+                    p.mul_(QK_INIT_SCALE)
+    return model
 
 
 def loss_paths(model) -> tuple[bool, ...]:
@@ -88,13 +99,16 @@ def reference_loss(model, inputs, positions, targets, document_ids=None):
 
 
 def _grad_errors(sp_model, ref_model) -> float:
-    worst = 0.0
+    """The largest relative gradient error, gradients summed over ranks; NaN when any
+    gradient holds a NaN (torch.maximum keeps it, where Python's max would drop it)."""
+    worst = torch.zeros(())
     for (name, p_sp), (_, p_ref) in zip(sp_model.named_parameters(), ref_model.named_parameters()):
         g = p_sp.grad.clone() if p_sp.grad is not None else torch.zeros_like(p_sp)
-        dist.all_reduce(g)
+        if dist.is_initialized():
+            dist.all_reduce(g)
         scale = p_ref.grad.abs().max().clamp(min=1e-6)
-        worst = max(worst, ((g - p_ref.grad).abs().max() / scale).item())
-    return worst
+        worst = torch.maximum(worst, (g - p_ref.grad).abs().max() / scale)
+    return worst.item()
 
 
 def sharded_loss(base, method: str, inputs, positions, targets, ring_degree=None,
@@ -159,3 +173,30 @@ def check_packed_documents(family: str, method: str, ring_degree: int | None = N
     ref_loss.backward()
     model, loss = sharded_loss(base, method, inputs, positions, targets, ring_degree)
     return abs(loss.item() - ref_loss.item()) / ref_loss.item(), _grad_errors(model, ref)
+
+
+def nan_gradient_error(family: str = "llama") -> float:
+    """_grad_errors when one gradient entry of the sequence-parallel model is NaN on rank 0
+    (summed over ranks, the NaN reaches every rank): must not come back as a number <= TOL."""
+    world = dist.get_world_size()
+    base = tiny_model(family)
+    inputs, positions, targets = make_batch(2 * world * 5, base.config.vocab_size)
+    ref = copy.deepcopy(base)
+    reference_loss(ref, inputs, positions, targets).backward()
+    model, _ = sharded_loss(base, "zigzag_ring_attn", inputs, positions, targets)
+    if dist.get_rank() == 0:
+        next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+    return _grad_errors(model, ref)
+
+
+def refusal_at_two_ranks(model_type: str, fields: dict, method: str = "zigzag_ring_attn") -> str:
+    """What apply_sequence_parallel says for a model built from ``fields`` alone (the config
+    class's own defaults otherwise): 'ValueError: ...', another exception, or 'applied'."""
+    config = AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float()
+    try:
+        ec.apply_sequence_parallel(model, method)
+    except Exception as e:  # noqa: BLE001  (the test tells a refusal from a raw error)
+        return f"{type(e).__name__}: {e}"
+    return "applied"

@@ -18,10 +18,21 @@ SETUPS = ([(2, m, None) for m in sorted(METHODS) if m != "usp_attn"] + [(2, "usp
           + [(4, "usp_attn", 2)])
 
 
+def beyond_tolerance(reports: list[dict]) -> list[str]:
+    """Every (rank, case, tensor) whose error is not within TOL; a NaN is (``not err <= TOL``,
+    where ``err > TOL`` would let it pass)."""
+    return [f"rank {r} {case} {name}: {err:.1e}"
+            for r, report in enumerate(reports)
+            for case, errors in report.items() for name, err in errors.items()
+            if not (err <= TOL)]
+
+
+def test_nan_error_is_beyond_tolerance():
+    assert beyond_tolerance([{"window 3": {"dq": float("nan"), "dk": 0.0}}])
+
+
 @pytest.mark.parametrize("world,method,ring_degree", SETUPS)
 def test_variants_exact(dist2, dist4, world, method, ring_degree):
     pool = dist2 if world == 2 else dist4
-    bad = [f"rank {r} {case} {name}: {err:.1e}"
-           for r, report in enumerate(pool.run(check_variants, method, ring_degree))
-           for case, errors in report.items() for name, err in errors.items() if err > TOL]
+    bad = beyond_tolerance(pool.run(check_variants, method, ring_degree))
     assert not bad, "\n".join(bad)

@@ -11,8 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.unit.eval_fixtures import random_model_dir
-
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -41,13 +39,17 @@ def _one_process(model: Path, out: Path) -> None:
     run_ruler(m, tok, cfg, out, method="local", progress=False)
 
 
-def test_two_ranks_equal_one_and_resume(tmp_path):
-    model = random_model_dir(tmp_path / "model")
+def test_two_ranks_equal_one_and_resume(tmp_path, trained_needle_model):
+    """On the trained needle fixture, whose answers depend on the context (it copies what
+    followed an earlier match): an untrained model repeats the prompt's last character
+    whatever came before, and could not tell a broken attention or cache from a sound one."""
+    model = trained_needle_model
     one, two = tmp_path / "one", tmp_path / "two"
     _one_process(model, one)
     run = _ruler(model, two, 2)
     assert run.returncode == 0, run.stderr[-3000:]
     assert _records(two) == _records(one) and len(_records(one)) == 4
+    assert len(set(_records(one).values())) > 1, _records(one)  # not one answer for all
     # stopped after one sample and half of the second: the rerun does the other three
     lines = (two / "samples.jsonl").read_text().splitlines(keepends=True)
     (two / "samples.jsonl").write_text("".join(lines[:1]) + lines[1][:25])

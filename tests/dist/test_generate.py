@@ -11,8 +11,9 @@ import pytest
 
 import easy_context as ec
 
-from .generate_cases import (NEW_TOKENS, cache_shares, compare_adapted, compare_methods, sampled,
-                             stops)
+from .generate_cases import (NEW_TOKENS, cache_shares, compare_adapted, compare_methods,
+                             data_parallel_groups_fsdp, fresh_seeds, mismatched_flags,
+                             mismatched_prompts, sampled, stops)
 from .hf_cases import FAMILIES, VARIANT_FAMILIES
 
 METHODS = sorted(ec.METHODS)
@@ -77,10 +78,12 @@ def test_eos_ends_a_row_and_pads_it(dist2):
             assert ended[1] == free[1] and len(ended[1]) == NEW_TOKENS
 
 
-def test_command_line_on_two_ranks_equals_transformers(tmp_path):
+def test_command_line_on_two_ranks_equals_transformers(tmp_path, trained_needle_model):
     """``easy-context generate`` with two prompts of different lengths on 2 spawned ranks:
     the completions transformers' greedy generate gives in this process, stopped after the
-    stop string, which is kept."""
+    stop string, which is kept. The model is the trained needle fixture, which copies the
+    code its prompt's needle holds (far back, on the other rank's shard), so its completions
+    depend on the context: an attention or cache bug changes them."""
     import json
     import os
     import subprocess
@@ -89,10 +92,10 @@ def test_command_line_on_two_ranks_equals_transformers(tmp_path):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tests.unit.eval_fixtures import random_model_dir
-
-    folder = random_model_dir(tmp_path / "model")
-    prompts = ["The grass is green and the sky", "Once upon a time"]
+    folder = trained_needle_model
+    filler = " The grass is green. The sky is blue." * 3
+    prompts = [f"The red code=472.{filler}{filler} Recall the red code=",
+               f"The blue code=815.{filler} Recall the blue code="]
     out = tmp_path / "out.jsonl"
     repo = Path(__file__).resolve().parents[2]
     run = subprocess.run(
@@ -114,9 +117,14 @@ def test_command_line_on_two_ranks_equals_transformers(tmp_path):
         assert row["completion"] == tok.decode(ids, skip_special_tokens=True)
         assert row["ranks"] == 2 and row["new_tokens"] == len(ids)
     assert rows[0]["prompt_tokens"] == len(tok(prompts[0])["input_ids"])
+    # the completions depend on the context: another code in the needle, another answer
+    other = tok([prompts[0].replace("472", "906")], return_tensors="pt")
+    moved = model.generate(**other, max_new_tokens=12, do_sample=False,
+                           pad_token_id=tok.pad_token_id)[0, other["input_ids"].size(1):]
+    assert tok.decode(moved, skip_special_tokens=True) != rows[0]["completion"]
     # a stop string: the first completion cut after its first occurrence, which stays
     text = rows[0]["completion"]
-    assert len(text) >= 6, text  # the fixture's model writes 12 characters here
+    assert len(text) >= 6, text
     stop = text[3:5]
     run = subprocess.run(
         [sys.executable, "-m", "easy_context.cli", "generate", "--model", str(folder),
@@ -135,3 +143,57 @@ def test_lora_adapters_and_a_4bit_base(dist2, four_bit):
     if four_bit:
         pytest.importorskip("bitsandbytes")
     _assert_equal(dist2.run(compare_adapted, four_bit, ["zigzag_ring_attn", "ulysses_attn"]))
+
+
+def test_data_parallel_groups_on_an_fsdp2_model_stop_at_different_steps(dist4):
+    """2 data-parallel groups x 2 sequence-parallel ranks on a model FSDP2 shards over all 4
+    (as the Trainer and accelerate shard it): group 0's row stops (EOS) at its third token,
+    group 1's runs all 10. The parameter all-gathers pair up across the groups only if the
+    finished group keeps running forwards (transformers' synced_gpus); without that the
+    second group waits forever. Each group's tokens: transformers' greedy generate's."""
+    reports = dist4.run(data_parallel_groups_fsdp, 2)
+    assert [r["group"] for r in reports] == [0, 0, 1, 1]
+    for r in reports:
+        assert r["got"] == r["want"], r
+    assert len(reports[0]["got"]) == 3 and reports[0]["got"][-1] == reports[0]["eos"]
+    assert len(reports[2]["got"]) == 10
+
+
+@pytest.mark.parametrize("case", ["prompts", "flags"])
+def test_ranks_given_different_prompts_or_flags_are_refused_before_prefill(dist2, case):
+    """One rank with another prompt token (or another max_new_tokens): every rank raises the
+    same ValueError, before the prefill, instead of generating from mixed shards."""
+    errors = dist2.run(mismatched_prompts if case == "prompts" else mismatched_flags)
+    assert errors[0] == errors[1] and "different prompts or generation settings" in errors[0]
+    assert "group ranks [1]" in errors[0]
+
+
+def test_no_seed_draws_a_fresh_one_per_call_shared_by_the_group(dist2):
+    first, second = dist2.run(fresh_seeds, "zigzag_ring_attn")
+    assert first == second  # both ranks: the same tokens (group rank 0's seed)
+    assert first[0] != first[1]  # two calls, two seeds
+
+
+def test_a_zero3_training_step_after_generate(dist2):
+    """generate on a DeepSpeed ZeRO-3 model, each rank its own prompt (rank 0's stops at its
+    third token, rank 1's runs 6: the done rank keeps running forwards for the other's
+    parameter all-gathers), then a training step on it: no parameter holds
+    an inference tensor afterwards (with torch.inference_mode around generate, 21 of the 21
+    did: the placeholders ZeRO-3 leaves when it frees a gathered parameter), the step runs
+    and lowers the loss; the tokens are transformers' greedy ones."""
+    pytest.importorskip("deepspeed")
+    from .generate_cases import zero3_step_after_generate
+
+    reports = dist2.run(zero3_step_after_generate)
+    assert [len(r["got"]) for r in reports] == [3, 6], reports
+    for r in reports:
+        assert r["got"] == r["want"], r
+        assert r["inference"] == 0, r
+        assert r["after"] < r["before"], r
+
+
+def test_a_model_whose_head_an_outer_fsdp_unit_shards_is_refused(dist1):
+    from .generate_cases import sharded_by_an_outer_unit
+
+    (error,) = dist1.run(sharded_by_an_outer_unit)
+    assert "sharded (FSDP2) by a unit outside the model" in error, error

@@ -10,7 +10,8 @@ import pytest
 
 import easy_context as ec
 
-from .hf_cases import FAMILIES, VARIANT_FAMILIES, check_family, check_packed_documents
+from .hf_cases import (FAMILIES, VARIANT_FAMILIES, check_family, check_packed_documents,
+                       tiny_model)
 
 TOL = 1e-5
 METHODS = sorted(ec.METHODS)
@@ -56,3 +57,32 @@ def test_packed_documents_equal_separate_documents(dist2, dist4, world, method, 
     for rank, (loss_err, grad_err) in enumerate(pool.run(check_packed_documents, "llama", method,
                                                          ring_degree)):
         assert loss_err <= TOL and grad_err <= TOL, (rank, loss_err, grad_err)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_variant_scalars_matter(family):
+    """The variant families' scalars differ from what a dropped one would give: Gemma's
+    query scale (query_pre_attn_scalar**-0.5) is not 1/sqrt(head_dim), and soft-capping
+    changes the logits at the (enlarged) initial q/k scale. Otherwise a method that dropped
+    either would still pass test_attention_variant_family_2_ranks."""
+    import torch
+
+    model = tiny_model(family)
+    config = model.config
+    layers = [m for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "layer_idx")]
+    assert layers and all(abs(m.scaling - config.query_pre_attn_scalar ** -0.5) < 1e-12
+                          for m in layers)
+    assert abs(config.query_pre_attn_scalar ** -0.5 - config.head_dim ** -0.5) > 0.05
+    ids = torch.randint(0, config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
+
+    def logits(**change):
+        m = tiny_model(family, **change)
+        with torch.no_grad():
+            return m(input_ids=ids).logits
+
+    base = logits()
+    for change in ({"query_pre_attn_scalar": config.head_dim},
+                   *([{"attn_logit_softcapping": None}]
+                     if getattr(config, "attn_logit_softcapping", None) else [])):
+        diff = ((logits(**change) - base).abs().max() / base.abs().max()).item()
+        assert diff > 1e-3, (change, diff)

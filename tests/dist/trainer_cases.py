@@ -106,6 +106,7 @@ def _force_fsdp2(trainer) -> None:
     """accelerate 1.15 turns an FSDP config into DDP on a CPU (no FSDP in its MULTI_CPU
     branch), so the state is switched after the fact: what accelerate launch with an FSDP2
     config sets up on GPUs (prepare then calls fully_shard per decoder layer and the root)."""
+    from accelerate import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True,
@@ -115,6 +116,10 @@ def _force_fsdp2(trainer) -> None:
     plugin.set_auto_wrap_policy(trainer.model)
     state = trainer.accelerator.state
     state.distributed_type = DistributedType.FSDP
+    # as accelerate's own FSDP setup does: every later AcceleratorState() copies PartialState's
+    # distributed_type over its own; left MULTI_CPU there, save_model's get_state_dict took
+    # the non-FSDP branch and handed safetensors the sharded DTensors ("invalid python storage")
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     state.fsdp_plugin = plugin
     trainer.is_fsdp_enabled = True
 
@@ -230,6 +235,9 @@ def train_and_evaluate(folder: str, name: str, kind: str = "trainer", engine: st
         metrics = trainer.evaluate()
         result["eval"] = {k: v for k, v in metrics.items()
                           if k in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy")}
+        # the steps and samples that the speed metrics divide by (runtime: 4 decimals)
+        result["counts"]["eval_steps"] = _speed_count(metrics, "eval", "steps")
+        result["counts"]["eval_samples"] = _speed_count(metrics, "eval", "samples")
     if predict:  # prompts without labels: logits only, no loss
         from transformers import DataCollatorWithPadding
 
@@ -238,20 +246,19 @@ def train_and_evaluate(folder: str, name: str, kind: str = "trainer", engine: st
         logits = torch.as_tensor(predicted.predictions)  # (rows, longest, V)
         for row, ids in enumerate(evals["input_ids"]):  # padding's logits mean nothing
             logits[row, len(ids):] = 0
+        result["counts"]["test_steps"] = _speed_count(predicted.metrics, "test", "steps")
+        result["counts"]["test_samples"] = _speed_count(predicted.metrics, "test", "samples")
         result["predict"] = {"predictions": logits,
                              "label_ids": predicted.label_ids,
                              "loss": predicted.metrics.get("test_loss")}
     if engine == "fsdp2":
-        # save_model's full state dict (torch's get_model_state_dict with cpu_offload=True)
-        # hands rank 0 freed storage when the device is the CPU itself; without the offload
-        # it gathers what a GPU run saves.
+        # the trained weights, gathered by torch itself, to compare save_model's file with
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = get_model_state_dict(trainer.model_wrapped,
                                     options=StateDictOptions(full_state_dict=True))
-        save = False
-        result["weights"] = {k: v.detach().clone() for k, v in full.items()
-                             if not lora or "lora_" in k}
+        result["gathered"] = {k: v.detach().clone() for k, v in full.items()
+                              if not lora or "lora_" in k}
     if save:
         trainer.save_model(str(out / "saved"))
     if dist.is_initialized():
@@ -264,6 +271,13 @@ def train_and_evaluate(folder: str, name: str, kind: str = "trainer", engine: st
         result["weights"] = load_file(str(out / "saved" / file))
         result["saved"] = str(out / "saved")
     return result
+
+
+def _speed_count(metrics: dict, prefix: str, what: str) -> int:
+    """The count that ``{prefix}_{what}_per_second`` divides by: the rate times the runtime
+    (rounded to 3 and 4 decimals; the runtime of a few forwards is over 10 ms, so the
+    product is within 1% of the whole count)."""
+    return round(metrics[f"{prefix}_{what}_per_second"] * metrics[f"{prefix}_runtime"])
 
 
 def _trainable_weights(model, lora: bool) -> dict:

@@ -42,6 +42,9 @@ def paths(tmp_path_factory) -> dict[str, str]:
     (root / "hay").mkdir()
     (root / "hay" / "a.txt").write_text("   \n")
     p["blank_hay"] = str(root / "hay")
+    (root / "short_hay").mkdir()
+    (root / "short_hay" / "a.txt").write_text("A short haystack. Two sentences.\n")
+    p["short_hay"] = str(root / "short_hay")
     files = {
         "bad_type.yaml": "seq_length: abc\n",
         "broken.yaml": "a: [1,\n",
@@ -175,6 +178,10 @@ CASES = [
     (EVAL_NEEDLE + " --num-distractor -1", "--num-distractor must be >= 0"),
     (EVAL_NEEDLE + " --num-distractor 1000", "--num-distractor must be below"),
     (EVAL_NEEDLE + " --generate --nproc-per-node 2", "--generate runs in one process"),
+    (EVAL_NEEDLE.replace("--min-context-length 256", "--min-context-length 40"),
+     "context length 40 is too short for the prompt template and needles"),
+    (EVAL_NEEDLE + " --haystack-dir {short_hay} --no-repeat-haystack",
+     "but the longest context needs 256; add text"),
     (EVAL_NEEDLE + " --nproc-per-node 0", "--nproc-per-node must be >= 1"),
     (EVAL_NEEDLE + " --parallel-mode data_parallel --nproc-per-node 2", "evaluates in one process"),
     (EVAL_NEEDLE + " --parallel-mode foo", "unknown sequence-parallel method 'foo'"),
@@ -196,7 +203,10 @@ CASES = [
     (GENERATE + " --max-new-tokens 0", "--max-new-tokens must be >= 1"),
     (GENERATE + " --do-sample --temperature 0", "temperature must be > 0 when sampling"),
     (GENERATE + " --top-p 0", "top_p must be in (0, 1]"),
-    (GENERATE + " --top-k 0", "top_k must be >= 1"),
+    (GENERATE + " --top-k -1", "top_k must be >= 1"),
+    (GENERATE + " --min-p 2", "min_p must be in [0, 1]"),
+    (GENERATE + " --repetition-penalty 0", "--repetition-penalty must be > 0"),
+    (GENERATE + " --min-new-tokens -1", "--min-new-tokens must be >= 0"),
     (GENERATE + " --nproc-per-node 0", "--nproc-per-node must be >= 1"),
     (GENERATE + " --parallel-mode ulysses_attn --nproc-per-node 3",
      "4 query heads cannot be split over 3"),
@@ -242,7 +252,11 @@ def _case_id(argv: str) -> str:
 
 
 @pytest.mark.parametrize("argv,fragment", CASES, ids=[_case_id(c[0]) for c in CASES])
-def test_bad_value_gives_one_line_and_status_2(paths, capsys, argv, fragment):
+def test_bad_value_gives_one_line_and_status_2(paths, capsys, monkeypatch, argv, fragment):
+    from easy_context.eval import cli
+
+    # eval-needle with one process would run its rank in this process: it must not get there
+    monkeypatch.setattr(cli, "launch", lambda *a: pytest.fail("launched despite a bad input"))
     code, err = _run(argv, paths, capsys)
     command = argv.split()[0]
     prefix = f"easy-context {command}: error: " if command != "frob" else "easy-context: error: "

@@ -141,3 +141,15 @@ def test_the_attention_table_is_its_results_file():
         r16, r32 = by[(method, 16384)], by[(method, 32768)]
         assert cells[1:] == [f"{r16['time_ratio_vs_single']:.2f}", f"{r32['time_ratio_vs_single']:.2f}",
                              f"{r16['mem_ratio_vs_single']:.2f}", f"{r16['kernel_imbalance']:.3f}"], line
+
+
+def test_the_families_page_is_the_sweep_file():
+    """docs/guides/families.md is what benchmarks/families.py makes of
+    benchmarks/results/families.json (`python benchmarks/families.py --docs` regenerates it),
+    and the file covers every family transformers registers."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks import families
+
+    payload = json.loads((REPO / "benchmarks" / "results" / "families.json").read_text())
+    assert (REPO / "docs" / "guides" / "families.md").read_text() == families.support_table(payload)
+    assert {r["family"] for r in payload["rows"]} == set(families.families())

@@ -371,14 +371,15 @@ def test_cli_runs_and_resumes_with_a_stand_in_generate(model_dir, tmp_path, caps
                                                    "scores.md", "scores.png"}
 
 
-def test_real_generate_on_the_tiny_model(model_dir, tmp_path):
+def test_real_generate_on_the_tiny_model(trained_needle_model, tmp_path):
     """The runner's answers are what transformers' greedy decoding of the plain model gives,
-    cut at EOS, on one process."""
+    cut at EOS, on one process. The trained needle fixture: its answers depend on the
+    context (an untrained model repeats the prompt's last character whatever came before)."""
     from easy_context.integrations.hf import apply_sequence_parallel
     from easy_context.models import load_model_and_tokenizer
 
-    model, tk = load_model_and_tokenizer(str(model_dir))
-    plain, _ = load_model_and_tokenizer(str(model_dir))
+    model, tk = load_model_and_tokenizer(str(trained_needle_model))
+    plain, _ = load_model_and_tokenizer(str(trained_needle_model))
     apply_sequence_parallel(model, "zigzag_ring_attn")
     cfg = RulerConfig(tasks=["niah_single_1", "vt"], lengths=[700], num_samples=1,
                       max_new_tokens=8)
@@ -392,3 +393,5 @@ def test_real_generate_on_the_tiny_model(model_dir, tmp_path):
         ref = ref[:ref.index(tk.eos_token_id)] if tk.eos_token_id in ref else ref
         assert r["prediction"] == tk.decode(ref, skip_special_tokens=True)
         assert r["new_tokens"] == len(ref)
+    predictions = [r["prediction"] for r in load_records(tmp_path / "samples.jsonl")]
+    assert len(set(predictions)) == len(predictions), predictions  # each task its own

@@ -4,7 +4,9 @@ whole thing on 1, 2 and 4 ranks against transformers)."""
 
 from __future__ import annotations
 
+import copy
 import math
+import re
 
 import pytest
 import torch
@@ -83,11 +85,11 @@ def test_sampling_follows_the_distribution_and_the_seed():
 @pytest.mark.parametrize("kw,message", [
     (dict(do_sample=True, temperature=0.0), "temperature must be > 0"),
     (dict(top_p=1.5), "top_p must be in (0, 1]"),
-    (dict(top_k=0), "top_k must be >= 1"),
+    (dict(top_k=-1), "top_k must be >= 1"),
+    (dict(min_p=1.5), "min_p must be in [0, 1]"),
 ])
 def test_sampling_settings_are_checked(kw, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")
-                       .replace("]", r"\]")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         SamplingConfig(**kw)
 
 
@@ -135,3 +137,130 @@ def test_refusals_say_what_to_change():
     check_rope_range(scaled.config, 200)
     assert math.isfinite(float(ec.generate(scaled, ids, method="local", max_new_tokens=3)
                                .float().sum()))
+
+
+def test_decode_scores_are_float32_for_a_bf16_cache():
+    """bf16 queries and keys whose products need more than bf16's 8 bits: the scores (and so
+    the lse) come out as float32 products of the bf16 values, as the prefill's kernels make
+    them, not rounded to bf16 first (which was off by ~1e-2 here)."""
+    g = torch.Generator().manual_seed(0)
+    q = (torch.randn(2, 4, 64, generator=g) * 3).bfloat16()
+    k = (torch.randn(2, 2, 40, 64, generator=g) * 3).bfloat16()
+    v = torch.randn(2, 2, 40, 16, generator=g).bfloat16()
+    seen = torch.ones(2, 40, dtype=torch.bool)
+    _, lse = partial_attention(q, k, v, seen, scale=64 ** -0.5)
+    kk = k.double().repeat_interleave(2, dim=1)
+    s = torch.einsum("bhd,bhnd->bhn", q.double(), kk) * 64 ** -0.5
+    err = float((lse.double() - torch.logsumexp(s, dim=-1)).abs().max())
+    assert err <= 1e-5, err
+
+
+def _greedy_pair(model, ids, mask, **kw):
+    want = copy.deepcopy(model).generate(ids, attention_mask=mask, max_new_tokens=12,
+                                         pad_token_id=0, **kw)
+    got = ec.generate(copy.deepcopy(model), ids, attention_mask=mask, method="local", max_new_tokens=12,
+                      pad_token_id=0, **kw)
+    return want[:, ids.size(1):].tolist(), got[:, ids.size(1):].tolist()
+
+
+def _left_padded(vocab=50):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, vocab, (2, 9), generator=g)
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    return ids, mask
+
+
+def test_repetition_penalty_and_min_new_tokens_as_transformers():
+    """Greedy with RepetitionPenaltyLogitsProcessor (the prompt without its padding, and the
+    tokens so far) and MinNewTokensLengthLogitsProcessor (no EOS before min_new_tokens):
+    transformers' tokens. The penalty changes them, and the EOS would end row 0 early."""
+    model = _tiny()
+    ids, mask = _left_padded()
+    plain, _ = _greedy_pair(model, ids, mask, eos_token_id=[])
+    want, got = _greedy_pair(model, ids, mask, repetition_penalty=1.8, eos_token_id=[])
+    assert got == want and want != plain
+    eos = plain[0][1]  # row 0's second token
+    want, got = _greedy_pair(model, ids, mask, eos_token_id=eos, min_new_tokens=5)
+    assert got == want and eos not in want[0][:5]
+
+
+def test_the_models_generation_config_is_honoured():
+    """Settings left out come from model.generation_config, as in transformers: its
+    repetition_penalty gives transformers' tokens; its do_sample samples (a hot temperature:
+    not the greedy tokens), and an explicit do_sample=False still wins."""
+    model = _tiny()
+    ids, mask = _left_padded()
+    model.generation_config.repetition_penalty = 1.8
+    want, got = _greedy_pair(model, ids, mask, eos_token_id=[])
+    model.generation_config.repetition_penalty = 1.0
+    plain, _ = _greedy_pair(model, ids, mask, eos_token_id=[])
+    assert got == want and want != plain
+    model.generation_config.do_sample = True
+    model.generation_config.temperature = 5.0
+    sampled = ec.generate(model, ids, attention_mask=mask, method="local", max_new_tokens=12,
+                          eos_token_id=[], seed=0)[:, 9:].tolist()
+    assert sampled != plain
+    greedy = ec.generate(model, ids, attention_mask=mask, method="local", max_new_tokens=12,
+                         eos_token_id=[], do_sample=False)[:, 9:].tolist()
+    assert greedy == plain
+
+
+def test_min_p_top_k_top_p_keep_what_transformers_warpers_keep():
+    """The tokens sampling can pick: exactly those transformers' warpers (temperature,
+    top-k, top-p, min-p, in its order) leave finite."""
+    from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper,
+                                                        TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    logits = torch.randn(1, 30, generator=torch.Generator().manual_seed(4)) * 2
+    for kw in (dict(min_p=0.2), dict(min_p=0.05, top_k=10, temperature=0.7),
+               dict(top_p=0.9, min_p=0.1, temperature=1.3)):
+        warpers = LogitsProcessorList([TemperatureLogitsWarper(kw.get("temperature", 1.0))])
+        if "top_k" in kw:
+            warpers.append(TopKLogitsWarper(kw["top_k"]))
+        if "top_p" in kw:
+            warpers.append(TopPLogitsWarper(kw["top_p"]))
+        warpers.append(MinPLogitsWarper(kw["min_p"]))
+        allowed = set(torch.isfinite(warpers(None, logits.clone()))[0].nonzero().flatten().tolist())
+        picks = TokenChooser(SamplingConfig(True, seed=0, **kw))(logits.expand(3000, -1))
+        assert set(picks.tolist()) == allowed, kw
+
+
+def test_num_return_sequences_and_a_streamer():
+    """Each prompt repeated in place (as transformers expands it), sampled differently; a
+    streamer gets the prompts, each step's tokens, then end(), as transformers calls it."""
+    model = _tiny()
+    ids, mask = _left_padded()
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def put(self, value):
+            self.calls.append(value.clone())
+
+        def end(self):
+            self.calls.append("end")
+
+    streamer = Recorder()
+    out = ec.generate(model, ids, attention_mask=mask, method="local", max_new_tokens=6,
+                      do_sample=True, num_return_sequences=3, seed=1, eos_token_id=[],
+                      streamer=streamer)
+    assert out.shape == (6, 15)
+    assert torch.equal(out[:, :9], ids.repeat_interleave(3, dim=0))
+    assert len({tuple(r) for r in out[:3, 9:].tolist()}) > 1  # three different samples
+    assert streamer.calls[-1] == "end" and len(streamer.calls) == 1 + 6 + 1
+    assert torch.equal(streamer.calls[0], out[:, :9])
+    assert torch.equal(torch.stack(streamer.calls[1:-1], dim=1), out[:, 9:])
+    with pytest.raises(ValueError, match="num_return_sequences=2 with greedy decoding"):
+        ec.generate(model, ids, method="local", num_return_sequences=2)
+
+
+def test_generate_leaves_no_inference_tensors():
+    """torch.no_grad, not torch.inference_mode: nothing generate returns or leaves behind
+    is an inference tensor, which a following training step could not use."""
+    model = _tiny()
+    ids, mask = _left_padded()
+    out = ec.generate(model, ids, attention_mask=mask, method="local", max_new_tokens=3)
+    assert not out.is_inference()
