@@ -30,7 +30,7 @@ from ..parallel.settings import SequenceParallelSettings, module_settings, store
 from ..sequence_parallel import sequence_parallel_attention
 from ..utils.decoder import decoder_of, text_config
 from . import whole_sequence as ws
-from .hf_recurrent import recurrent_layer_types, route_recurrent_layers
+from .hf_recurrent import RUNS as RECURRENT_RUNS, recurrent_layer_types, route_recurrent_layers
 
 Tensor = torch.Tensor
 
@@ -182,21 +182,27 @@ def rope_types(config) -> set[str]:
     return {str(params.get("rope_type", "default"))}
 
 
+# Layer types whose block mixes no tokens (Nemotron-H: a block whose only mixer is an MLP or a
+# MoE, called on the hidden states alone). No attribute tells a per-token block from a
+# recurrent one, hence the names.
+PER_TOKEN_LAYER_TYPES = frozenset({"mlp", "moe"})
+
+
 def check_model_supported(model: nn.Module) -> None:
     """Raise a ValueError naming the reason when ``model`` cannot run sequence-parallel.
 
     Every attention layer can (full, sliding-window, chunked; soft-capped, with sinks, with
     its own value head dim). Layers that are not softmax attention carry state along the
-    sequence: those hf_recurrent.py routes to easy_context.recurrent run (Qwen3-Next's gated
-    DeltaNet, Granite 4 hybrids' Mamba-2); the others (Mamba-1, KDA, short convolutions:
-    Jamba, Kimi Linear, LFM2, ...) are refused by name. So are models whose attention does
-    not go through transformers' attention interface, and decoders that take no
+    sequence: those hf_recurrent.py routes to easy_context.recurrent run (its ``RUNS`` names
+    them); the others (Mamba-1, KDA, ...) are refused by name. So are models whose attention
+    does not go through transformers' attention interface, and decoders that take no
     ``position_ids`` (BART-style: positions from the shard's own length)."""
     config = _text_config(model)
     layer_types = list(getattr(config, "layer_types", None) or [])
     if not layer_types and getattr(config, "layers_block_type", None):
         layer_types = list(config.layers_block_type)  # Jamba-style configs
     other = sorted({str(t) for t in layer_types} - ATTENTION_LAYER_TYPES - {"attention"}
+                   - PER_TOKEN_LAYER_TYPES
                    - recurrent_layer_types(model, layer_types))  # hf_recurrent.py routes those
     if other:
         layers = [i for i, t in enumerate(layer_types) if str(t) in other]
@@ -204,8 +210,7 @@ def check_model_supported(model: nn.Module) -> None:
             f"{type(model).__name__} has layers that are not attention ({', '.join(other)}: "
             f"layers {layers[:8]}{'...' if len(layers) > 8 else ''}); sequence parallelism "
             "runs attention and, of the layers that carry state along the whole sequence, "
-            "Qwen3-Next's gated DeltaNet and Granite 4 hybrids' Mamba-2 only. Use a model whose "
-            "every other layer is attention")
+            f"{RECURRENT_RUNS} only. Use a model whose every other layer is attention")
     if not _attention_modules(model):
         raise ValueError(f"found no attention layers in {type(model).__name__}: its attention "
                          "does not go through transformers' attention interface")
@@ -401,7 +406,8 @@ def output_head(model: nn.Module):
     or (None, None) when the logits are not a linear layer of the decoder's last hidden state
     (a head that is no linear layer, or a transform with parameters between them). Gemma 2/3
     soft-cap the logits (``final_logit_softcapping``), Cohere scales them (``logit_scale``),
-    Granite divides by ``logits_scaling`` and HyperCLOVAX multiplies by it; the chunked losses
+    Granite divides by ``logits_scaling`` and HyperCLOVAX multiplies by it, Falcon-H1
+    multiplies by ``lm_head_multiplier``; the chunked losses
     apply the same, chunk by chunk."""
     from ..memory.loss import LogitTransform
 
@@ -420,6 +426,9 @@ def output_head(model: nn.Module):
             scale *= float(scaling)
         else:
             scale /= float(scaling)
+    multiplier = getattr(config, "lm_head_multiplier", None)
+    if multiplier not in (None, 1.0, False):
+        scale *= float(multiplier)
     if softcap in (None, 0, False) and scale == 1.0:
         return head, None
     if config is not model.config:

@@ -45,9 +45,35 @@ MAMBA2_FUNCS = frozenset({
     "causal_conv1d_forward", "causal_conv1d_fn", "causal_conv1d_update",
     "mamba_split_conv1d_scan_combined", "mamba2_scan_forward", "selective_state_update",
     "mamba_chunk_scan_combined"})
-# Layer classes whose whole forward was checked against one process (tests/dist/test_hf_recurrent.py).
+# Gated short convolutions (LFM2, LFM2-MoE, LFM3): B * x through the causal conv, times C;
+# the conv is the only token mixing.
+SHORT_CONV_FUNCS = frozenset({"causal_conv1d_forward", "causal_conv1d_fn", "causal_conv1d_update"})
+# Layer classes whose whole forward was checked against one process
+# (tests/dist/test_hf_recurrent.py): each mixes tokens only through its kernel functions.
 VERIFIED = {"Qwen3NextGatedDeltaNet": GATED_DELTA_NET_FUNCS,
-            "GraniteMoeHybridMambaLayer": MAMBA2_FUNCS}
+            # Qwen3.5 (dense and MoE): Qwen3-Next's layer with its projections split
+            # (in_proj_qkv, _z, _b, _a), the same kernel calls
+            "Qwen3_5GatedDeltaNet": GATED_DELTA_NET_FUNCS,
+            "Qwen3_5MoeGatedDeltaNet": GATED_DELTA_NET_FUNCS,
+            # OLMo hybrid: separate projections, a g_proj gate, beta scaled by 2; same kernels
+            "OlmoHybridGatedDeltaNet": GATED_DELTA_NET_FUNCS,
+            "GraniteMoeHybridMambaLayer": MAMBA2_FUNCS,
+            # Granite's Mamba-2 layer, forward line for line (Bamba's and Nemotron-H's)
+            "BambaMixer": MAMBA2_FUNCS, "NemotronHMamba2Mixer": MAMBA2_FUNCS,
+            # the same with per-channel multipliers on its input and projection (Falcon-H1,
+            # whose layers run it beside attention and add the two)
+            "FalconH1Mixer": MAMBA2_FUNCS,
+            # and Zamba2's, fed (in its "hybrid" layers) a shared attention block's output, per
+            # token through a linear layer
+            "Zamba2MambaMixer": MAMBA2_FUNCS,
+            # one ShortConv, three families
+            "Lfm2ShortConv": SHORT_CONV_FUNCS, "Lfm2MoeShortConv": SHORT_CONV_FUNCS,
+            "Lfm3ShortConv": SHORT_CONV_FUNCS}
+
+# What runs, in words (check_model_supported's refusal and the docs name it).
+RUNS = ("the gated DeltaNet of Qwen3-Next, Qwen3.5 (dense and MoE) and OLMo hybrid, the gated "
+        "short convolutions of LFM2, LFM2-MoE and LFM3, and the Mamba-2 of Granite 4 hybrids, "
+        "Bamba, Nemotron-H, Falcon-H1 and Zamba2")
 
 
 def _settings(layer: nn.Module) -> tuple[SequenceParallelSettings, str]:
@@ -144,7 +170,21 @@ def _kernel_funcs(module: nn.Module) -> dict[str, nn.Module]:
 def routable(module: nn.Module) -> bool:
     """Whether ``module`` is a recurrent layer this package runs sequence-parallel."""
     expected = VERIFIED.get(type(module).__name__)
-    return expected is not None and set(_kernel_funcs(module)) == expected
+    return (expected is not None and set(_kernel_funcs(module)) == expected
+            and not _forward_replaced(module))
+
+
+def _forward_replaced(module: nn.Module) -> bool:
+    # kernels' kernelize puts a hub layer's forward on the instance (classes that transformers
+    # marks use_kernel_forward_from_hub, e.g. Qwen3.5's gated DeltaNet): that forward calls
+    # none of the routed kernel functions, so it would run on a shard as if it were the whole
+    # sequence. (accelerate's hooks also set one, around the forward they found)
+    forward = module.__dict__.get("forward")
+    if forward is None:
+        return False
+    if hasattr(module, "_hf_hook"):
+        forward = module.__dict__.get("_old_forward", forward)
+    return getattr(forward, "__func__", None) is not type(module).forward
 
 
 def recurrent_layer_types(model: nn.Module, layer_types: list[str]) -> set[str]:
@@ -153,7 +193,14 @@ def recurrent_layer_types(model: nn.Module, layer_types: list[str]) -> set[str]:
     found: dict[int, bool] = {}
     for m in model.modules():
         index = getattr(m, "layer_idx", None)
+        if hasattr(m, "is_causal"):
+            continue  # an attention layer (its kernel functions, e.g. RoPE, mix no tokens)
         if isinstance(index, int) and _kernel_funcs(m):
+            if type(m).__name__ in VERIFIED and _forward_replaced(m):
+                raise ValueError(
+                    f"{type(m).__name__} (layer {index}) has its forward replaced (a hub kernel "
+                    "layer from kernels' kernelize / use_kernels=True), which does not run "
+                    "sequence-parallel: load the model without use_kernels")
             found[index] = found.get(index, True) and routable(m)
     kinds = {}
     for i, t in enumerate(layer_types):

@@ -1,6 +1,7 @@
 """Hybrid models (recurrent and attention layers) sequence-parallel against one process: a
-tiny Qwen3-Next (gated DeltaNet + attention), one training step's loss and every parameter
-gradient (summed over ranks), packed documents too. Run on each rank.
+tiny Qwen3-Next (gated DeltaNet + attention) and the families of HYBRIDS (Qwen3.5, OLMo
+hybrid, LFM2/LFM3, Granite 4, Bamba, Nemotron-H, Falcon-H1, Zamba2), one training step's loss
+and every parameter gradient (summed over ranks), packed documents too. Run on each rank.
 
 The reference runs in float64 (transformers' delta-rule kernel computes in float32 inside
 whatever the dtype). The decays are set mild (A in [0.14, 1.6], dt_bias 0): with the default
@@ -66,8 +67,13 @@ def check_qwen3_next(methods: list[str], piece: int = 2, chunked: bool = False) 
 def check_qwen3_next_documents(method: str, ring_degree: int | None = None):
     """Packed documents (position ids restarting; documents straddle the shards): equal to
     each document run alone from a zero state."""
+    return check_hybrid_documents("qwen3_next", method, ring_degree)
+
+
+def check_hybrid_documents(family: str, method: str, ring_degree: int | None = None):
+    """check_qwen3_next_documents for any family of HYBRIDS (or "qwen3_next")."""
     world = dist.get_world_size()
-    base = tiny_qwen3_next()
+    base = tiny_qwen3_next() if family == "qwen3_next" else tiny_hybrid(family)
     length = 2 * world * 5
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, base.config.vocab_size, (1, length + 1), generator=gen)
@@ -125,6 +131,91 @@ def check_granite_hybrid(methods: list[str], piece: int = 2) -> dict:
     for method in methods:
         ring_degree = 2 if method == "usp_attn" else None
         model, loss = sharded_loss(base, method, inputs, positions, targets, ring_degree, False)
+        report[method] = (abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+                          _grad_errors(model, ref))
+    return report
+
+
+# More hybrid families: (model type, config overrides on COMMON). Each mixes a recurrent layer
+# with an attention layer; MoE families with few experts.
+DELTA = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+             linear_value_head_dim=8, linear_conv_kernel_dim=4)
+HYBRIDS = {
+    "qwen3_5": ("qwen3_5_text", dict(layer_types=["linear_attention", "full_attention"], **DELTA)),
+    "qwen3_5_moe": ("qwen3_5_moe_text", dict(
+        layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16, **DELTA)),
+    # separate q/k/v/a/b/g projections; beta in [0, 2] (linear_allow_neg_eigval)
+    "olmo_hybrid": ("olmo_hybrid", dict(layer_types=["linear_attention", "full_attention"],
+                                        pad_token_id=0, eos_token_id=1,
+                                        linear_allow_neg_eigval=True, **DELTA)),
+    # gated short convolutions, kernel 4 (a halo of 3 against pieces of 2), with biases
+    "granite_hybrid": ("granitemoehybrid", GRANITE),
+    # Mamba-2 (Granite's layer under other names); Nemotron-H's MLP and MoE blocks too
+    "bamba": ("bamba", dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=8,
+                            mamba_expand=2, mamba_d_state=8, mamba_n_groups=2, mamba_d_conv=4,
+                            mamba_chunk_size=8)),
+    "falcon_h1": ("falcon_h1", dict(
+        mamba_n_heads=8, mamba_d_head=8, mamba_expand=2, mamba_d_state=8, mamba_n_groups=2,
+        mamba_d_ssm=64, mamba_d_conv=4, mamba_chunk_size=8, ssm_in_multiplier=0.7,
+        ssm_out_multiplier=1.3, key_multiplier=0.9, embedding_multiplier=1.1,
+        attention_in_multiplier=0.8, attention_out_multiplier=1.2, lm_head_multiplier=0.5)),
+    # Zamba2: a shared attention block (on [hidden, embeddings], with per-layer adapters) feeding
+    # the Mamba-2 of its "hybrid" layers
+    "zamba2": ("zamba2", dict(
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], num_hidden_layers=4,
+        head_dim=16, num_key_value_heads=4, n_mamba_heads=8, mamba_expand=2, mamba_d_state=8,
+        mamba_ngroups=2,
+        mamba_d_conv=4, chunk_size=8, use_mem_rope=True, use_shared_attention_adapter=True,
+        adapter_rank=4)),
+    "nemotron_h": ("nemotron_h", dict(
+        layer_types=["linear_attention", "moe", "full_attention", "mlp"], num_hidden_layers=4,
+        mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=8, n_groups=2, conv_kernel=4,
+        chunk_size=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        moe_shared_expert_intermediate_size=16)),
+    "lfm2": ("lfm2", dict(layer_types=["conv", "full_attention"], conv_L_cache=4,
+                          conv_bias=True, block_auto_adjust_ff_dim=False)),
+    "lfm2_moe": ("lfm2_moe", dict(layer_types=["conv", "full_attention"], conv_L_cache=4,
+                                  num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=16)),
+    "lfm3": ("lfm3", dict(layer_types=["conv", "sliding_attention", "full_attention"],
+                          num_hidden_layers=3, sliding_window=3, pad_token_id=0, bos_token_id=1,
+                          eos_token_id=2)),
+}
+
+
+def tiny_hybrid(family: str, seed: int = 0):
+    """A tiny model of ``HYBRIDS[family]``, mild decays (module docstring), in training mode
+    (a layer's training-only branch, e.g. Mamba-2's fused kernel, is taken)."""
+    model_type, overrides = HYBRIDS[family]
+    config = AutoConfig.for_model(model_type, **{**COMMON, **overrides})
+    torch.manual_seed(seed)
+    # eager experts: the grouped-matmul path takes no float64 (the reference)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                             experts_implementation="eager").float()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(getattr(m, "A_log", None), torch.Tensor) and \
+                    isinstance(getattr(m, "dt_bias", None), torch.Tensor):
+                m.A_log.copy_(torch.linspace(-2, 0.5, m.A_log.numel()).view_as(m.A_log))
+                m.dt_bias.zero_()
+    return model.train()
+
+
+def check_hybrid(family: str, methods: list[str], piece: int = 2, chunked: bool = False) -> dict:
+    """{method: (loss rel error, max grad rel error)} against float64 in one process
+    (``chunked``: the chunked loss, which applies the head's logit scaling itself)."""
+    world = dist.get_world_size()
+    base = tiny_hybrid(family)
+    inputs, positions, targets = make_batch(2 * world * piece, base.config.vocab_size)
+    ref = copy.deepcopy(base).double()
+    ref_loss = _loss64(ref, inputs, targets, positions) / (targets != -100).sum()
+    ref_loss.backward()
+    report = {}
+    for method in methods:
+        ring_degree = 2 if method == "usp_attn" else None
+        model, loss = sharded_loss(base, method, inputs, positions, targets, ring_degree,
+                                   chunked)
         report[method] = (abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
                           _grad_errors(model, ref))
     return report

@@ -1,13 +1,16 @@
-"""A hybrid model (tiny Qwen3-Next: gated DeltaNet and attention layers) trains
-sequence-parallel exactly: one step's loss and every parameter gradient within 1e-5 (fp32) of
-one process, for every method at 1 and 2 ranks (three at 4), pieces shorter than the conv halo, packed
-documents; unrouted recurrent layers are refused."""
+"""Hybrid models train sequence-parallel exactly: one step's loss and every parameter gradient
+within 1e-5 (fp32) of float64 in one process, for every method at 2 ranks (Qwen3-Next at 1 too;
+three methods at 4 for Qwen3-Next and LFM2), pieces shorter than the conv halo, packed documents
+(gated DeltaNet, short conv, Mamba-2); unrouted recurrent layers are refused. Families: gated
+DeltaNet (Qwen3-Next, Qwen3.5 dense and MoE, OLMo hybrid), short convolutions (LFM2, LFM2-MoE,
+LFM3), Mamba-2 (Granite 4, Bamba, Nemotron-H, Falcon-H1, Zamba2)."""
 
 import pytest
 
 import easy_context as ec
 
-from .hf_recurrent_cases import (check_granite_hybrid, check_qwen3_next,
+from .hf_recurrent_cases import (check_granite_hybrid, check_hybrid, check_hybrid_documents,
+                                 check_qwen3_next,
                                  check_qwen3_next_documents, check_unrouted_is_refused)
 
 TOL = 1e-5
@@ -47,3 +50,29 @@ def test_qwen3_next_packed_documents_2_ranks(dist2, method, ring_degree):
 def test_hybrid_switched_without_apply_is_refused(dist2):
     messages = dist2.run(check_unrouted_is_refused)
     assert all("apply_sequence_parallel" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "olmo_hybrid", "lfm2", "lfm2_moe",
+                                    "lfm3", "bamba", "nemotron_h", "falcon_h1", "zamba2"])
+def test_hybrid_family_every_method_2_ranks(dist2, family):
+    _assert_small(dist2.run(check_hybrid, family, sorted(ec.METHODS)))
+
+
+@pytest.mark.parametrize("family,method", [("lfm2", "zigzag_ring_attn"),
+                                           ("granite_hybrid", "ulysses_attn")])
+def test_hybrid_packed_documents_2_ranks(dist2, family, method):
+    # one family per kernel kind not covered above: short conv, Mamba-2
+    reports = dist2.run(check_hybrid_documents, family, method)
+    assert all(le <= TOL and ge <= TOL for le, ge in reports), reports
+
+
+@pytest.mark.slow
+def test_lfm2_4_ranks(dist4):
+    # pieces of 1 token (zigzag over 4 ranks): the short conv's halo of 3 spans 3 pieces
+    _assert_small(dist4.run(check_hybrid, "lfm2", ["zigzag_ring_attn", "ulysses_attn",
+                                                   "usp_attn"], 1))
+
+
+def test_falcon_h1_chunked_loss_2_ranks(dist2):
+    # the chunked loss scales the logits by lm_head_multiplier, as Falcon-H1's forward does
+    _assert_small(dist2.run(check_hybrid, "falcon_h1", ["zigzag_ring_attn"], 2, True))

@@ -1,0 +1,60 @@
+"""A hybrid whose recurrent layers are not routed (Jamba: Mamba-1) is refused by name, before
+any collective, with a message that names what does run (hf_recurrent.RUNS)."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from easy_context.integrations.hf import check_model_supported
+from easy_context.integrations.hf_recurrent import RUNS, VERIFIED
+
+
+def test_mamba1_hybrid_refused_by_name():
+    config = AutoConfig.for_model(
+        "jamba", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1,
+        expert_layer_period=2, expert_layer_offset=1, num_experts=2, mamba_d_state=8,
+        use_mamba_kernels=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError) as info:
+        check_model_supported(model)
+    message = str(info.value)
+    assert "JambaForCausalLM has layers that are not attention" in message
+    assert "layers [0]" in message and RUNS in message
+
+
+def test_runs_names_every_verified_family():
+    # the refusal names what runs: every verified layer class's family is in RUNS
+    families = {"Qwen3Next": "Qwen3-Next", "Qwen3_5": "Qwen3.5", "OlmoHybrid": "OLMo hybrid",
+                "Lfm2Moe": "LFM2-MoE", "Lfm2": "LFM2", "Lfm3": "LFM3",
+                "GraniteMoeHybrid": "Granite 4", "Bamba": "Bamba", "NemotronH": "Nemotron-H", "FalconH1": "Falcon-H1",
+                "Zamba2": "Zamba2"}
+    for name in VERIFIED:
+        prefix = max((p for p in families if name.startswith(p)), key=len, default=None)
+        assert prefix is not None and families[prefix] in RUNS, name
+
+
+def test_layer_forward_replaced_by_a_hub_kernel_is_refused():
+    # kernelize (use_kernels=True) sets a hub layer's forward on the instance, bypassing the
+    # kernel functions easy_context routes: refused, not run per shard
+    from types import MethodType
+
+    config = AutoConfig.for_model(
+        "qwen3_5_text", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+    model = AutoModelForCausalLM.from_config(config)
+    check_model_supported(model)  # as built: runs
+    layer = model.model.layers[0].linear_attn
+    layer.forward = MethodType(type(layer).forward, layer)  # the class's own: still runs
+    check_model_supported(model)
+
+    def hub_forward(self, hidden_states, **kwargs):  # stands in for a hub layer's forward
+        return hidden_states
+
+    layer.forward = MethodType(hub_forward, layer)  # what kernelize does
+    with pytest.raises(ValueError, match="Qwen3_5GatedDeltaNet \\(layer 0\\) has its forward "
+                                         "replaced"):
+        check_model_supported(model)
