@@ -43,13 +43,13 @@ import torch  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 
-# what the classification depends on: the integration and its refusals, the methods, the
-# loss, max-length mode and generation
-MEASURES = ["easy_context/integrations/hf.py", "easy_context/utils/decoder.py",
-            "easy_context/parallel", "easy_context/attention",
+# what the classification depends on: the integration and its refusals (hybrid layers'
+# routing, whole-sequence hooks), the methods, the recurrent scans, the loss, max-length mode
+# (its layer checks) and generation
+MEASURES = ["easy_context/integrations", "easy_context/utils/decoder.py",
+            "easy_context/parallel", "easy_context/attention", "easy_context/recurrent",
             "easy_context/sequence_parallel.py", "easy_context/layouts.py",
-            "easy_context/memory/loss.py", "easy_context/memory/maxlen.py",
-            "easy_context/memory/fused_layer.py", "easy_context/generation"]
+            "easy_context/memory", "easy_context/generation"]
 METHODS = ("zigzag_ring_attn", "ulysses_attn")
 TOL = 1e-5
 GRAD_FLOOR = 1e-3
