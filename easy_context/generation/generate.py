@@ -26,9 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..integrations.hf import (KV_CACHE_KWARG, RESCALING_ROPE, apply_sequence_parallel,
+from ..integrations.hf import (ATTENTION_LAYER_TYPES, KV_CACHE_KWARG, PER_TOKEN_LAYER_TYPES,
+                                RESCALING_ROPE, apply_sequence_parallel,
                                 between_decoder_and_head, generation_defaults, output_head,
                                 rope_types)
+from ..integrations.hf_recurrent import stateful_layers
 from ..mesh import group_size, process_group
 from ..parallel import get_method
 from ..parallel.comm import gather_shards
@@ -256,6 +258,17 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
 
     if max_length_settings(model) is not None:
         raise ValueError("generate runs the plain layers: load the model without max-length mode")
+    config = text_config(model.config)
+    types = {str(t) for t in getattr(config, "layer_types", None) or []}
+    stateful = stateful_layers(model) or sorted(
+        types - ATTENTION_LAYER_TYPES - PER_TOKEN_LAYER_TYPES - {"attention"})
+    if stateful:
+        # the sharded cache keeps attention's keys and values; a recurrent layer would decode
+        # each new token from no state (a silently different model)
+        raise ValueError(f"{type(model).__name__} has layers that carry a recurrent or "
+                         f"convolution state ({', '.join(stateful)}), which easy_context.generate "
+                         "does not cache: generate in one process with model.generate "
+                         "(training runs sequence-parallel)")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None or between_decoder_and_head(model, head):
         raise ValueError(f"{type(model).__name__}'s logits are not its output head applied to "

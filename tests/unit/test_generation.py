@@ -264,3 +264,18 @@ def test_generate_leaves_no_inference_tensors():
     ids, mask = _left_padded()
     out = ec.generate(model, ids, attention_mask=mask, method="local", max_new_tokens=3)
     assert not out.is_inference()
+
+
+@pytest.mark.parametrize("family", ["lfm2", "qwen3_next"])
+def test_models_with_recurrent_state_are_refused(family):
+    """The sharded cache holds attention's keys and values only: a short-convolution (LFM2) or
+    gated DeltaNet (Qwen3-Next) layer would decode each new token from no state. Before this
+    refusal generate failed inside the layers: here with the routing's "pass use_cache=False"
+    (no flag of generate's), and in the families sweep (Falcon-H1, Nemotron-H, OLMo hybrid
+    at 2 ranks) with a raw RuntimeError from the convolution."""
+    from tests.dist.hf_recurrent_cases import tiny_hybrid, tiny_qwen3_next
+
+    model = (tiny_hybrid("lfm2") if family == "lfm2" else tiny_qwen3_next()).eval()
+    ids = torch.randint(3, 50, (1, 12))
+    with pytest.raises(ValueError, match="carry a recurrent or convolution state"):
+        ec.generate(model, ids, method="local", max_new_tokens=4)
