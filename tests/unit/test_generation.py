@@ -270,9 +270,10 @@ def test_generate_leaves_no_inference_tensors():
 def test_models_with_recurrent_state_are_refused(family):
     """The sharded cache holds attention's keys and values only: a short-convolution (LFM2) or
     gated DeltaNet (Qwen3-Next) layer would decode each new token from no state. Before this
-    refusal generate failed inside the layers: here with the routing's "pass use_cache=False"
-    (no flag of generate's), and in the families sweep (Falcon-H1, Nemotron-H, OLMo hybrid
-    at 2 ranks) with a raw RuntimeError from the convolution."""
+    refusal, one rank, one of these two ran without any error and the other failed inside its
+    layers (the routing's "pass use_cache=False", no flag of generate's); at 2 ranks the
+    families sweep saw Falcon-H1, Nemotron-H and OLMo hybrid fail with a raw RuntimeError
+    from the convolution."""
     from tests.dist.hf_recurrent_cases import tiny_hybrid, tiny_qwen3_next
 
     model = (tiny_hybrid("lfm2") if family == "lfm2" else tiny_qwen3_next()).eval()
