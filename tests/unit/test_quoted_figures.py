@@ -653,3 +653,19 @@ def test_cuda_page_names_the_gpu_files_commits_and_staleness():
             assert "STALE.json" in text
     for commit, stems in by_commit.items():
         assert f"{commit} ({', '.join(stems)})" in text, (commit, stems)
+
+
+def test_loss_chunks_table():
+    """docs/benchmarks.md's loss-chunks table and its ratio sentence are the results file's."""
+    d = _results("loss_chunks.json")
+    page = _text("docs/benchmarks.md")
+    for r in d["rows"]:
+        t = r["time_ratio_to_rows_130_product"]
+        assert (f"| {r['contender']} | {r['chunks']} | {r['time_s']['median']:.2f} | "
+                f"{t['median']:.3f}x ({t['min']:.3f}-{t['max']:.3f}) |") in page
+    rows = {r["contender"]: r for r in d["rows"]}
+    ratio = rows["rows-2048-gemm"]["time_ratio_to_rows_130_product"]["median"]
+    assert f"2,048-row chunks take {ratio:.2f}x the time of 130-row ones here" in page
+    worst = max(r["max_rel_error_to_rows_130_product"] for r in d["rows"])
+    assert f"agree within {worst:.1e} relative" in page and worst < 1e-5
+    assert f"rounds at commit {d['machine']['git_commit']}" in page
