@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..integrations.hf import (ATTENTION_LAYER_TYPES, KV_CACHE_KWARG, PER_TOKEN_LAYER_TYPES,
-                                RESCALING_ROPE, apply_sequence_parallel,
-                                between_decoder_and_head, generation_defaults, output_head,
-                                rope_types)
+from ..integrations.hf import (KV_CACHE_KWARG, RESCALING_ROPE, apply_sequence_parallel,
+                                between_decoder_and_head, config_layer_types,
+                                generation_defaults, output_head, rope_types,
+                                token_mixing_types)
 from ..integrations.hf_recurrent import stateful_layers
 from ..mesh import group_size, process_group
 from ..parallel import get_method
@@ -258,10 +258,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
 
     if max_length_settings(model) is not None:
         raise ValueError("generate runs the plain layers: load the model without max-length mode")
-    config = text_config(model.config)
-    types = {str(t) for t in getattr(config, "layer_types", None) or []}
     stateful = stateful_layers(model) or sorted(
-        types - ATTENTION_LAYER_TYPES - PER_TOKEN_LAYER_TYPES - {"attention"})
+        token_mixing_types(config_layer_types(text_config(model.config))))
     if stateful:
         # the sharded cache keeps attention's keys and values; a recurrent layer would decode
         # each new token from no state (a silently different model)

@@ -67,8 +67,9 @@ def _needs_apply(module: nn.Module, method: str) -> str | None:
     apply_sequence_parallel) would run silently wrong: what it derives from the call's length
     is taken from the whole sequence only by the hooks apply_sequence_parallel installs."""
     what = None
-    types = set(map(str, getattr(getattr(module, "config", None), "layer_types", None) or []))
-    if get_method(method).layout != "whole" and types - ATTENTION_LAYER_TYPES - {"attention"}:
+    config = getattr(module, "config", None)
+    if get_method(method).layout != "whole" and config is not None and token_mixing_types(
+            config_layer_types(config)):
         what = ("has layers that are not attention, which would run on each shard as if it "
                 "were the whole sequence")
     elif getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
@@ -188,6 +189,19 @@ def rope_types(config) -> set[str]:
 PER_TOKEN_LAYER_TYPES = frozenset({"mlp", "moe"})
 
 
+def config_layer_types(config) -> list[str]:
+    """The kind of each layer of a (text) config: ``layer_types``, or Jamba-style
+    ``layers_block_type``; [] when the config names none (every layer attention)."""
+    types = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
+    return [str(t) for t in types or []]
+
+
+def token_mixing_types(layer_types: list[str]) -> set[str]:
+    """Of ``layer_types``, the kinds that mix tokens without being attention (recurrent
+    mixers, convolutions): they carry state along the sequence."""
+    return set(layer_types) - ATTENTION_LAYER_TYPES - {"attention"} - PER_TOKEN_LAYER_TYPES
+
+
 def check_model_supported(model: nn.Module) -> None:
     """Raise a ValueError naming the reason when ``model`` cannot run sequence-parallel.
 
@@ -197,12 +211,8 @@ def check_model_supported(model: nn.Module) -> None:
     them); the others (Mamba-1, KDA, ...) are refused by name. So are models whose attention
     does not go through transformers' attention interface, and decoders that take no
     ``position_ids`` (BART-style: positions from the shard's own length)."""
-    config = _text_config(model)
-    layer_types = list(getattr(config, "layer_types", None) or [])
-    if not layer_types and getattr(config, "layers_block_type", None):
-        layer_types = list(config.layers_block_type)  # Jamba-style configs
-    other = sorted({str(t) for t in layer_types} - ATTENTION_LAYER_TYPES - {"attention"}
-                   - PER_TOKEN_LAYER_TYPES
+    layer_types = config_layer_types(_text_config(model))
+    other = sorted(token_mixing_types(layer_types)
                    - recurrent_layer_types(model, layer_types))  # hf_recurrent.py routes those
     if other:
         layers = [i for i, t in enumerate(layer_types) if str(t) in other]

@@ -49,8 +49,13 @@ def _loss64(model, inputs, targets, positions) -> torch.Tensor:
 def check_qwen3_next(methods: list[str], piece: int = 2, chunked: bool = False) -> dict:
     """{method: (loss rel error, max grad rel error)}; zigzag pieces of ``piece`` tokens
     (2: shorter than the conv's halo of 3)."""
+    return _every_method(tiny_qwen3_next(), methods, piece, chunked)
+
+
+def _every_method(base, methods: list[str], piece: int, chunked: bool) -> dict:
+    """{method: (loss rel error, max grad rel error)}: one step of ``base`` sharded by each
+    method (pieces of ``piece`` tokens) against the same step in float64 in one process."""
     world = dist.get_world_size()
-    base = tiny_qwen3_next()
     inputs, positions, targets = make_batch(2 * world * piece, base.config.vocab_size)
     ref = copy.deepcopy(base).double()
     ref_loss = _loss64(ref, inputs, targets, positions) / (targets != -100).sum()
@@ -120,20 +125,9 @@ def tiny_granite_hybrid(seed: int = 0):
 
 def check_granite_hybrid(methods: list[str], piece: int = 2) -> dict:
     """{method: (loss rel error, max grad rel error)} against float64 in one process."""
-    world = dist.get_world_size()
     base = tiny_granite_hybrid()
     base.train()  # the fused-kernel branch is taken in training only: it must decline
-    inputs, positions, targets = make_batch(2 * world * piece, base.config.vocab_size)
-    ref = copy.deepcopy(base).double()
-    ref_loss = _loss64(ref, inputs, targets, positions) / (targets != -100).sum()
-    ref_loss.backward()
-    report = {}
-    for method in methods:
-        ring_degree = 2 if method == "usp_attn" else None
-        model, loss = sharded_loss(base, method, inputs, positions, targets, ring_degree, False)
-        report[method] = (abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
-                          _grad_errors(model, ref))
-    return report
+    return _every_method(base, methods, piece, False)
 
 
 # More hybrid families: (model type, config overrides on COMMON). Each mixes a recurrent layer
@@ -205,17 +199,4 @@ def tiny_hybrid(family: str, seed: int = 0):
 def check_hybrid(family: str, methods: list[str], piece: int = 2, chunked: bool = False) -> dict:
     """{method: (loss rel error, max grad rel error)} against float64 in one process
     (``chunked``: the chunked loss, which applies the head's logit scaling itself)."""
-    world = dist.get_world_size()
-    base = tiny_hybrid(family)
-    inputs, positions, targets = make_batch(2 * world * piece, base.config.vocab_size)
-    ref = copy.deepcopy(base).double()
-    ref_loss = _loss64(ref, inputs, targets, positions) / (targets != -100).sum()
-    ref_loss.backward()
-    report = {}
-    for method in methods:
-        ring_degree = 2 if method == "usp_attn" else None
-        model, loss = sharded_loss(base, method, inputs, positions, targets, ring_degree,
-                                   chunked)
-        report[method] = (abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
-                          _grad_errors(model, ref))
-    return report
+    return _every_method(tiny_hybrid(family), methods, piece, chunked)
