@@ -208,7 +208,7 @@ def check_model_supported(model: nn.Module) -> None:
     Every attention layer can (full, sliding-window, chunked; soft-capped, with sinks, with
     its own value head dim). Layers that are not softmax attention carry state along the
     sequence: those hf_recurrent.py routes to easy_context.recurrent run (its ``RUNS`` names
-    them); the others (Mamba-1, KDA, ...) are refused by name. So are models whose attention
+    them); the others (MiniMax's lightning attention, ...) are refused by name. So are models whose attention
     does not go through transformers' attention interface, and decoders that take no
     ``position_ids`` (BART-style: positions from the shard's own length)."""
     layer_types = config_layer_types(_text_config(model))

@@ -18,6 +18,7 @@ shows, so each new family is added with its test.
 
 from __future__ import annotations
 
+from functools import partial
 from types import MethodType
 from typing import Callable
 
@@ -29,9 +30,12 @@ from ..parallel.settings import SequenceParallelSettings, module_settings, store
 from ..recurrent.conv import causal_conv1d
 from ..recurrent.delta_rule import chunk_gated_delta_rule
 from ..recurrent.mamba2 import mamba2_chunk_scan
+from ..recurrent.selective_scan import selective_scan
 
 Tensor = torch.Tensor
 _ORIGINAL = "_easy_context_original_forward"
+_DOCUMENTS = "_easy_context_document_ids"  # what the layer's caller got (_record_documents)
+_RECORDER = "_easy_context_documents_hook"
 
 # Gated DeltaNet (Qwen3-Next): the functions its forward calls, by the name transformers
 # lists them under; the ones a training forward (no cache) never reaches raise.
@@ -45,6 +49,16 @@ MAMBA2_FUNCS = frozenset({
     "causal_conv1d_forward", "causal_conv1d_fn", "causal_conv1d_update",
     "mamba_split_conv1d_scan_combined", "mamba2_scan_forward", "selective_state_update",
     "mamba_chunk_scan_combined"})
+# Kimi Delta Attention (Kimi Linear): the gated delta rule with a per-channel gate g (B, S, H,
+# d_k), the same call (chunk_kda / fused_recurrent_kda, fla's names), the same scan.
+KDA_FUNCS = frozenset({
+    "chunk_kda", "fused_recurrent_kda",
+    "causal_conv1d_forward", "causal_conv1d_fn", "causal_conv1d_update"})
+# Mamba-1 (Jamba): the conv, then mamba_scan_forward, which calls the selective scan
+# (selective_scan_fn, mamba-ssm's name); the per-step update is a cached decode.
+MAMBA1_FUNCS = frozenset({
+    "causal_conv1d_forward", "causal_conv1d_fn", "causal_conv1d_update",
+    "mamba_scan_forward", "selective_scan_fn", "selective_state_update"})
 # Gated short convolutions (LFM2, LFM2-MoE, LFM3): B * x through the causal conv, times C;
 # the conv is the only token mixing.
 SHORT_CONV_FUNCS = frozenset({"causal_conv1d_forward", "causal_conv1d_fn", "causal_conv1d_update"})
@@ -66,14 +80,18 @@ VERIFIED = {"Qwen3NextGatedDeltaNet": GATED_DELTA_NET_FUNCS,
             # and Zamba2's, fed (in its "hybrid" layers) a shared attention block's output, per
             # token through a linear layer
             "Zamba2MambaMixer": MAMBA2_FUNCS,
+            # Kimi Linear's KDA: q, k, v each through the conv, a per-channel forget gate
+            "KimiLinearDeltaAttention": KDA_FUNCS,
+            # Jamba's Mamba-1 (its decoder layer passes the mixer no kwargs: _record_documents)
+            "JambaMambaMixer": MAMBA1_FUNCS,
             # one ShortConv, three families
             "Lfm2ShortConv": SHORT_CONV_FUNCS, "Lfm2MoeShortConv": SHORT_CONV_FUNCS,
             "Lfm3ShortConv": SHORT_CONV_FUNCS}
 
 # What runs, in words (check_model_supported's refusal and the docs name it).
-RUNS = ("the gated DeltaNet of Qwen3-Next, Qwen3.5 (dense and MoE) and OLMo hybrid, the gated "
-        "short convolutions of LFM2, LFM2-MoE and LFM3, and the Mamba-2 of Granite 4 hybrids, "
-        "Bamba, Nemotron-H, Falcon-H1 and Zamba2")
+RUNS = ("the gated DeltaNet of Qwen3-Next, Qwen3.5 (dense and MoE) and OLMo hybrid, the KDA of "
+        "Kimi Linear, the gated short convolutions of LFM2, LFM2-MoE and LFM3, the Mamba-2 of "
+        "Granite 4 hybrids, Bamba, Nemotron-H, Falcon-H1 and Zamba2, and the Mamba-1 of Jamba")
 
 
 def _settings(layer: nn.Module) -> tuple[SequenceParallelSettings, str]:
@@ -81,13 +99,33 @@ def _settings(layer: nn.Module) -> tuple[SequenceParallelSettings, str]:
     return settings, get_method(settings.method).layout
 
 
-def _delta_rule(layer: nn.Module, originals: dict[str, Callable]):
-    kernel = originals["chunk_gated_delta_rule"]
+def _documents(layer: nn.Module, document_ids: Tensor | None) -> Tensor | None:
+    """The call's document_ids, or else those the layer's caller got (_record_documents)."""
+    if document_ids is not None:
+        return document_ids
+    recorded = layer.__dict__.get(_DOCUMENTS)
+    if recorded is None:
+        return None
+    ids, caller = recorded
+    if caller.training and getattr(caller, "gradient_checkpointing", False) \
+            and torch.is_grad_enabled():
+        # the checkpointed recompute runs the caller's forward without its hooks: it would
+        # read whichever ids the caller got last, not necessarily this forward's
+        raise ValueError(
+            f"{type(caller).__name__} calls its {type(layer).__name__} without the "
+            "document_ids it got, which gradient checkpointing cannot replay: turn gradient "
+            "checkpointing off, or train on unpacked sequences")
+    return ids
+
+
+def _delta_rule(name: str, layer: nn.Module, originals: dict[str, Callable]):
+    kernel = originals[name]  # chunk_gated_delta_rule, or KDA's chunk_kda (a per-channel g)
 
     def forward(query, key, value, g, beta, chunk_size: int | None = None, initial_state=None,
                 output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
                 document_ids: Tensor | None = None, **kwargs):
         settings, layout = _settings(layer)
+        document_ids = _documents(layer, document_ids)
         if initial_state is not None or output_final_state:
             raise ValueError(f"{settings.method}: recurrent layers run sequence-parallel without "
                              "a cache (training, loss evaluation): pass use_cache=False")
@@ -105,6 +143,7 @@ def _conv(layer: nn.Module, originals: dict[str, Callable]):
                 activation: str | None = None, state_idx: int = 0,
                 document_ids: Tensor | None = None, **kwargs):
         settings, layout = _settings(layer)
+        document_ids = _documents(layer, document_ids)
         if cache is not None:
             raise ValueError(f"{settings.method}: recurrent layers run sequence-parallel without "
                              "a cache (training, loss evaluation): pass use_cache=False")
@@ -125,6 +164,7 @@ def _mamba2_scan(layer: nn.Module, originals: dict[str, Callable]):
                 cache=None, document_ids: Tensor | None = None, **kwargs):
         # hidden_states (B, S, H * P), B and C (B, S, G * N), dt (B, S, H)
         settings, layout = _settings(layer)
+        document_ids = _documents(layer, document_ids)
         if cache is not None:
             raise ValueError(f"{settings.method}: recurrent layers run sequence-parallel without "
                              "a cache (training, loss evaluation): pass use_cache=False")
@@ -138,6 +178,30 @@ def _mamba2_scan(layer: nn.Module, originals: dict[str, Callable]):
             dt_limit=module.time_step_limit, kernel=kernel, group=settings.group,
             layout=layout, ring_degree=settings.ring_degree, document_ids=document_ids)
         return y.reshape(b, length, -1)
+
+    return forward
+
+
+def _selective_scan(layer: nn.Module, originals: dict[str, Callable]):
+    kernel = originals["selective_scan_fn"]
+
+    def forward(module: nn.Module, hidden_states: Tensor, time_step: Tensor, B: Tensor,
+                C: Tensor, gate: Tensor, cache=None, document_ids: Tensor | None = None,
+                **kwargs):
+        # hidden_states, time_step (before dt_proj's bias), gate (B, D, S); B, C (B, S, N)
+        settings, layout = _settings(layer)
+        if cache is not None:
+            raise ValueError(f"{settings.method}: recurrent layers run sequence-parallel without "
+                             "a cache (training, loss evaluation): pass use_cache=False")
+        bias = module.dt_proj.bias
+        # the layer's own call (transformers' mamba_scan_forward), on the shard
+        return selective_scan(
+            hidden_states, time_step, -torch.exp(module.A_log.float()), B.transpose(1, 2),
+            C.transpose(1, 2), D=module.D.float(), z=gate,
+            delta_bias=None if bias is None else bias.float(), delta_softplus=True,
+            kernel=kernel, group=settings.group, layout=layout,
+            ring_degree=settings.ring_degree, document_ids=_documents(layer, document_ids),
+            use_mambapy=module.use_mambapy, use_associative_scan=module.use_associative_scan)
 
     return forward
 
@@ -158,8 +222,10 @@ def _refuse(layer: nn.Module, name: str):
 
 # name -> (layer, every listed function's original forward by name) -> the routed forward
 ROUTES: dict[str, Callable[[nn.Module, dict[str, Callable]], Callable]] = {
-    "chunk_gated_delta_rule": _delta_rule, "causal_conv1d_forward": _conv,
-    "mamba2_scan_forward": _mamba2_scan, "mamba_split_conv1d_scan_combined": _decline}
+    "chunk_gated_delta_rule": partial(_delta_rule, "chunk_gated_delta_rule"),
+    "chunk_kda": partial(_delta_rule, "chunk_kda"), "causal_conv1d_forward": _conv,
+    "mamba2_scan_forward": _mamba2_scan, "mamba_scan_forward": _selective_scan,
+    "mamba_split_conv1d_scan_combined": _decline}
 
 
 def _kernel_funcs(module: nn.Module) -> dict[str, nn.Module]:
@@ -217,14 +283,33 @@ def recurrent_layer_types(model: nn.Module, layer_types: list[str]) -> set[str]:
     return {t for t, ok in kinds.items() if ok}
 
 
+def _record_documents(caller: nn.Module, layer: nn.Module) -> None:
+    """Some callers pass their recurrent layer none of the keyword arguments they got (Jamba's
+    decoder layer: ``self.mamba(hidden_states=..., cache=..., attention_mask=...)``), so a
+    model's ``document_ids`` would never reach the kernel functions and a packed batch would
+    run as one document. A pre-hook on the caller records the ids it got (None when none:
+    never a previous call's) on the layer, where the routed functions read them when their
+    call brings none (_documents)."""
+    if _RECORDER in layer.__dict__:
+        return
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        layer.__dict__[_DOCUMENTS] = (kwargs.get("document_ids"), module)
+
+    layer.__dict__[_RECORDER] = caller.register_forward_pre_hook(hook, with_kwargs=True)
+
+
 def route_recurrent_layers(model: nn.Module, settings: SequenceParallelSettings) -> int:
     """Store ``settings`` on every routable layer and route its kernel functions (again:
     the new settings count). Returns the number of layers routed."""
     count = 0
+    callers = {child: parent for parent in model.modules() for child in parent.children()}
     for m in model.modules():
         if not routable(m):
             continue
         store_settings(m, settings)
+        if m in callers:
+            _record_documents(callers[m], m)
         originals = {}
         for name, wrapper in _kernel_funcs(m).items():
             if _ORIGINAL not in wrapper.__dict__:  # what it ran before (kernelize may have set it)

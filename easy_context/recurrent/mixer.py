@@ -14,7 +14,10 @@ Bytes, per layer and per sequence (batch row), that one rank sends, forward and 
   their gradients reduce-scattered in backward: ``2 (N-1) P |A + B| 4``, P the rank's pieces
   (1 contiguous, 2 zigzag, 1-2 usp). Gated delta rule: ``|A + B| = H_v d_k (d_k + d_v)``;
   Mamba-2: ``H N (N + P_h)`` (N the state size, P_h the head dim: the scalar decay kept as an
-  N x N matrix, so that any kernel with initial and final states serves unchanged).
+  N x N matrix, so that any kernel with initial and final states serves unchanged); KDA
+  (Kimi Linear), the gated delta rule with a per-channel gate: ``H d_k (d_k + d_v)``;
+  Mamba-1 (Jamba, selective_scan.py): ``2 D N`` (D = d_inner channels: an elementwise decay
+  and an offset per channel and state entry).
 - causal conv halo (conv.py): each piece's last K-1 inputs, gathered in forward, their
   gradients reduce-scattered in backward: ``2 (N-1) P C (K-1) a`` (C channels, a bytes per
   element).
@@ -35,6 +38,7 @@ from typing import Callable, NamedTuple
 from .conv import causal_conv1d
 from .delta_rule import chunk_gated_delta_rule
 from .mamba2 import mamba2_chunk_scan
+from .selective_scan import selective_scan
 
 INDEX_BYTES = 8
 
@@ -80,6 +84,16 @@ def _mamba2_dims(heads: int, head_dim: int, groups: int, state: int,
                      conv_kernel)
 
 
+def _kda_dims(heads: int, dk: int, dv: int, conv_kernel: int) -> MixerDims:
+    # KDA: one head count for q, k and v (the conv runs over all three)
+    return _delta_dims(heads, heads, dk, dv, conv_kernel)
+
+
+def _selective_dims(channels: int, state: int, conv_kernel: int) -> MixerDims:
+    # a (D, N) decay and a (D, N) offset per piece; the conv runs over the D scan inputs
+    return MixerDims(2 * channels * state, channels, conv_kernel)
+
+
 def _conv_dims(channels: int, conv_kernel: int) -> MixerDims:
     return MixerDims(0, channels, conv_kernel)
 
@@ -91,8 +105,15 @@ GATED_DELTA_NET = Mixer(
 MAMBA2 = Mixer(
     "mamba2", "Mamba-2 (Bamba, Granite 4 hybrids, Nemotron-H, Falcon-H1, Zamba2): causal conv, "
     "then the SSD scan; a scalar decay per head", mamba2_chunk_scan, _mamba2_dims)
+KDA = Mixer(
+    "kda", "Kimi Delta Attention (Kimi Linear): causal conv, then the gated delta rule with a "
+    "per-channel gate; d_k x d_k transition per head", chunk_gated_delta_rule, _kda_dims)
+MAMBA1 = Mixer(
+    "mamba1", "Mamba-1 (Jamba): causal conv, then the selective scan; a decay per channel and "
+    "state entry, elementwise", selective_scan, _selective_dims)
 SHORT_CONV = Mixer(
     "short_conv", "short gated causal convolutions (LFM2): the halo only", None, _conv_dims)
 
-MIXERS: dict[str, Mixer] = {m.name: m for m in (GATED_DELTA_NET, MAMBA2, SHORT_CONV)}
+MIXERS: dict[str, Mixer] = {m.name: m for m in (GATED_DELTA_NET, MAMBA2, KDA, MAMBA1,
+                                                 SHORT_CONV)}
 CONV = causal_conv1d

@@ -1,6 +1,6 @@
 """Hybrid models (recurrent and attention layers) sequence-parallel against one process: a
 tiny Qwen3-Next (gated DeltaNet + attention) and the families of HYBRIDS (Qwen3.5, OLMo
-hybrid, LFM2/LFM3, Granite 4, Bamba, Nemotron-H, Falcon-H1, Zamba2), one training step's loss
+hybrid, Kimi Linear, LFM2/LFM3, Granite 4, Bamba, Nemotron-H, Falcon-H1, Zamba2, Jamba), one training step's loss
 and every parameter gradient (summed over ranks), packed documents too. Run on each rank.
 
 The reference runs in float64 (transformers' delta-rule kernel computes in float32 inside
@@ -167,6 +167,20 @@ HYBRIDS = {
         mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=8, n_groups=2, conv_kernel=4,
         chunk_size=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
         moe_shared_expert_intermediate_size=16)),
+    # Jamba: Mamba-1 (selective scan, a (d_inner, N) decay) on layers 0 and 2, attention on 1
+    # and 3, MoE on the odd layers; conv kernel 4 against pieces of 2
+    "jamba": ("jamba", dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1,
+                            expert_layer_period=2, expert_layer_offset=1, num_experts=4,
+                            num_experts_per_tok=2, mamba_d_state=4, mamba_d_conv=4,
+                            mamba_expand=2, mamba_dt_rank=4)),
+    # Kimi Linear: KDA (the gated delta rule with a per-channel gate) and MLA attention
+    "kimi_linear": ("kimi_linear", dict(
+        layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
+        linear_num_heads=4, linear_head_dim=8, linear_conv_kernel_dim=4, kv_lora_rank=16,
+        num_key_value_heads=4,  # MLA: a key and value per query head
+        qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, num_local_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)),
     "lfm2": ("lfm2", dict(layer_types=["conv", "full_attention"], conv_L_cache=4,
                           conv_bias=True, block_auto_adjust_ff_dim=False)),
     "lfm2_moe": ("lfm2_moe", dict(layer_types=["conv", "full_attention"], conv_L_cache=4,
@@ -200,3 +214,18 @@ def check_hybrid(family: str, methods: list[str], piece: int = 2, chunked: bool 
     """{method: (loss rel error, max grad rel error)} against float64 in one process
     (``chunked``: the chunked loss, which applies the head's logit scaling itself)."""
     return _every_method(tiny_hybrid(family), methods, piece, chunked)
+
+
+def check_recorded_documents_under_checkpointing(family: str = "jamba") -> str:
+    """Packed documents with gradient checkpointing on a family whose decoder layer calls its
+    recurrent layer without the document ids (Jamba): refused, not run on stale ids."""
+    world = dist.get_world_size()
+    base = tiny_hybrid(family)
+    base.gradient_checkpointing_enable()
+    inputs, _, targets = make_batch(2 * world * 4, base.config.vocab_size)
+    positions = torch.cat([torch.arange(5), torch.arange(inputs.size(1) - 5)])[None]
+    try:
+        sharded_loss(base, "zigzag_ring_attn", inputs, positions, targets)
+    except ValueError as e:
+        return str(e)
+    return "ran"

@@ -173,3 +173,41 @@ def check_conv(layout: str, ring_degree: int | None, piece: int, kernel_size: in
 
     return _compare(layout, ring_degree, full, params, reference, distributed, seq_dim=2,
                     documents=documents, seed=seed)
+
+
+def check_selective_scan(layout: str, ring_degree: int | None, piece: int, documents: bool,
+                         seed: int = 0, standin: bool = False) -> dict:
+    """Mamba-1 (Jamba): inputs channel-major, (B, D, L) and (B, N, L); ``standin``: through
+    the stand-in with mamba-ssm's signature (its last state carries no gradient)."""
+    from transformers.models.jamba.modeling_jamba import mamba_selective_scan as kernel
+
+    from easy_context.recurrent.selective_scan import selective_scan
+
+    if standin:
+        from tests.unit.recurrent_standins import selective_scan_fn as kernel  # noqa: F811
+
+    world = dist.get_world_size()
+    length = layouts.required_multiple(layout, world, ring_degree) * piece
+    b, d, n = 2, 6, 4
+    gen = torch.Generator().manual_seed(seed)
+    full = {"u": torch.randn(b, d, length, generator=gen),
+            "delta": torch.randn(b, d, length, generator=gen),
+            "B": torch.randn(b, n, length, generator=gen),
+            "C": torch.randn(b, n, length, generator=gen),
+            "z": torch.randn(b, d, length, generator=gen)}
+    params = {"A": -torch.rand(d, n, generator=gen) - 0.2, "D": torch.randn(d, generator=gen),
+              "delta_bias": torch.randn(d, generator=gen)}
+
+    def reference(t, prm, ids):
+        return per_document(lambda s: kernel(s["u"], s["delta"], prm["A"], s["B"], s["C"],
+                                             D=prm["D"], z=s["z"], delta_bias=prm["delta_bias"],
+                                             delta_softplus=True), t, ids, cat_dim=2)
+
+    def distributed(t, prm, ids):
+        return selective_scan(t["u"], t["delta"], prm["A"], t["B"], t["C"], D=prm["D"],
+                              z=t["z"], delta_bias=prm["delta_bias"], delta_softplus=True,
+                              kernel=kernel, layout=layout, ring_degree=ring_degree,
+                              document_ids=ids)
+
+    return _compare(layout, ring_degree, full, params, reference, distributed, seq_dim=2,
+                    documents=documents, seed=seed)

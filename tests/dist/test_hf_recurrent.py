@@ -3,14 +3,15 @@ within 1e-5 (fp32) of float64 in one process, for every method at 2 ranks (Qwen3
 three methods at 4 for Qwen3-Next and LFM2), pieces shorter than the conv halo, packed documents
 (gated DeltaNet, short conv, Mamba-2); unrouted recurrent layers are refused. Families: gated
 DeltaNet (Qwen3-Next, Qwen3.5 dense and MoE, OLMo hybrid), short convolutions (LFM2, LFM2-MoE,
-LFM3), Mamba-2 (Granite 4, Bamba, Nemotron-H, Falcon-H1, Zamba2)."""
+LFM3), Mamba-2 (Granite 4, Bamba, Nemotron-H, Falcon-H1, Zamba2), KDA (Kimi Linear), Mamba-1
+(Jamba: every method at 1, 2 and 4 ranks, as Kimi Linear)."""
 
 import pytest
 
 import easy_context as ec
 
 from .hf_recurrent_cases import (check_granite_hybrid, check_hybrid, check_hybrid_documents,
-                                 check_qwen3_next,
+                                 check_qwen3_next, check_recorded_documents_under_checkpointing,
                                  check_qwen3_next_documents, check_unrouted_is_refused)
 
 TOL = 1e-5
@@ -53,16 +54,21 @@ def test_hybrid_switched_without_apply_is_refused(dist2):
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "olmo_hybrid", "lfm2", "lfm2_moe",
-                                    "lfm3", "bamba", "nemotron_h", "falcon_h1", "zamba2"])
+                                    "lfm3", "bamba", "nemotron_h", "falcon_h1", "zamba2",
+                                    "jamba", "kimi_linear"])
 def test_hybrid_family_every_method_2_ranks(dist2, family):
     _assert_small(dist2.run(check_hybrid, family, sorted(ec.METHODS)))
 
 
 @pytest.mark.parametrize("family,method", [("lfm2", "zigzag_ring_attn"),
-                                           ("granite_hybrid", "ulysses_attn")])
+                                           ("granite_hybrid", "ulysses_attn"),
+                                           ("jamba", "zigzag_ring_attn"), ("jamba", "usp_attn"),
+                                           ("kimi_linear", "ulysses_attn")])
 def test_hybrid_packed_documents_2_ranks(dist2, family, method):
-    # one family per kernel kind not covered above: short conv, Mamba-2
-    reports = dist2.run(check_hybrid_documents, family, method)
+    # one family per kernel kind not covered above: short conv, Mamba-2, Mamba-1 (whose decoder
+    # layer passes the mixer no document_ids: recorded from its caller), KDA
+    ring_degree = 2 if method == "usp_attn" else None
+    reports = dist2.run(check_hybrid_documents, family, method, ring_degree)
     assert all(le <= TOL and ge <= TOL for le, ge in reports), reports
 
 
@@ -76,3 +82,21 @@ def test_lfm2_4_ranks(dist4):
 def test_falcon_h1_chunked_loss_2_ranks(dist2):
     # the chunked loss scales the logits by lm_head_multiplier, as Falcon-H1's forward does
     _assert_small(dist2.run(check_hybrid, "falcon_h1", ["zigzag_ring_attn"], 2, True))
+
+
+@pytest.mark.parametrize("family", ["jamba", "kimi_linear"])
+def test_mamba1_and_kda_every_method_1_rank(dist1, family):
+    _assert_small(dist1.run(check_hybrid, family, sorted(ec.METHODS)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["jamba", "kimi_linear"])
+def test_mamba1_and_kda_every_method_4_ranks(dist4, family):
+    # pieces of 1 token: the conv's halo of 3 spans 3 pieces; every piece a one-token map
+    _assert_small(dist4.run(check_hybrid, family, sorted(ec.METHODS), 1))
+
+
+def test_recorded_documents_refused_under_gradient_checkpointing(dist2):
+    messages = dist2.run(check_recorded_documents_under_checkpointing)
+    assert all("gradient checkpointing" in m and "JambaMambaDecoderLayer" in m
+               for m in messages), messages

@@ -1,4 +1,4 @@
-"""Recurrent layers (gated delta rule, Mamba-2 scan, causal conv) over sequence shards at 1, 2
+"""Recurrent layers (gated delta rule, Mamba-2 scan, Mamba-1 selective scan, causal conv) over sequence shards at 1, 2
 and 4 ranks: output and every input's gradient within 1e-5 (fp32, relative to the
 reference's max) of transformers' torch kernel run in one process on the whole sequence (on
 each document separately when packed), for the contiguous, zigzag and usp layouts, with
@@ -7,7 +7,7 @@ pieces shorter than the conv kernel and than a kernel chunk, and longer than a c
 
 import pytest
 
-from .recurrent_cases import check_conv, check_delta_rule, check_mamba2
+from .recurrent_cases import check_conv, check_delta_rule, check_mamba2, check_selective_scan
 
 TOL = 1e-5
 LAYOUTS = {2: [("contiguous", None), ("zigzag", None), ("usp", 2)],
@@ -23,7 +23,8 @@ def _assert_small(reports, tol=TOL):
 
 @pytest.mark.parametrize("documents", [False, True])
 def test_every_kind_1_rank(dist1, documents):
-    for case, args in ((check_delta_rule, (5, 4)), (check_mamba2, (5, 4)), (check_conv, (2, 4))):
+    for case, args in ((check_delta_rule, (5, 4)), (check_mamba2, (5, 4)), (check_conv, (2, 4)),
+                       (check_selective_scan, (5,))):
         _assert_small(dist1.run(case, "contiguous", None, *args, documents))
 
 
@@ -67,3 +68,23 @@ def test_conv_2_ranks(dist2, layout, ring_degree, piece, documents):
 @pytest.mark.parametrize("documents", [False, True])
 def test_conv_4_ranks(dist4, layout, ring_degree, piece, documents):
     _assert_small(dist4.run(check_conv, layout, ring_degree, piece, 4, documents))
+
+
+# Mamba-1's selective scan (Jamba): pieces of 1 row (a one-token piece's map) and of 5; through
+# the stand-in with mamba-ssm's signature too, whose last state carries no gradient
+@pytest.mark.parametrize("layout,ring_degree", LAYOUTS[2])
+@pytest.mark.parametrize("piece", [1, 5])
+@pytest.mark.parametrize("documents", [False, True])
+def test_selective_scan_2_ranks(dist2, layout, ring_degree, piece, documents):
+    _assert_small(dist2.run(check_selective_scan, layout, ring_degree, piece, documents))
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_selective_scan_mamba_ssm_signature_2_ranks(dist2, documents):
+    _assert_small(dist2.run(check_selective_scan, "zigzag", None, 3, documents, 0, True))
+
+
+@pytest.mark.parametrize("layout,ring_degree", LAYOUTS[4])
+@pytest.mark.parametrize("documents", [False, True])
+def test_selective_scan_4_ranks(dist4, layout, ring_degree, documents):
+    _assert_small(dist4.run(check_selective_scan, layout, ring_degree, 2, documents))

@@ -40,3 +40,20 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     return mamba2_chunk_scan(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias,
                              initial_states=initial_states, dt_softplus=dt_softplus,
                              dt_limit=dt_limit, return_final_states=return_final_states)
+
+
+def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                      return_last_state=False, cu_seqlens=None):
+    """mamba-ssm's (mamba_ssm/ops/selective_scan_interface.py): u, delta, z (B, D, L), A (D, N),
+    B, C (B, N, L) or (B, G, N, L); ``(out, last_state (B, D, N))`` with return_last_state,
+    whose gradient the real backward drops (detached here, as there)."""
+    from transformers.models.jamba.modeling_jamba import mamba_selective_scan
+
+    assert cu_seqlens is None
+    assert u.dim() == 3 and delta.shape == u.shape and A.shape == (u.size(1), B.size(-2))
+    assert B.shape == (u.size(0), A.size(1), u.size(2)) and C.shape == B.shape
+    assert z is None or z.shape == u.shape
+    CALLS.append("mamba_ssm selective_scan")
+    out = mamba_selective_scan(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias,
+                               delta_softplus=delta_softplus, return_last_state=return_last_state)
+    return (out[0], out[1].detach()) if return_last_state else out

@@ -1,5 +1,6 @@
-"""A hybrid whose recurrent layers are not routed (Jamba: Mamba-1) is refused by name, before
-any collective, with a message that names what does run (hf_recurrent.RUNS)."""
+"""A hybrid whose recurrent layers are not routed (MiniMax: lightning attention, a linear
+attention written inline in its forward, no kernel functions) is refused by name, before any
+collective, with a message that names what does run (hf_recurrent.RUNS)."""
 
 import pytest
 import torch
@@ -9,19 +10,36 @@ from easy_context.integrations.hf import check_model_supported
 from easy_context.integrations.hf_recurrent import RUNS, VERIFIED
 
 
-def test_mamba1_hybrid_refused_by_name():
+def test_unrouted_linear_attention_hybrid_refused_by_name():
     config = AutoConfig.for_model(
-        "jamba", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1,
-        expert_layer_period=2, expert_layer_offset=1, num_experts=2, mamba_d_state=8,
-        use_mamba_kernels=False)
+        "minimax", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        layer_types=["linear_attention", "full_attention"], num_local_experts=2,
+        num_experts_per_tok=1, block_size=4)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError) as info:
         check_model_supported(model)
     message = str(info.value)
-    assert "JambaForCausalLM has layers that are not attention" in message
+    assert "MiniMaxForCausalLM has layers that are not attention" in message
     assert "layers [0]" in message and RUNS in message
+
+
+@pytest.mark.parametrize("model_type,overrides", [
+    ("jamba", dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                   expert_layer_offset=1, num_experts=2, mamba_d_state=8)),
+    ("kimi_linear", dict(layer_types=["linear_attention", "full_attention"],
+                         mlp_layer_types=["dense", "dense"], linear_num_heads=4,
+                         linear_head_dim=8, num_key_value_heads=4, kv_lora_rank=16,
+                         qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, pad_token_id=0,
+                         bos_token_id=1, eos_token_id=2))])
+def test_mamba1_and_kda_hybrids_run(model_type, overrides):
+    # Jamba (Mamba-1) and Kimi Linear (KDA) were refused by name before easy_context.recurrent
+    # ran them (selective_scan.py; KDA through the gated delta rule's scan)
+    config = AutoConfig.for_model(
+        model_type, vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, **{"num_key_value_heads": 2, **overrides})
+    check_model_supported(AutoModelForCausalLM.from_config(config))
 
 
 def test_runs_names_every_verified_family():
@@ -29,7 +47,7 @@ def test_runs_names_every_verified_family():
     families = {"Qwen3Next": "Qwen3-Next", "Qwen3_5": "Qwen3.5", "OlmoHybrid": "OLMo hybrid",
                 "Lfm2Moe": "LFM2-MoE", "Lfm2": "LFM2", "Lfm3": "LFM3",
                 "GraniteMoeHybrid": "Granite 4", "Bamba": "Bamba", "NemotronH": "Nemotron-H", "FalconH1": "Falcon-H1",
-                "Zamba2": "Zamba2"}
+                "Zamba2": "Zamba2", "KimiLinear": "Kimi Linear", "Jamba": "Jamba"}
     for name in VERIFIED:
         prefix = max((p for p in families if name.startswith(p)), key=len, default=None)
         assert prefix is not None and families[prefix] in RUNS, name

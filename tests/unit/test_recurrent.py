@@ -11,6 +11,7 @@ from easy_context.recurrent.delta_rule import chunk_gated_delta_rule, delta_rule
 from easy_context.recurrent.mamba2 import mamba2_chunk_scan, mamba2_recurrence
 from easy_context.recurrent.pieces import Piece, piece_table, sequence_order
 from easy_context.recurrent.scan import chain, piece_map
+from easy_context.recurrent.selective_scan import selective_scan, selective_scan_recurrence
 from tests.dist.recurrent_cases import _rel, document_ids, per_document
 
 TOL = 1e-5
@@ -65,6 +66,36 @@ def _mamba():
     return rec, tokens
 
 
+def _selective(kernel=None, gated=True):
+    from transformers.models.jamba.modeling_jamba import mamba_selective_scan
+
+    gen = torch.Generator().manual_seed(0)
+    b, length, d, n = 2, 37, 6, 4
+    tokens = {"u": torch.randn(b, length, d, generator=gen),
+              "delta": torch.randn(b, length, d, generator=gen),
+              "B": torch.randn(b, length, n, generator=gen),
+              "C": torch.randn(b, length, n, generator=gen)}
+    if gated:
+        tokens["z"] = torch.randn(b, length, d, generator=gen)
+    # A (D, N): a decay per channel and state entry
+    rec = selective_scan_recurrence(kernel or mamba_selective_scan,
+                                    -torch.rand(d, n, generator=gen) - 0.2,
+                                    D=torch.randn(d, generator=gen),
+                                    delta_bias=torch.randn(d, generator=gen),
+                                    delta_softplus=True, gated=gated)
+    return rec, tokens
+
+
+def _selective_ungated():
+    return _selective(gated=False)
+
+
+def _selective_mamba_ssm():
+    from tests.unit.recurrent_standins import selective_scan_fn
+
+    return _selective(selective_scan_fn)
+
+
 def _delta_fla():
     from tests.unit.recurrent_standins import chunk_gated_delta_rule
 
@@ -84,7 +115,8 @@ def _mamba_ssm():
 
 
 # the CUDA packages' signatures (stand-ins computing with transformers' torch paths)
-@pytest.mark.parametrize("make", [_delta, _mamba, _delta_fla, _mamba_ssm])
+@pytest.mark.parametrize("make", [_delta, _mamba, _delta_fla, _mamba_ssm, _selective,
+                                  _selective_ungated, _selective_mamba_ssm])
 @pytest.mark.parametrize("cuts", [[0, 37], [0, 1, 2, 20, 37], [0, 16, 17, 33, 36, 37]])
 @pytest.mark.parametrize("documents", [False, True])
 def test_any_cutting_chains_to_the_whole_sequence(make, cuts, documents):
