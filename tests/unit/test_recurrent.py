@@ -152,7 +152,15 @@ def test_the_public_functions_call_cuda_signatures_with_what_they_take():
                           dt_bias=torch.zeros(4), dt_softplus=True,
                           kernel=standins.mamba_chunk_scan_combined, layout="whole")
     assert y.shape == m["x"].shape
-    assert "fla" in standins.CALLS and "mamba_ssm" in standins.CALLS
+    _, s = _selective()
+    u, z = s["u"].transpose(1, 2), s["z"].transpose(1, 2)  # (B, D, L), mamba-ssm's layout
+    out, last = selective_scan(u, s["delta"].transpose(1, 2), -torch.ones(6, 4),
+                               s["B"].transpose(1, 2), s["C"].transpose(1, 2), D=torch.ones(6),
+                               z=z, delta_bias=torch.zeros(6), delta_softplus=True,
+                               return_last_state=True, kernel=standins.selective_scan_fn,
+                               layout="whole", document_ids=document_ids(2, u.size(-1)))
+    assert out.shape == u.shape and last.shape == (2, 6, 4)
+    assert {"fla", "mamba_ssm", "mamba_ssm selective_scan"} <= set(standins.CALLS)
 
 
 def test_initial_states_are_refused():
@@ -186,3 +194,68 @@ def test_the_exchange_figures_the_docs_quote():
         per_token = ring_comm(attention, 1, 2, world, None)
         assert per_token == 2048 * 3 * (world - 1)
         assert round(sent / per_token / 100) * 100 == 1400
+
+
+def test_mixer_dims_are_what_the_scan_exchanges():
+    # Mixer.dims(...).state is the float32 count of one piece's (A, B) per sequence, the size the
+    # scan all-gathers (plan/ reads it): Mamba-1 2 D N, KDA H d_k (d_k + d_v)
+    from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
+
+    from easy_context.recurrent.mixer import KDA, MAMBA1, MIXERS
+
+    rec, t = _selective()
+    _, _, b, a = rec.extended(t)
+    d, n = t["u"].size(-1), t["B"].size(-1)
+    assert a[0].numel() + b[0].numel() == MAMBA1.dims(d, n, 4).state
+    assert MAMBA1.dims(d, n, 4).conv_channels == d
+    gen = torch.Generator().manual_seed(0)
+    bsz, length, h, dk, dv = 2, 9, 3, 4, 5
+    kda = {"q": torch.randn(bsz, length, h, dk, generator=gen),
+           "k": torch.randn(bsz, length, h, dk, generator=gen),
+           "v": torch.randn(bsz, length, h, dv, generator=gen),
+           "g": -torch.rand(bsz, length, h, dk, generator=gen),  # a gate per channel
+           "beta": torch.rand(bsz, length, h, generator=gen)}
+    _, _, b, a = delta_rule_recurrence(chunk_kimi_delta_attention, chunk_size=4).extended(kda)
+    assert a[0].numel() + b[0].numel() == KDA.dims(h, dk, dv, 4).state
+    assert KDA.dims(h, dk, dv, 4).conv_channels == h * (2 * dk + dv)
+    assert {"kda", "mamba1"} <= set(MIXERS)
+
+
+def test_kda_any_cutting_chains_to_the_whole_sequence():
+    # KDA (per-channel gate) through the gated delta rule's scan: pieces of 1, 2 and 13 rows
+    from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
+
+    gen = torch.Generator().manual_seed(1)
+    bsz, length, h, dk, dv = 2, 20, 2, 4, 3
+    t = {"q": torch.randn(bsz, length, h, dk, generator=gen),
+         "k": torch.randn(bsz, length, h, dk, generator=gen),
+         "v": torch.randn(bsz, length, h, dv, generator=gen),
+         "g": -torch.rand(bsz, length, h, dk, generator=gen),
+         "beta": torch.rand(bsz, length, h, generator=gen)}
+    rec = delta_rule_recurrence(chunk_kimi_delta_attention, chunk_size=8,
+                                use_qk_l2norm_in_kernel=True)
+    cuts = [0, 1, 3, 7, 20]
+    order = [Piece(0, j, a, b, a) for j, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+    maps = {p: piece_map(rec, {k: x[:, p.start:p.stop] for k, x in t.items()}, None)
+            for p in order}
+    states = chain(rec, order, lambda p: (maps[p][3], maps[p][2]))
+    out = torch.cat([maps[p][0] if s is None else maps[p][0] + rec.read(maps[p][1], s)
+                     for p, s in zip(order, states)], 1)
+    ref, final = rec.run(t)
+    assert _rel(out, ref) <= TOL and _rel(states[-1], final) <= TOL
+
+
+def test_selective_scan_final_state_is_the_kernels():
+    # the offset b, computed from the tokens (mamba-ssm's last state has no gradient), equals
+    # the state transformers' kernel ends in
+    from transformers.models.jamba.modeling_jamba import mamba_selective_scan
+
+    rec, t = _selective()
+    A = -torch.rand(t["u"].size(-1), t["B"].size(-1), generator=torch.Generator().manual_seed(0))
+    rec = selective_scan_recurrence(mamba_selective_scan, A - 0.2, delta_bias=torch.ones(6),
+                                    delta_softplus=True, gated=True)
+    _, last = mamba_selective_scan(*(t[k].transpose(1, 2) for k in ("u", "delta")), A - 0.2,
+                                   *(t[k].transpose(1, 2) for k in ("B", "C")),
+                                   z=t["z"].transpose(1, 2), delta_bias=torch.ones(6),
+                                   delta_softplus=True, return_last_state=True)
+    assert _rel(rec.run(t)[1], last) <= TOL
