@@ -139,6 +139,8 @@ def _delta_rule(name: str, layer: nn.Module, originals: dict[str, Callable]):
 
 
 def _conv(layer: nn.Module, originals: dict[str, Callable]):
+    kernel = originals["causal_conv1d_fn"]  # causal-conv1d's where transformers picks it
+
     def forward(conv1d: nn.Conv1d, hidden_states: Tensor, cache=None, layer_idx=None,
                 activation: str | None = None, state_idx: int = 0,
                 document_ids: Tensor | None = None, **kwargs):
@@ -152,7 +154,8 @@ def _conv(layer: nn.Module, originals: dict[str, Callable]):
                              "document_ids (one id per token)")
         return causal_conv1d(hidden_states, conv1d.weight.squeeze(1), conv1d.bias, activation,
                              group=settings.group, layout=layout,
-                             ring_degree=settings.ring_degree, document_ids=document_ids)
+                             ring_degree=settings.ring_degree, document_ids=document_ids,
+                             kernel=kernel)
 
     return forward
 

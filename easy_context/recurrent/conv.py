@@ -11,9 +11,18 @@ reduce-scatters the halos' gradients back to the pieces they came from.
 Packed documents: an output reads only the inputs of its own document (a kernel given
 ``seq_idx`` / ``cu_seqlens`` does the same): the document ids of the halos travel with them
 (forward only) and the window is masked where a document starts inside it.
+
+``kernel``: a function with the signature of causal-conv1d's ``causal_conv1d_fn`` (and
+transformers' torch fallback of it): ``kernel(x, weight, bias, activation=) -> out``, x (B, C,
+L), weight (C, K). Each piece's halo-extended input goes through it whole and the first K-1
+outputs (which read zeros before the halo) are dropped: no initial_states (whose channel-last
+layout causal-conv1d requires) needed. Packed documents take the masked torch path (the
+kernel's ``seq_idx`` wants a channel-last input, C a multiple of 8).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -69,11 +78,13 @@ def _masked_conv(ext: Tensor, ids: Tensor, weight: Tensor, bias: Tensor | None) 
 def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None = None,
                   activation: str | None = None, *, group=None, layout: str = "contiguous",
                   ring_degree: int | None = None,
-                  document_ids: Tensor | None = None) -> Tensor:
+                  document_ids: Tensor | None = None,
+                  kernel: Callable | None = None) -> Tensor:
     """The causal depthwise convolution of this rank's shard, exact as on the whole sequence.
 
     x (B, C, S_local) (transformers' layout), weight (C, K), bias (C,) or None; ``activation``
-    None or "silu". Returns (B, C, S_local)."""
+    None or "silu"; ``kernel`` None (torch's conv1d) or a ``causal_conv1d_fn`` (module
+    docstring). Returns (B, C, S_local)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not supported; use one of "
                          f"{sorted(a for a in ACTIVATIONS if a)} or None")
@@ -91,12 +102,15 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         ids = _tails(document_ids[:, None], mine, slots, halo)[:, :, 0]  # (slots, B, halo)
         id_tails = gather_shards(ids, pg) if world > 1 else ids.unsqueeze(0)
 
+    fused = kernel is not None and document_ids is None
     outs = []
     for p in mine:
         ext = x[..., p.start:p.stop]
         if halo:
             ext = torch.cat([_halo(order, index[p], tails, halo).to(x.dtype), ext], -1)
-        if document_ids is None:
+        if fused:  # the activation inside, as the kernel does it
+            y = kernel(ext, weight, bias, activation=activation)[..., ext.size(-1) - p.length:]
+        elif document_ids is None:
             y = F.conv1d(ext, weight.unsqueeze(1), bias, groups=weight.size(0))
         else:
             ids = document_ids[:, p.start:p.stop]
@@ -109,5 +123,5 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     out = outs[0] if len(outs) == 1 else torch.cat(outs, -1)
     if world > 1 and tails is not None:
         out = tie(out, tails)
-    act = ACTIVATIONS[activation]
+    act = None if fused else ACTIVATIONS[activation]
     return out if act is None else act(out)

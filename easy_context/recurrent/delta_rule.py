@@ -28,8 +28,9 @@ Tensor = torch.Tensor
 
 
 def _run(kernel: Callable, options: dict, t: Tokens) -> tuple[Tensor, Tensor]:
-    return kernel(t["q"], t["k"], t["v"], g=t["g"], beta=t["beta"], initial_state=None,
-                  output_final_state=True, **options)
+    out, final = kernel(t["q"], t["k"], t["v"], g=t["g"], beta=t["beta"], initial_state=None,
+                        output_final_state=True, **options)
+    return out, final.float()
 
 
 def _extended(kernel: Callable, options: dict, t: Tokens):
@@ -41,6 +42,7 @@ def _extended(kernel: Callable, options: dict, t: Tokens):
     init = torch.cat([eye.new_zeros(b, heads, dk, dv), eye], dim=-1)  # (B, H_v, d_k, d_v + d_k)
     out, final = kernel(t["q"], t["k"], v_ext, g=t["g"], beta=t["beta"], initial_state=init,
                         output_final_state=True, **options)
+    final = final.float()  # float32 maps whatever the kernel's state dtype
     return out[..., :dv], out[..., dv:], final[..., :dv], final[..., dv:]
 
 

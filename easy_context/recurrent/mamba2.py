@@ -37,7 +37,8 @@ def _call(kernel: Callable, options: dict, t: Tokens, x: Tensor, initial: Tensor
 
 
 def _run(kernel: Callable, options: dict, t: Tokens) -> tuple[Tensor, Tensor]:
-    return _call(kernel, options, t, t["x"], None)
+    out, final = _call(kernel, options, t, t["x"], None)
+    return out, final.float()
 
 
 def _extended(kernel: Callable, options: dict, t: Tokens):
@@ -48,6 +49,8 @@ def _extended(kernel: Callable, options: dict, t: Tokens):
     eye = torch.eye(n, dtype=torch.float32, device=x.device).expand(b, heads, n, n)
     init = torch.cat([eye.new_zeros(b, heads, p, n), eye], dim=-2)  # (B, H, P + N, N)
     out, final = _call(kernel, options, t, x_ext, init)
+    # float32 maps whatever the kernel's state dtype (mamba-ssm returns C's: bf16 in training)
+    final = final.float()
     return out[..., :p], out[..., p:], final[..., :p, :], final[..., p:, :]
 
 

@@ -150,8 +150,11 @@ def check_mamba2(layout: str, ring_degree: int | None, piece: int, chunk_size: i
 
 
 def check_conv(layout: str, ring_degree: int | None, piece: int, kernel_size: int,
-               documents: bool, seed: int = 0) -> dict:
+               documents: bool, seed: int = 0, standin: bool = False) -> dict:
+    """``standin``: the kernel is the stand-in with causal-conv1d's signature (documents take
+    the torch path whatever the kernel)."""
     from easy_context.recurrent.conv import causal_conv1d
+    from tests.unit.recurrent_standins import causal_conv1d_fn
 
     world = dist.get_world_size()
     length = layouts.required_multiple(layout, world, ring_degree) * piece
@@ -169,7 +172,8 @@ def check_conv(layout: str, ring_degree: int | None, piece: int, kernel_size: in
 
     def distributed(t, p, ids):
         return causal_conv1d(t["x"], p["w"], p["bias"], "silu", layout=layout,
-                             ring_degree=ring_degree, document_ids=ids)
+                             ring_degree=ring_degree, document_ids=ids,
+                             kernel=causal_conv1d_fn if standin else None)
 
     return _compare(layout, ring_degree, full, params, reference, distributed, seq_dim=2,
                     documents=documents, seed=seed)

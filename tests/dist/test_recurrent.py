@@ -63,6 +63,13 @@ def test_conv_2_ranks(dist2, layout, ring_degree, piece, documents):
     _assert_small(dist2.run(check_conv, layout, ring_degree, piece, 4, documents))
 
 
+# through the stand-in with causal-conv1d's signature: each piece's halo-extended input whole
+@pytest.mark.parametrize("layout,ring_degree", LAYOUTS[2])
+@pytest.mark.parametrize("piece", [1, 2, 7])
+def test_conv_causal_conv1d_signature_2_ranks(dist2, layout, ring_degree, piece):
+    _assert_small(dist2.run(check_conv, layout, ring_degree, piece, 4, False, 0, True))
+
+
 @pytest.mark.parametrize("layout,ring_degree", LAYOUTS[4])
 @pytest.mark.parametrize("piece", [1, 3])
 @pytest.mark.parametrize("documents", [False, True])

@@ -96,6 +96,29 @@ def _selective_mamba_ssm():
     return _selective(selective_scan_fn)
 
 
+def _kda(kernel=None):
+    # KDA (Kimi Linear): the gated delta rule with a gate per key channel, g (B, L, H, d_k)
+    from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
+
+    gen = torch.Generator().manual_seed(1)
+    b, length, h, dk, dv = 2, 37, 2, 4, 3
+    tokens = {"q": torch.randn(b, length, h, dk, generator=gen),
+              "k": torch.randn(b, length, h, dk, generator=gen),
+              "v": torch.randn(b, length, h, dv, generator=gen),
+              "g": -torch.rand(b, length, h, dk, generator=gen),
+              "beta": torch.rand(b, length, h, generator=gen)}
+    options = dict(use_qk_l2norm_in_kernel=True)
+    if kernel is None:
+        kernel, options["chunk_size"] = chunk_kimi_delta_attention, 16
+    return delta_rule_recurrence(kernel, **options), tokens
+
+
+def _kda_fla():
+    from tests.unit.recurrent_standins import chunk_kda
+
+    return _kda(chunk_kda)
+
+
 def _delta_fla():
     from tests.unit.recurrent_standins import chunk_gated_delta_rule
 
@@ -115,8 +138,8 @@ def _mamba_ssm():
 
 
 # the CUDA packages' signatures (stand-ins computing with transformers' torch paths)
-@pytest.mark.parametrize("make", [_delta, _mamba, _delta_fla, _mamba_ssm, _selective,
-                                  _selective_ungated, _selective_mamba_ssm])
+@pytest.mark.parametrize("make", [_delta, _mamba, _delta_fla, _mamba_ssm, _kda, _kda_fla,
+                                  _selective, _selective_ungated, _selective_mamba_ssm])
 @pytest.mark.parametrize("cuts", [[0, 37], [0, 1, 2, 20, 37], [0, 16, 17, 33, 36, 37]])
 @pytest.mark.parametrize("documents", [False, True])
 def test_any_cutting_chains_to_the_whole_sequence(make, cuts, documents):
@@ -160,7 +183,13 @@ def test_the_public_functions_call_cuda_signatures_with_what_they_take():
                                return_last_state=True, kernel=standins.selective_scan_fn,
                                layout="whole", document_ids=document_ids(2, u.size(-1)))
     assert out.shape == u.shape and last.shape == (2, 6, 4)
-    assert {"fla", "mamba_ssm", "mamba_ssm selective_scan"} <= set(standins.CALLS)
+    from easy_context.recurrent.conv import causal_conv1d
+
+    x = torch.randn(2, 8, 11)
+    y = causal_conv1d(x, torch.randn(8, 4), torch.randn(8), "silu", layout="whole",
+                      kernel=standins.causal_conv1d_fn)
+    assert y.shape == x.shape
+    assert {"fla", "mamba_ssm", "mamba_ssm selective_scan", "causal_conv1d"} <= set(standins.CALLS)
 
 
 def test_initial_states_are_refused():
@@ -221,30 +250,6 @@ def test_mixer_dims_are_what_the_scan_exchanges():
     assert {"kda", "mamba1"} <= set(MIXERS)
 
 
-def test_kda_any_cutting_chains_to_the_whole_sequence():
-    # KDA (per-channel gate) through the gated delta rule's scan: pieces of 1, 2 and 13 rows
-    from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
-
-    gen = torch.Generator().manual_seed(1)
-    bsz, length, h, dk, dv = 2, 20, 2, 4, 3
-    t = {"q": torch.randn(bsz, length, h, dk, generator=gen),
-         "k": torch.randn(bsz, length, h, dk, generator=gen),
-         "v": torch.randn(bsz, length, h, dv, generator=gen),
-         "g": -torch.rand(bsz, length, h, dk, generator=gen),
-         "beta": torch.rand(bsz, length, h, generator=gen)}
-    rec = delta_rule_recurrence(chunk_kimi_delta_attention, chunk_size=8,
-                                use_qk_l2norm_in_kernel=True)
-    cuts = [0, 1, 3, 7, 20]
-    order = [Piece(0, j, a, b, a) for j, (a, b) in enumerate(zip(cuts, cuts[1:]))]
-    maps = {p: piece_map(rec, {k: x[:, p.start:p.stop] for k, x in t.items()}, None)
-            for p in order}
-    states = chain(rec, order, lambda p: (maps[p][3], maps[p][2]))
-    out = torch.cat([maps[p][0] if s is None else maps[p][0] + rec.read(maps[p][1], s)
-                     for p, s in zip(order, states)], 1)
-    ref, final = rec.run(t)
-    assert _rel(out, ref) <= TOL and _rel(states[-1], final) <= TOL
-
-
 def test_selective_scan_final_state_is_the_kernels():
     # the offset b, computed from the tokens (mamba-ssm's last state has no gradient), equals
     # the state transformers' kernel ends in
@@ -259,3 +264,21 @@ def test_selective_scan_final_state_is_the_kernels():
                                    z=t["z"].transpose(1, 2), delta_bias=torch.ones(6),
                                    delta_softplus=True, return_last_state=True)
     assert _rel(rec.run(t)[1], last) <= TOL
+
+
+@pytest.mark.parametrize("make", [_delta_fla, _mamba_ssm, _kda_fla, _selective_mamba_ssm])
+def test_bf16_through_the_cuda_signatures(make):
+    # the CUDA packages train in bf16 and hand back states in their own dtypes (mamba-ssm's
+    # chunked scan: C's, so bf16): the maps the scan exchanges and reads stay float32. Before,
+    # a bf16 state from mamba-ssm met a float32 basis in the read and raised
+    rec, tokens = make()
+    tokens = {k: t.bfloat16() for k, t in tokens.items()}
+    order = [Piece(0, j, a, b, a) for j, (a, b) in enumerate(zip([0, 5, 20], [5, 20, 37]))]
+    maps = {p: piece_map(rec, {k: t[:, p.start:p.stop] for k, t in tokens.items()}, None)
+            for p in order}
+    assert all(m[2].dtype == m[3].dtype == torch.float32 for m in maps.values())
+    states = chain(rec, order, lambda p: (maps[p][3], maps[p][2]))
+    out = torch.cat([maps[p][0] if s is None else maps[p][0] + rec.read(maps[p][1], s).to(
+        maps[p][0].dtype) for p, s in zip(order, states)], 1)
+    ref = rec.run(tokens)[0]
+    assert out.dtype == ref.dtype and _rel(out.float(), ref.float()) <= 3e-2
