@@ -87,7 +87,10 @@ def _compare(layout, ring_degree, full: dict, params: dict, reference, distribut
 
 
 def check_delta_rule(layout: str, ring_degree: int | None, piece: int, chunk_size: int,
-                     documents: bool, seed: int = 0) -> dict:
+                     documents: bool, seed: int = 0, kda: bool = False) -> dict:
+    """``kda``: Kimi Linear's KDA (a gate per key channel, g (B, L, H, d_k), one head count)
+    through transformers' chunk_kimi_delta_attention."""
+    from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule as kernel
 
     from easy_context.recurrent.delta_rule import chunk_gated_delta_rule
@@ -95,11 +98,13 @@ def check_delta_rule(layout: str, ring_degree: int | None, piece: int, chunk_siz
     world = dist.get_world_size()
     length = layouts.required_multiple(layout, world, ring_degree) * piece
     b, hk, hv, dk, dv = 2, 2, 4, 8, 8  # grouped values: 2 value heads per key head
+    if kda:
+        kernel, hk = chunk_kimi_delta_attention, hv  # noqa: F811
     gen = torch.Generator().manual_seed(seed)
     full = {"q": torch.randn(b, length, hk, dk, generator=gen),
             "k": torch.randn(b, length, hk, dk, generator=gen),
             "v": torch.randn(b, length, hv, dv, generator=gen),
-            "g": -torch.rand(b, length, hv, generator=gen) * 0.5,
+            "g": -torch.rand(b, length, hv, *([dk] if kda else []), generator=gen) * 0.5,
             "beta": torch.rand(b, length, hv, generator=gen)}
     opts = dict(chunk_size=chunk_size, use_qk_l2norm_in_kernel=True)
 

@@ -95,3 +95,18 @@ def test_selective_scan_mamba_ssm_signature_2_ranks(dist2, documents):
 @pytest.mark.parametrize("documents", [False, True])
 def test_selective_scan_4_ranks(dist4, layout, ring_degree, documents):
     _assert_small(dist4.run(check_selective_scan, layout, ring_degree, 2, documents))
+
+
+# KDA (Kimi Linear): the gated delta rule's scan with a gate per key channel; pieces shorter
+# than a chunk (3 < 64) and crossing chunk edges (21 > 16)
+@pytest.mark.parametrize("layout,ring_degree", LAYOUTS[2])
+@pytest.mark.parametrize("piece,chunk", [(3, 64), (21, 16)])
+@pytest.mark.parametrize("documents", [False, True])
+def test_kda_2_ranks(dist2, layout, ring_degree, piece, chunk, documents):
+    _assert_small(dist2.run(check_delta_rule, layout, ring_degree, piece, chunk, documents, 0,
+                            True))
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_kda_4_ranks(dist4, documents):
+    _assert_small(dist4.run(check_delta_rule, "zigzag", None, 5, 4, documents, 0, True))
