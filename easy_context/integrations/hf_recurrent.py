@@ -35,7 +35,8 @@ from ..recurrent.selective_scan import selective_scan
 Tensor = torch.Tensor
 _ORIGINAL = "_easy_context_original_forward"
 _DOCUMENTS = "_easy_context_document_ids"  # what the layer's caller got (_record_documents)
-_RECORDER = "_easy_context_documents_hook"
+_RECORDED = "_easy_context_recorded_layers"  # on a caller: the layers it records ids for
+_REPLAYS = "_easy_context_replays_documents"  # marks a checkpoint function wrapped to replay
 
 # Gated DeltaNet (Qwen3-Next): the functions its forward calls, by the name transformers
 # lists them under; the ones a training forward (no cache) never reaches raise.
@@ -101,21 +102,7 @@ def _settings(layer: nn.Module) -> tuple[SequenceParallelSettings, str]:
 
 def _documents(layer: nn.Module, document_ids: Tensor | None) -> Tensor | None:
     """The call's document_ids, or else those the layer's caller got (_record_documents)."""
-    if document_ids is not None:
-        return document_ids
-    recorded = layer.__dict__.get(_DOCUMENTS)
-    if recorded is None:
-        return None
-    ids, caller = recorded
-    if caller.training and getattr(caller, "gradient_checkpointing", False) \
-            and torch.is_grad_enabled():
-        # the checkpointed recompute runs the caller's forward without its hooks: it would
-        # read whichever ids the caller got last, not necessarily this forward's
-        raise ValueError(
-            f"{type(caller).__name__} calls its {type(layer).__name__} without the "
-            "document_ids it got, which gradient checkpointing cannot replay: turn gradient "
-            "checkpointing off, or train on unpacked sequences")
-    return ids
+    return document_ids if document_ids is not None else layer.__dict__.get(_DOCUMENTS)
 
 
 def _delta_rule(name: str, layer: nn.Module, originals: dict[str, Callable]):
@@ -293,13 +280,38 @@ def _record_documents(caller: nn.Module, layer: nn.Module) -> None:
     run as one document. A pre-hook on the caller records the ids it got (None when none:
     never a previous call's) on the layer, where the routed functions read them when their
     call brings none (_documents)."""
-    if _RECORDER in layer.__dict__:
+    layers = caller.__dict__.setdefault(_RECORDED, [])
+    if any(m is layer for m in layers):
         return
+    layers.append(layer)
+    if len(layers) == 1:
+        caller.register_forward_pre_hook(_record_hook, with_kwargs=True)
 
-    def hook(module: nn.Module, args: tuple, kwargs: dict):
-        layer.__dict__[_DOCUMENTS] = (kwargs.get("document_ids"), module)
 
-    layer.__dict__[_RECORDER] = caller.register_forward_pre_hook(hook, with_kwargs=True)
+def _record_hook(caller: nn.Module, args: tuple, kwargs: dict) -> None:
+    for layer in caller.__dict__[_RECORDED]:
+        layer.__dict__[_DOCUMENTS] = kwargs.get("document_ids")
+    # transformers' GradientCheckpointingLayer checkpoints its forward, not its __call__: the
+    # recompute in backward runs without this hook, after later forwards may have recorded
+    # other ids. The function it checkpoints is made to restore this forward's first.
+    checkpoint = caller.__dict__.get("_gradient_checkpointing_func")
+    if checkpoint is not None and not getattr(checkpoint, _REPLAYS, False):
+        caller._gradient_checkpointing_func = _replaying(caller, checkpoint)
+
+
+def _replaying(caller: nn.Module, checkpoint: Callable) -> Callable:
+    def checkpointed(function: Callable, *args, **kwargs):
+        recorded = [(m, m.__dict__.get(_DOCUMENTS)) for m in caller.__dict__[_RECORDED]]
+
+        def replay(*a, **k):  # runs now and again at the recompute
+            for layer, ids in recorded:
+                layer.__dict__[_DOCUMENTS] = ids
+            return function(*a, **k)
+
+        return checkpoint(replay, *args, **kwargs)
+
+    setattr(checkpointed, _REPLAYS, True)
+    return checkpointed
 
 
 def route_recurrent_layers(model: nn.Module, settings: SequenceParallelSettings) -> int:

@@ -80,20 +80,63 @@ def check_hybrid_documents(family: str, method: str, ring_degree: int | None = N
     world = dist.get_world_size()
     base = tiny_qwen3_next() if family == "qwen3_next" else tiny_hybrid(family)
     length = 2 * world * 5
-    gen = torch.Generator().manual_seed(3)
+    inputs, positions, targets, starts = _packed_batch(base, length,
+                                                       [0, 3, length // 2 + 1, length - 5])
+    ref = copy.deepcopy(base).double()
+    ref_loss = _packed_reference(ref, inputs, positions, targets, starts)
+    ref_loss.backward()
+    model, loss = sharded_loss(base, method, inputs, positions, targets, ring_degree)
+    return abs(loss.item() - ref_loss.item()) / ref_loss.item(), _grad_errors(model, ref)
+
+
+def _packed_batch(base, length: int, starts: list[int], seed: int = 3):
+    """(inputs, positions restarting at each of ``starts``, targets (-100 across a boundary),
+    starts), one sequence of ``length`` tokens."""
+    gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, base.config.vocab_size, (1, length + 1), generator=gen)
     inputs, targets = ids[:, :-1].clone(), ids[:, 1:].clone()
-    starts = [0, 3, length // 2 + 1, length - 5]
     positions = torch.zeros(1, length, dtype=torch.long)
     for a, b in zip(starts, starts[1:] + [length]):
         positions[0, a:b] = torch.arange(b - a)
         targets[0, b - 1] = -100  # no target across a boundary
-    ref = copy.deepcopy(base).double()
+    return inputs, positions, targets, starts
+
+
+def _packed_reference(ref, inputs, positions, targets, starts) -> torch.Tensor:
+    """The mean token loss with each document run alone (float64, one process)."""
+    length = inputs.size(1)
     total = sum(_loss64(ref, inputs[:, a:b], targets[:, a:b], positions[:, a:b])
                 for a, b in zip(starts, starts[1:] + [length]))
-    ref_loss = total / (targets != -100).sum()
+    return total / (targets != -100).sum()
+
+
+def check_documents_checkpointed(family: str, method: str) -> tuple[float, float]:
+    """Two packed batches forward under activation checkpointing, then one backward of the
+    sum: each layer's recompute must see its own batch's document ids (Jamba's decoder layer
+    passes them to its Mamba layer only through the recording of hf_recurrent)."""
+    import easy_context as ec
+    from easy_context.memory.checkpointing import apply_activation_checkpointing
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = tiny_hybrid(family)
+    length = 2 * world * 5
+    batches = [_packed_batch(base, length, [0, 3, length // 2 + 1, length - 5]),
+               _packed_batch(base, length, [0, 7, length - 3], seed=4)]
+    ref = copy.deepcopy(base).double()
+    ref_loss = sum(_packed_reference(ref, *b) for b in batches)
     ref_loss.backward()
-    model, loss = sharded_loss(base, method, inputs, positions, targets, ring_degree)
+    model = copy.deepcopy(base)
+    apply_activation_checkpointing(model, "full")
+    ec.apply_sequence_parallel(model, method)
+    losses = []
+    for inputs, positions, targets, _ in batches:
+        local = ec.prepare_seq_parallel_inputs(method, inputs, positions, targets, rank, world,
+                                               "cpu")
+        losses.append(ec.causal_lm_loss(model, local["local_input_ids"],
+                                        local["local_position_ids"], local["local_target_ids"],
+                                        document_ids=local["local_document_ids"]))
+    loss = sum(losses)
+    loss.backward()
     return abs(loss.item() - ref_loss.item()) / ref_loss.item(), _grad_errors(model, ref)
 
 
@@ -214,18 +257,3 @@ def check_hybrid(family: str, methods: list[str], piece: int = 2, chunked: bool 
     """{method: (loss rel error, max grad rel error)} against float64 in one process
     (``chunked``: the chunked loss, which applies the head's logit scaling itself)."""
     return _every_method(tiny_hybrid(family), methods, piece, chunked)
-
-
-def check_recorded_documents_under_checkpointing(family: str = "jamba") -> str:
-    """Packed documents with gradient checkpointing on a family whose decoder layer calls its
-    recurrent layer without the document ids (Jamba): refused, not run on stale ids."""
-    world = dist.get_world_size()
-    base = tiny_hybrid(family)
-    base.gradient_checkpointing_enable()
-    inputs, _, targets = make_batch(2 * world * 4, base.config.vocab_size)
-    positions = torch.cat([torch.arange(5), torch.arange(inputs.size(1) - 5)])[None]
-    try:
-        sharded_loss(base, "zigzag_ring_attn", inputs, positions, targets)
-    except ValueError as e:
-        return str(e)
-    return "ran"
