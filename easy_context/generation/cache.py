@@ -24,6 +24,7 @@ from ..mesh import process_group
 from ..parallel.settings import SequenceParallelSettings
 from ..sequence_parallel import sequence_parallel_attention
 from .decode_attention import merged_attention, visible_keys
+from .recurrent_state import RecurrentStates
 
 Tensor = torch.Tensor
 
@@ -43,13 +44,19 @@ class ShardedKVCache:
         self.world, self.rank = world, rank
         self.group = process_group(settings.group) if world > 1 else None
         self.reserve = reserve
-        self.keys: dict[int, Tensor] = {}  # layer -> (B, Hkv, capacity, D)
-        self.values: dict[int, Tensor] = {}  # layer -> (B, Hkv, capacity, Dv)
+        # by (layer index, its call within the forward): an attention module shared by
+        # several layers (Zamba2's shared block, layer_idx -1) keeps one cache per call
+        self.keys: dict[tuple[int, int], Tensor] = {}  # -> (B, Hkv, capacity, D)
+        self.values: dict[tuple[int, int], Tensor] = {}  # -> (B, Hkv, capacity, Dv)
+        self._calls: dict[int, int] = {}  # this forward's calls so far, by layer index
         self.positions: Tensor | None = None
         self.valid: Tensor | None = None
         self.length = 0  # slots filled in every layer
         self._query: Tensor | None = None  # (B,) positions of the token being decoded
         self._owner = -1  # group rank that keeps the token being decoded
+        # a hybrid model's recurrent layers' states (the same on every rank; the routed
+        # kernels of integrations/hf_recurrent.py fill and read them)
+        self.recurrent = RecurrentStates(self.group, world)
 
     @staticmethod
     def share(new_tokens: int, world: int) -> int:
@@ -57,14 +64,18 @@ class ShardedKVCache:
         return math.ceil(new_tokens / world)
 
     # ------------------------------------------------------------------ steps
-    def start_prefill(self, positions: Tensor, valid: Tensor) -> None:
-        """This rank's shard: (B, S_local) global positions and validity."""
+    def start_prefill(self, positions: Tensor, valid: Tensor,
+                      lengths: Tensor | None = None) -> None:
+        """This rank's shard: (B, S_local) global positions and validity; ``lengths`` (B,)
+        the prompts' lengths (a recurrent layer keeps its state at each prompt's end)."""
         b, s = positions.shape
+        self.recurrent.start_prefill(positions, valid, lengths)
         capacity = s + self.reserve
         self.positions = positions.new_zeros(b, capacity)
         self.valid = valid.new_zeros(b, capacity)
         self.positions[:, :s], self.valid[:, :s] = positions, valid
         self.length, self._query = s, None
+        self._calls = {}
 
     def start_decode(self, step: int, query_positions: Tensor, keep: bool = True) -> None:
         """Decode step ``step`` (0, 1, ...) for tokens at ``query_positions`` (B,): rank
@@ -72,12 +83,18 @@ class ShardedKVCache:
         not used, run only to stay in step with other groups' parameter all-gathers)."""
         self._owner = step % self.world if keep else -1
         self._query = query_positions
+        self._calls = {}
         if self._owner == self.rank:
             if self.length >= self.positions.size(1):
                 raise RuntimeError(f"KV cache full at {self.length} slots: more new tokens "
                                    "than the cache was sized for")
             self.positions[:, self.length] = query_positions
             self.valid[:, self.length] = True
+
+    @property
+    def decoding(self) -> bool:
+        """Whether the model is running a decode step (else the prefill)."""
+        return self._query is not None
 
     def finish_decode(self) -> None:
         if self._owner == self.rank:
@@ -94,6 +111,9 @@ class ShardedKVCache:
         (B, S, Hq, Dv)."""
         if not causal:
             raise ValueError("generation needs causal attention; this layer is not causal")
+        call = self._calls.get(layer, 0)
+        self._calls[layer] = call + 1
+        layer = (layer, call)
         if self._query is None:
             return self._prefill(layer, q, k, v, softmax_scale, sliding_window, chunk_size,
                                  softcap, sinks)
@@ -128,9 +148,11 @@ class ShardedKVCache:
 
     # ------------------------------------------------------------------ accounting
     def nbytes(self) -> int:
-        """Bytes this rank holds for the cache (keys, values, positions, validity)."""
+        """Bytes this rank holds for the cache (keys, values, positions, validity, and a
+        hybrid model's recurrent and convolution states)."""
         tensors = [*self.keys.values(), *self.values.values(), self.positions, self.valid]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return (sum(t.numel() * t.element_size() for t in tensors if t is not None)
+                + self.recurrent.nbytes())
 
 
 def group_rank(settings: SequenceParallelSettings, world: int) -> int:

@@ -30,7 +30,9 @@ from ..integrations.hf import (KV_CACHE_KWARG, RESCALING_ROPE, apply_sequence_pa
                                 between_decoder_and_head, config_layer_types,
                                 generation_defaults, output_head, rope_types,
                                 token_mixing_types)
-from ..integrations.hf_recurrent import stateful_layers
+from ..integrations.hf_recurrent import (GENERATES_IN_WORDS, recurrent_layer_types,
+                                         ungeneratable_layers,
+                                         unroutable_stateful_layers, unrouted_stateful_layers)
 from ..mesh import group_size, process_group
 from ..parallel import get_method
 from ..parallel.comm import gather_shards
@@ -52,7 +54,7 @@ class GenerationResult:
     decode_seconds: float
     new_tokens: int  # decode steps run (T)
     lengths: list[int]  # each row's new tokens up to and including the one that stopped it
-    cache_bytes: int  # this rank's KV cache (keys, values, positions, validity)
+    cache_bytes: int  # this rank's KV cache (keys, values, positions, validity; recurrent states)
     # with output_logits: each step's (B, V) float32 logits before any processor, as
     # transformers' generate(output_logits=True) gives them
     logits: list[Tensor] | None = None
@@ -258,15 +260,16 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
 
     if max_length_settings(model) is not None:
         raise ValueError("generate runs the plain layers: load the model without max-length mode")
-    stateful = stateful_layers(model) or sorted(
-        token_mixing_types(config_layer_types(text_config(model.config))))
+    layer_types = config_layer_types(text_config(model.config))
+    stateful = unroutable_stateful_layers(model) or ungeneratable_layers(model) or sorted(
+        token_mixing_types(layer_types) - recurrent_layer_types(model, layer_types))
     if stateful:
-        # the sharded cache keeps attention's keys and values; a recurrent layer would decode
-        # each new token from no state (a silently different model)
+        # the routed recurrent layers keep their prompt state for the decode steps
+        # (integrations/hf_recurrent.py); any other would decode each new token from no state
         raise ValueError(f"{type(model).__name__} has layers that carry a recurrent or "
                          f"convolution state ({', '.join(stateful)}), which easy_context.generate "
-                         "does not cache: generate in one process with model.generate "
-                         "(training runs sequence-parallel)")
+                         f"does not cache (it carries those of {GENERATES_IN_WORDS}): generate in "
+                         "one process with model.generate (training runs sequence-parallel)")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None or between_decoder_and_head(model, head):
         raise ValueError(f"{type(model).__name__}'s logits are not its output head applied to "
@@ -299,6 +302,12 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
         pad_token_id = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
 
     settings = _settings(model, method, group, ring_degree)
+    unrouted = unrouted_stateful_layers(model)
+    if unrouted:
+        raise ValueError(f"{type(model).__name__}'s recurrent layers ({', '.join(unrouted)}) are "
+                         "not switched to sequence parallelism (an attention implementation set "
+                         "alone): pass method= to generate, or call "
+                         "easy_context.apply_sequence_parallel")
     m = get_method(settings.method)
     world = 1 if m.layout == "whole" else group_size(settings.group)
     rank = group_rank(settings, world)
@@ -361,7 +370,7 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
     def run() -> None:
         nonlocal done
         start = time.perf_counter()
-        cache.start_prefill(pos_l, valid_l)
+        cache.start_prefill(pos_l, valid_l, lengths)
         hidden = decoder(input_ids=ids_l, position_ids=pos_l, use_cache=False,
                          **{KV_CACHE_KWARG: cache}).last_hidden_state  # (B, S_local, D)
         # each prompt's last token: on one rank; summed over the group, the others add zeros

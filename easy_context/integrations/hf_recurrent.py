@@ -10,7 +10,15 @@ layer's settings (group, method's layout, ring degree; parallel/settings.py) and
 the CPU; flash-linear-attention / causal-conv1d where transformers picks them).
 
 Every kernel function such a layer lists is either routed or made to raise, so no kernel ever
-runs on a shard as if it were the whole sequence. A layer class is routed only when its kernel
+runs on a shard as if it were the whole sequence.
+
+easy_context.generate passes its cache (``sharded_kv_cache``, as attention gets it) through
+the layers to these functions: at the prefill they also keep each prompt's final recurrent
+state and last convolution inputs in its transformers cache (generation/recurrent_state.py),
+with the pad slots after each prompt made to leave the state unchanged; at each decode step
+(one token, the same on every rank) they run transformers' own single-step path on that cache
+(``causal_conv1d_forward`` with the cache, the single-step gated delta rule, Mamba-2's
+``mamba2_scan_forward`` with the cache), the single-step kernels let through for that call only. A layer class is routed only when its kernel
 functions are exactly a known set *and* it is one of the classes checked against one process
 (``VERIFIED``): a forward can mix tokens outside its kernel functions, which no attribute
 shows, so each new family is added with its test.
@@ -23,6 +31,7 @@ from types import MethodType
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..parallel import get_method
@@ -37,6 +46,7 @@ _ORIGINAL = "_easy_context_original_forward"
 _DOCUMENTS = "_easy_context_document_ids"  # what the layer's caller got (_record_documents)
 _RECORDED = "_easy_context_recorded_layers"  # on a caller: the layers it records ids for
 _REPLAYS = "_easy_context_replays_documents"  # marks a checkpoint function wrapped to replay
+_DECODING = "_easy_context_decoding"  # set on a layer while generate's decode step runs it
 
 # Gated DeltaNet (Qwen3-Next): the functions its forward calls, by the name transformers
 # lists them under; the ones a training forward (no cache) never reaches raise.
@@ -89,6 +99,14 @@ VERIFIED = {"Qwen3NextGatedDeltaNet": GATED_DELTA_NET_FUNCS,
             "Lfm2ShortConv": SHORT_CONV_FUNCS, "Lfm2MoeShortConv": SHORT_CONV_FUNCS,
             "Lfm3ShortConv": SHORT_CONV_FUNCS}
 
+# Of VERIFIED, the layers whose routed kernels also keep the prompt's state for
+# easy_context.generate's decode steps (tests/dist/test_generate_hybrid.py); Kimi Linear's KDA
+# and Jamba's Mamba-1 train exactly but their decode path is not routed yet.
+GENERATES = frozenset(VERIFIED) - {"KimiLinearDeltaAttention", "JambaMambaMixer"}
+GENERATES_IN_WORDS = ("the gated DeltaNet of Qwen3-Next, Qwen3.5 and OLMo hybrid, the short "
+                      "convolutions of LFM2, LFM2-MoE and LFM3, and the Mamba-2 of Granite 4 "
+                      "hybrids, Bamba, Nemotron-H, Falcon-H1 and Zamba2")
+
 # What runs, in words (check_model_supported's refusal and the docs name it).
 RUNS = ("the gated DeltaNet of Qwen3-Next, Qwen3.5 (dense and MoE) and OLMo hybrid, the KDA of "
         "Kimi Linear, the gated short convolutions of LFM2, LFM2-MoE and LFM3, the Mamba-2 of "
@@ -105,6 +123,31 @@ def _documents(layer: nn.Module, document_ids: Tensor | None) -> Tensor | None:
     return document_ids if document_ids is not None else layer.__dict__.get(_DOCUMENTS)
 
 
+def _generation(kwargs: dict):
+    """generate's cache, taken out of the kernel's keyword arguments (None: not generating)."""
+    from .hf import KV_CACHE_KWARG  # hf.py imports this module
+
+    return kwargs.pop(KV_CACHE_KWARG, None)
+
+
+class _Decoding:
+    """Within: the layer's single-step kernels run (a decode step on the whole-prompt state)."""
+
+    def __init__(self, layer: nn.Module):
+        self.layer = layer
+
+    def __enter__(self):
+        self.layer.__dict__[_DECODING] = True
+
+    def __exit__(self, *exc):
+        self.layer.__dict__.pop(_DECODING, None)
+
+
+def _prompt_slots(gen, like: Tensor) -> Tensor:
+    """(B, S_local, 1) in ``like``'s dtype: 1 at this rank's prompt tokens, 0 at its pads."""
+    return gen.recurrent.valid[..., None].to(like.dtype)
+
+
 def _delta_rule(name: str, layer: nn.Module, originals: dict[str, Callable]):
     kernel = originals[name]  # chunk_gated_delta_rule, or KDA's chunk_kda (a per-channel g)
 
@@ -117,10 +160,24 @@ def _delta_rule(name: str, layer: nn.Module, originals: dict[str, Callable]):
             raise ValueError(f"{settings.method}: recurrent layers run sequence-parallel without "
                              "a cache (training, loss evaluation): pass use_cache=False")
         kwargs.pop("use_cache", None)
-        return chunk_gated_delta_rule(
-            query, key, value, g, beta, chunk_size, None, False, use_qk_l2norm_in_kernel,
-            kernel=kernel, group=settings.group, layout=layout,
+        gen = _generation(kwargs)
+        if gen is not None and gen.decoding:  # one token: transformers' single-step rule
+            out, state = originals["fused_recurrent_gated_delta_rule"](
+                query, key, value, g=g, beta=beta,
+                initial_state=gen.recurrent.state(layer.layer_idx), output_final_state=True,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+            gen.recurrent.keep_state(layer.layer_idx, state)
+            return out, None
+        if gen is not None:  # pads: no decay (g = 0), no write (beta = 0): the state passes
+            g, beta = g * _prompt_slots(gen, g), beta * _prompt_slots(gen, beta)
+        out, state = chunk_gated_delta_rule(
+            query, key, value, g, beta, chunk_size, None, gen is not None,
+            use_qk_l2norm_in_kernel, kernel=kernel, group=settings.group, layout=layout,
             ring_degree=settings.ring_degree, document_ids=document_ids, **kwargs)
+        if gen is not None:
+            gen.recurrent.keep_state(layer.layer_idx, state)
+            state = None
+        return out, state
 
     return forward
 
@@ -139,6 +196,17 @@ def _conv(layer: nn.Module, originals: dict[str, Callable]):
         if kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
             raise ValueError("sequence-parallel recurrent layers take packed documents as "
                              "document_ids (one id per token)")
+        gen = _generation(kwargs)
+        index = layer_idx if layer_idx is not None else layer.layer_idx
+        if gen is not None and gen.decoding:  # transformers' own cached step on the state
+            gen.recurrent.conv_state(index, state_idx)  # never from a zero state
+            with _Decoding(layer):
+                return originals["causal_conv1d_forward"](
+                    conv1d, hidden_states, gen.recurrent.cache, index, activation=activation,
+                    state_idx=state_idx, **kwargs)
+        if gen is not None:
+            gen.recurrent.keep_conv_inputs(index, state_idx, hidden_states,
+                                           conv1d.kernel_size[0])
         return causal_conv1d(hidden_states, conv1d.weight.squeeze(1), conv1d.bias, activation,
                              group=settings.group, layout=layout,
                              ring_degree=settings.ring_degree, document_ids=document_ids,
@@ -158,15 +226,33 @@ def _mamba2_scan(layer: nn.Module, originals: dict[str, Callable]):
         if cache is not None:
             raise ValueError(f"{settings.method}: recurrent layers run sequence-parallel without "
                              "a cache (training, loss evaluation): pass use_cache=False")
+        gen = _generation(kwargs)
+        if gen is not None and gen.decoding:  # transformers' own cached step on the state
+            gen.recurrent.state(module.layer_idx)  # never from a zero state
+            with _Decoding(layer):
+                return originals["mamba2_scan_forward"](module, hidden_states, B, C, dt,
+                                                        gen.recurrent.cache, **kwargs)
         b, length = hidden_states.shape[:2]
+        dt_options = dict(dt_bias=module.dt_bias, dt_softplus=True,
+                          dt_limit=module.time_step_limit)
+        if gen is not None:
+            # pads: a time step of 0 (no decay, no input), so the state passes them: the
+            # kernel's own dt steps (bias, softplus, clamp) done here, then the pads zeroed
+            limit = module.time_step_limit
+            dt = torch.clamp(F.softplus(dt + module.dt_bias.to(dt.dtype)), limit[0], limit[1])
+            dt = dt * _prompt_slots(gen, dt)
+            dt_options = dict(dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf")))
         y = mamba2_chunk_scan(
             hidden_states.view(b, length, module.num_heads, module.head_dim), dt,
             -torch.exp(module.A_log.float()),
             B.view(b, length, module.n_groups, module.ssm_state_size),
             C.view(b, length, module.n_groups, module.ssm_state_size), module.chunk_size,
-            D=module.D, dt_bias=module.dt_bias, dt_softplus=True,
-            dt_limit=module.time_step_limit, kernel=kernel, group=settings.group,
-            layout=layout, ring_degree=settings.ring_degree, document_ids=document_ids)
+            D=module.D, return_final_states=gen is not None, kernel=kernel,
+            group=settings.group, layout=layout, ring_degree=settings.ring_degree,
+            document_ids=document_ids, **dt_options)
+        if gen is not None:
+            y, state = y
+            gen.recurrent.keep_state(module.layer_idx, state)
         return y.reshape(b, length, -1)
 
     return forward
@@ -200,8 +286,10 @@ def _decline(layer: nn.Module, originals: dict[str, Callable]):
     return lambda *args, **kwargs: None  # "no fused kernel here": the layer goes unfused
 
 
-def _refuse(layer: nn.Module, name: str):
+def _refuse(layer: nn.Module, name: str, original: Callable):
     def forward(*args, **kwargs):
+        if layer.__dict__.get(_DECODING):  # generate's decode step: one token, whole state
+            return original(*args, **kwargs)
         settings = module_settings(layer)
         raise ValueError(f"{settings.method}: {type(layer).__name__} called {name}, which does not "
                          "run sequence-parallel (a cached decoding step); run without a cache "
@@ -230,6 +318,27 @@ def stateful_layers(model: nn.Module) -> list[str]:
     return sorted({type(m).__name__ for m in model.modules()
                    if not hasattr(m, "is_causal") and isinstance(getattr(m, "layer_idx", None), int)
                    and _kernel_funcs(m)})
+
+
+def unroutable_stateful_layers(model: nn.Module) -> list[str]:
+    """Of :func:`stateful_layers`, the classes this package does not route (whose state
+    easy_context.generate therefore cannot carry)."""
+    return sorted({type(m).__name__ for m in model.modules()
+                   if not hasattr(m, "is_causal") and isinstance(getattr(m, "layer_idx", None), int)
+                   and _kernel_funcs(m) and not routable(m)})
+
+
+def ungeneratable_layers(model: nn.Module) -> list[str]:
+    """Of the routable layers, the classes whose prompt state generate cannot carry yet."""
+    return sorted({type(m).__name__ for m in model.modules()
+                   if routable(m) and type(m).__name__ not in GENERATES})
+
+
+def unrouted_stateful_layers(model: nn.Module) -> list[str]:
+    """Of the routable layers, the classes not routed now (no sequence-parallel settings
+    stored on them: the model switched by its attention implementation alone)."""
+    return sorted({type(m).__name__ for m in model.modules()
+                   if routable(m) and module_settings(m) is None})
 
 
 def routable(module: nn.Module) -> bool:
@@ -333,7 +442,7 @@ def route_recurrent_layers(model: nn.Module, settings: SequenceParallelSettings)
             originals[name] = wrapper.__dict__[_ORIGINAL]
         for name, wrapper in _kernel_funcs(m).items():
             route = ROUTES.get(name)
-            fn = route(m, originals) if route else _refuse(m, name)
+            fn = route(m, originals) if route else _refuse(m, name, originals[name])
             # bound, as kernelize sets it (the layer's dispatch reads forward.__func__)
             wrapper.forward = MethodType(lambda self, *args, _fn=fn, **kwargs: _fn(*args, **kwargs),
                                          wrapper)

@@ -267,16 +267,50 @@ def test_generate_leaves_no_inference_tensors():
 
 
 @pytest.mark.parametrize("family", ["lfm2", "qwen3_next"])
-def test_models_with_recurrent_state_are_refused(family):
-    """The sharded cache holds attention's keys and values only: a short-convolution (LFM2) or
-    gated DeltaNet (Qwen3-Next) layer would decode each new token from no state. Before this
-    refusal, one rank, one of these two ran without any error and the other failed inside its
-    layers (the routing's "pass use_cache=False", no flag of generate's); at 2 ranks the
-    families sweep saw Falcon-H1, Nemotron-H and OLMo hybrid fail with a raw RuntimeError
-    from the convolution."""
+def test_models_with_recurrent_state_generate_as_transformers(family):
+    """A short-convolution (LFM2) or gated DeltaNet + conv (Qwen3-Next) model decodes from
+    the prompt's state, kept by its routed layers at the prefill: token for token what
+    transformers' greedy generate gives (prompts of 13 and 3, the second shorter than the
+    conv kernel, padded after its end). These were refused before ("carry a recurrent or
+    convolution state"); tests/dist/test_generate_hybrid.py runs them on 1, 2 and 4 ranks."""
     from tests.dist.hf_recurrent_cases import tiny_hybrid, tiny_qwen3_next
 
     model = (tiny_hybrid("lfm2") if family == "lfm2" else tiny_qwen3_next()).eval()
-    ids = torch.randint(3, 50, (1, 12))
+    for length in (13, 3):
+        ids = torch.randint(3, 50, (1, length), generator=torch.Generator().manual_seed(length))
+        want = copy.deepcopy(model).generate(ids, max_new_tokens=6, do_sample=False,
+                                             eos_token_id=None, pad_token_id=0)
+        got = ec.generate(copy.deepcopy(model), ids, method="zigzag_ring_attn",
+                          max_new_tokens=6, eos_token_id=[], pad_token_id=0)
+        assert got.tolist() == want.tolist(), (length, got.tolist(), want.tolist())
+
+
+def test_unrouted_recurrent_layers_are_refused():
+    """Jamba's Mamba-1 layers are not routed: generate refuses them before any collective
+    (they would decode each new token from no state)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "jamba", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1,
+        expert_layer_period=2, expert_layer_offset=1, num_experts=2, mamba_d_state=8,
+        use_mamba_kernels=False)
+    model = AutoModelForCausalLM.from_config(config).eval()
     with pytest.raises(ValueError, match="carry a recurrent or convolution state"):
-        ec.generate(model, ids, method="local", max_new_tokens=4)
+        ec.generate(model, torch.randint(3, 50, (1, 12)), method="local", max_new_tokens=4)
+
+
+def test_recurrent_layers_not_switched_are_refused():
+    """A model whose attention is switched but whose recurrent layers are not (their settings
+    gone) is refused: their kernels would run without generate's state."""
+    from easy_context.parallel.settings import ATTR
+    from tests.dist.hf_recurrent_cases import tiny_qwen3_next
+
+    model = tiny_qwen3_next().eval()
+    ec.apply_sequence_parallel(model, "local")
+    for m in model.modules():
+        if type(m).__name__ == "Qwen3NextGatedDeltaNet":
+            delattr(m, ATTR)
+    with pytest.raises(ValueError, match="recurrent layers .*Qwen3NextGatedDeltaNet.* are not "
+                                         "switched"):
+        ec.generate(model, torch.randint(3, 50, (1, 12)), max_new_tokens=4)
