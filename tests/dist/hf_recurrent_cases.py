@@ -176,6 +176,13 @@ HYBRIDS = {
                           num_hidden_layers=3, sliding_window=3, pad_token_id=0, bos_token_id=1,
                           eos_token_id=2)),
 }
+# Configs of these families with no attention layer: every token mixer is a routed recurrent
+# layer (the families sweep's 2-layer tiny models are such), nothing else to shard.
+HYBRIDS.update({
+    "qwen3_next_no_attention": ("qwen3_next", dict(QWEN3_NEXT, layer_types=["linear_attention"] * 2)),
+    "granite_no_attention": ("granitemoehybrid", dict(GRANITE, layer_types=["mamba"] * 2)),
+    "lfm2_no_attention": ("lfm2", dict(HYBRIDS["lfm2"][1], layer_types=["conv"] * 2)),
+})
 
 
 def tiny_hybrid(family: str, seed: int = 0):

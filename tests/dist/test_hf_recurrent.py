@@ -3,7 +3,8 @@ within 1e-5 (fp32) of float64 in one process, for every method at 2 ranks (Qwen3
 three methods at 4 for Qwen3-Next and LFM2), pieces shorter than the conv halo, packed documents
 (gated DeltaNet, short conv, Mamba-2); unrouted recurrent layers are refused. Families: gated
 DeltaNet (Qwen3-Next, Qwen3.5 dense and MoE, OLMo hybrid), short convolutions (LFM2, LFM2-MoE,
-LFM3), Mamba-2 (Granite 4, Bamba, Nemotron-H, Falcon-H1, Zamba2)."""
+LFM3), Mamba-2 (Granite 4, Bamba, Nemotron-H, Falcon-H1, Zamba2); configs of three of them
+with no attention layer at all."""
 
 import pytest
 
@@ -76,3 +77,11 @@ def test_lfm2_4_ranks(dist4):
 def test_falcon_h1_chunked_loss_2_ranks(dist2):
     # the chunked loss scales the logits by lm_head_multiplier, as Falcon-H1's forward does
     _assert_small(dist2.run(check_hybrid, "falcon_h1", ["zigzag_ring_attn"], 2, True))
+
+
+@pytest.mark.parametrize("family", ["qwen3_next_no_attention", "granite_no_attention",
+                                    "lfm2_no_attention"])
+def test_no_attention_layer_every_method_2_ranks(dist2, family):
+    # every token mixer recurrent (a hybrid config without its attention layers): runs, exact,
+    # where it was refused ("found no attention layers")
+    _assert_small(dist2.run(check_hybrid, family, sorted(ec.METHODS)))
