@@ -167,13 +167,18 @@ def _kernel_funcs(module: nn.Module) -> dict[str, nn.Module]:
     return funcs if isinstance(funcs, dict) else {}
 
 
-def stateful_layers(model: nn.Module) -> list[str]:
-    """The classes of ``model``'s layers that carry a recurrent or convolution state along the
-    sequence (their kernel functions listed by transformers' ``use_kernelized_func``; attention
+def stateful_modules(model: nn.Module) -> list[nn.Module]:
+    """``model``'s layers that carry a recurrent or convolution state along the sequence
+    (their kernel functions listed by transformers' ``use_kernelized_func``; attention
     modules' own, e.g. RoPE, mix no tokens): what a KV cache does not hold."""
-    return sorted({type(m).__name__ for m in model.modules()
-                   if not hasattr(m, "is_causal") and isinstance(getattr(m, "layer_idx", None), int)
-                   and _kernel_funcs(m)})
+    return [m for m in model.modules()
+            if not hasattr(m, "is_causal") and isinstance(getattr(m, "layer_idx", None), int)
+            and _kernel_funcs(m)]
+
+
+def stateful_layers(model: nn.Module) -> list[str]:
+    """The classes of :func:`stateful_modules`."""
+    return sorted({type(m).__name__ for m in stateful_modules(model)})
 
 
 def routable(module: nn.Module) -> bool:
