@@ -72,6 +72,18 @@ CASES = {
     "sft-deepspeed-dp2-sp2-left-padded-lora": (4, dict(kind="sft", engine="deepspeed",
                                                        padding_side="left", sp_size=2,
                                                        method="dist_flash_attn", lora=True), 4),
+    # hybrid models (recurrent layers routed by apply_sequence_parallel): gated DeltaNet,
+    # Mamba-2. Unpacked: packed, the recurrent layers restart at each document here while
+    # transformers' CPU path in one process carries their state across documents
+    # (hf_recurrent_cases.check_hybrid_documents checks packing against documents alone)
+    "trainer-padded-zigzag-qwen3-next": (2, dict(kind="trainer", model_name="qwen3_next"), 2),
+    "sft-left-padded-ulysses-lora-qwen3-next": (2, dict(kind="sft", padding_side="left",
+                                                        method="ulysses_attn", lora=True,
+                                                        model_name="qwen3_next"), 2),
+    "trainer-fsdp2-padded-granite-hybrid": (2, dict(kind="trainer", engine="fsdp2",
+                                                    model_name="granite_hybrid"), 2),
+    "sft-deepspeed-lora-granite-hybrid": (2, dict(kind="sft", engine="deepspeed", lora=True,
+                                                  model_name="granite_hybrid"), 2),
 }
 # the checkpoint functions of the layers that transformers checkpoints, after train()
 CHECKPOINTING = {"trainer-offload-gradient-checkpointing": ["_offloaded_checkpoint"],
@@ -88,7 +100,7 @@ _REFERENCES: dict[str, dict] = {}
 
 
 def _reference(dist1, assets: str, options: dict, accum: int) -> dict:
-    keep = ("kind", "packing", "lora", "padding_side", "args", "predict")
+    keep = ("kind", "packing", "lora", "padding_side", "args", "predict", "model_name")
     ref = {k: v for k, v in options.items() if k in keep}
     key = json.dumps({**ref, "accum": accum}, sort_keys=True)
     if key not in _REFERENCES:
