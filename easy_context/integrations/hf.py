@@ -208,12 +208,13 @@ def check_model_supported(model: nn.Module) -> None:
     Every attention layer can (full, sliding-window, chunked; soft-capped, with sinks, with
     its own value head dim). Layers that are not softmax attention carry state along the
     sequence: those hf_recurrent.py routes to easy_context.recurrent run (its ``RUNS`` names
-    them); the others (MiniMax's lightning attention, ...) are refused by name. So are models whose attention
-    does not go through transformers' attention interface, and decoders that take no
+    them); the others (MiniMax's lightning attention, ...) are refused by name. A model with no
+    attention layer runs when every token mixer is such a routed layer. Refused too: models
+    whose attention does not go through transformers' attention interface, and decoders that take no
     ``position_ids`` (BART-style: positions from the shard's own length)."""
     layer_types = config_layer_types(_text_config(model))
-    other = sorted(token_mixing_types(layer_types)
-                   - recurrent_layer_types(model, layer_types))  # hf_recurrent.py routes those
+    routed = recurrent_layer_types(model, layer_types)  # hf_recurrent.py routes those
+    other = sorted(token_mixing_types(layer_types) - routed)
     if other:
         layers = [i for i, t in enumerate(layer_types) if str(t) in other]
         raise ValueError(
@@ -221,7 +222,9 @@ def check_model_supported(model: nn.Module) -> None:
             f"layers {layers[:8]}{'...' if len(layers) > 8 else ''}); sequence parallelism "
             "runs attention and, of the layers that carry state along the whole sequence, "
             f"{RECURRENT_RUNS} only. Use a model whose every other layer is attention")
-    if not _attention_modules(model):
+    if not _attention_modules(model) and not (routed & token_mixing_types(layer_types)):
+        # (a model whose every token mixer is a routed recurrent layer, e.g. a hybrid config
+        # with no attention layer, has nothing else to shard: it runs)
         raise ValueError(f"found no attention layers in {type(model).__name__}: its attention "
                          "does not go through transformers' attention interface")
     reason = _positions_not_from_ids(model)
@@ -349,10 +352,13 @@ def apply_sequence_parallel(model: nn.Module, method: str, group=None,
     world = group_size(group)
     if ring_degree is None and isinstance(group, SPGroup) and m.needs_ring_degree:
         ring_degree = group.ring_degree
-    if world > 1:
-        heads = config.num_attention_heads
-        m.check(heads, getattr(config, "num_key_value_heads", None) or heads, world, ring_degree)
     modules = _attention_modules(model)
+    if world > 1:
+        heads = kv_heads = None  # no attention layer: no heads to split (the rest still holds)
+        if modules:
+            heads = config.num_attention_heads
+            kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        m.check(heads, kv_heads, world, ring_degree)
     if m.needs_ring_degree and world > 1 and 1 < ring_degree < world:
         group = usp_groups(group, ring_degree)  # once, not at every forward
     settings = SequenceParallelSettings(m.name, group, ring_degree)

@@ -311,13 +311,18 @@ def _kernel_funcs(module: nn.Module) -> dict[str, nn.Module]:
     return funcs if isinstance(funcs, dict) else {}
 
 
-def stateful_layers(model: nn.Module) -> list[str]:
-    """The classes of ``model``'s layers that carry a recurrent or convolution state along the
-    sequence (their kernel functions listed by transformers' ``use_kernelized_func``; attention
+def stateful_modules(model: nn.Module) -> list[nn.Module]:
+    """``model``'s layers that carry a recurrent or convolution state along the sequence
+    (their kernel functions listed by transformers' ``use_kernelized_func``; attention
     modules' own, e.g. RoPE, mix no tokens): what a KV cache does not hold."""
-    return sorted({type(m).__name__ for m in model.modules()
-                   if not hasattr(m, "is_causal") and isinstance(getattr(m, "layer_idx", None), int)
-                   and _kernel_funcs(m)})
+    return [m for m in model.modules()
+            if not hasattr(m, "is_causal") and isinstance(getattr(m, "layer_idx", None), int)
+            and _kernel_funcs(m)]
+
+
+def stateful_layers(model: nn.Module) -> list[str]:
+    """The classes of :func:`stateful_modules`."""
+    return sorted({type(m).__name__ for m in stateful_modules(model)})
 
 
 def unroutable_stateful_layers(model: nn.Module) -> list[str]:
@@ -423,11 +428,53 @@ def _replaying(caller: nn.Module, checkpoint: Callable) -> Callable:
     return checkpointed
 
 
+_GUARD = "_easy_context_route_guard"
+
+
+def _stop_kernelizing(model: nn.Module) -> None:
+    """Turn off transformers' hub kernels (``use_kernels``: from_pretrained sets it from
+    transformers 5.25). A kernelized model is kernelized again at every ``model.train()`` /
+    ``model.eval()`` that changes its kernels Mode, which gives every kernel function wrapper
+    back its own forward: the routing below would be gone, and the recurrent layers would run
+    on each shard as if it were the whole sequence (the Trainer's train() did exactly that: a
+    loss 1e-3 off at 2 ranks, no error)."""
+    for module in model.modules():
+        if getattr(module, "use_kernels", False) and hasattr(module, "set_use_kernels"):
+            module.set_use_kernels(False)  # no re-kernelizing; torch's forwards
+
+
+def _check_routed(layer: nn.Module, args, kwargs):
+    """Forward pre-hook of a routed layer: its kernel functions must still be routed (a
+    kernelize after apply_sequence_parallel, e.g. set_use_kernels(True), replaces them)."""
+    if module_settings(layer) is None:
+        return None
+    for name, wrapper in _kernel_funcs(layer).items():
+        if not getattr(wrapper.__dict__.get("forward"), "_easy_context_routed", False):
+            raise ValueError(f"{type(layer).__name__} (layer {layer.layer_idx}): its kernel "
+                             f"function {name} was replaced after apply_sequence_parallel (a "
+                             "kernelize: use_kernels / set_use_kernels(True)), so it would run "
+                             "on each shard as if it were the whole sequence; call "
+                             "easy_context.apply_sequence_parallel again after kernelizing, or "
+                             "leave use_kernels off")
+    return None
+
+
+def _routed_forward(fn: Callable, wrapper: nn.Module):
+    def forward(self, *args, **kwargs):
+        return fn(*args, **kwargs)
+
+    forward._easy_context_routed = True
+    # bound, as kernelize sets it (the layer's dispatch reads forward.__func__)
+    return MethodType(forward, wrapper)
+
+
 def route_recurrent_layers(model: nn.Module, settings: SequenceParallelSettings) -> int:
     """Store ``settings`` on every routable layer and route its kernel functions (again:
     the new settings count). Returns the number of layers routed."""
     count = 0
     callers = {child: parent for parent in model.modules() for child in parent.children()}
+    if any(routable(m) for m in model.modules()):
+        _stop_kernelizing(model)
     for m in model.modules():
         if not routable(m):
             continue
@@ -442,9 +489,9 @@ def route_recurrent_layers(model: nn.Module, settings: SequenceParallelSettings)
             originals[name] = wrapper.__dict__[_ORIGINAL]
         for name, wrapper in _kernel_funcs(m).items():
             route = ROUTES.get(name)
-            fn = route(m, originals) if route else _refuse(m, name, originals[name])
-            # bound, as kernelize sets it (the layer's dispatch reads forward.__func__)
-            wrapper.forward = MethodType(lambda self, *args, _fn=fn, **kwargs: _fn(*args, **kwargs),
-                                         wrapper)
+            wrapper.forward = _routed_forward(
+                route(m, originals) if route else _refuse(m, name, originals[name]), wrapper)
+        if getattr(m, _GUARD, None) is None:
+            setattr(m, _GUARD, m.register_forward_pre_hook(_check_routed, with_kwargs=True))
         count += 1
     return count

@@ -156,8 +156,27 @@ def probe_mismatch(model: nn.Module, layer: nn.Module, spec: LayerSpec) -> str |
             "fused layer does not reproduce; train this model without --mlp-tile/--head-chunk")
 
 
+def recurrent_reason(model: nn.Module) -> str | None:
+    """Why max-length mode cannot fuse ``model``: its layers that carry state along the
+    sequence (a hybrid's recurrent mixers and convolutions), or None. The fused layer computes
+    attention and per-token parts; it must never take such a layer for either. Found as
+    integrations.hf_recurrent.stateful_layers finds them (memory sits below integrations):
+    modules with a layer index, not attention, that list kernel functions."""
+    found = sorted({type(m).__name__ for m in model.modules()
+                    if not hasattr(m, "is_causal") and isinstance(getattr(m, "layer_idx", None), int)
+                    and isinstance(m.__dict__.get("_kernel_funcs"), dict) and m._kernel_funcs})
+    if not found:
+        return None
+    return (f"{type(model).__name__} has layers that carry state along the sequence "
+            f"({', '.join(found)}), which max-length mode does not fuse or tile; train this "
+            "model without --mlp-tile/--head-chunk")
+
+
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why max-length mode cannot fuse this model's layers, or None when it can."""
+    reason = recurrent_reason(model)
+    if reason:
+        return reason
     try:
         config = _text_config(model)
         for layer in decoder_layers(model):
@@ -265,6 +284,9 @@ def apply_max_length(model: nn.Module, mlp_tile: int, heads_per_chunk: int,
     if mlp_tile < 1 or heads_per_chunk < 1 or keep_every < 1:
         raise ValueError(f"mlp_tile ({mlp_tile}), heads_per_chunk ({heads_per_chunk}) "
                          f"and keep_every ({keep_every}) must be >= 1")
+    reason = recurrent_reason(model)
+    if reason:
+        raise ValueError(reason)
     config = _text_config(model)
     layers = decoder_layers(model)
     specs = [layer_spec(layer, config) for layer in layers]

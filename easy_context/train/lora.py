@@ -130,9 +130,26 @@ def inject_lora(model: nn.Module, lora) -> dict[str, nn.Module]:
     if outside:
         raise ValueError(f"--lora-targets: adapters only go into the decoder layers, not "
                          f"{outside[:4]} (the chunked loss reads the output head's weight itself)")
+    skipped = _skipped_adapters(model, modules)
+    if skipped:
+        raise ValueError(f"--lora-targets: adapters on {skipped[:4]} would never run: a recurrent "
+                         "layer's convolution kernel reads the convolution's weight itself "
+                         "(transformers' and easy_context's alike), so the adapter would be "
+                         "neither applied nor trained; leave the convolutions out (all-linear "
+                         "adapts linear layers only)")
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
     return modules
+
+
+def _skipped_adapters(model: nn.Module, modules: dict[str, nn.Module]) -> list[str]:
+    """The adapted modules inside a recurrent layer that are convolutions: its kernel function
+    takes the module and reads ``conv1d.weight`` (causal_conv1d_forward), never calling it."""
+    from ..integrations.hf_recurrent import stateful_modules
+
+    inside = {id(m) for layer in stateful_modules(model) for m in layer.modules()}
+    return [name for name, m in modules.items()
+            if id(m) in inside and isinstance(m.get_base_layer(), nn.Conv1d)]
 
 
 def add_lora(model: nn.Module, pretrained: Pretrained, config: TrainConfig,

@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
+from transformers.initialization import no_init_weights
 
 from ..models import check_model_path, load_config, plain_attention
 from .config import TrainConfig
@@ -39,11 +40,24 @@ def build_empty_model(config: TrainConfig,
             model_config, dtype=torch.float32, trust_remote_code=config.trust_remote_code,
             attn_implementation=plain_attention(model_config))
 
-    with init_context(model_config):
-        model = build()
+    reference = None
     if buffers_outside:
+        # Built first, outside the context: this also imports the modeling code outside it.
+        # zero.Init wraps the __init__ of every module class made while it is entered and puts
+        # back, on exit, the __init__ the class had when it was made, undoing what decorators
+        # applied after (kernels' use_kernelized_func gives each recurrent layer its kernel
+        # functions in __init__: every model built afterwards in the process would lack them,
+        # and the hybrid would be refused).
         with params_on_meta():
             reference = build()
+    # Under zero.Init (buffers_outside) every parameter is a partition already: transformers'
+    # weight initialisation would write whole tensors into them (Qwen3-Next's and Mamba-2's
+    # A_log are copied in, and fail), and every value is read from the checkpoint anyway. So
+    # it is skipped, as transformers' own from_pretrained does under ZeRO-3.
+    with init_context(model_config), (no_init_weights() if buffers_outside
+                                      else contextlib.nullcontext()):
+        model = build()
+    if reference is not None:
         for name, buf in reference.named_buffers():
             owner, _, leaf = name.rpartition(".")
             module = model.get_submodule(owner)

@@ -84,6 +84,15 @@ class NF4Linear(nn.Module):
 
         return dequantize_4bit(self.packed, self.quant_state)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight the layer computes with, dequantized (out, in), for code that reads a
+        linear layer's weight instead of calling it: Mamba-2 layers (Granite 4, Bamba,
+        Nemotron-H, ...) hand ``out_proj.weight`` to their fused training kernel, which on
+        the sequence-parallel path declines (easy_context/integrations/hf_recurrent.py) and
+        the layer then calls ``out_proj`` itself. Not a parameter: nothing trains it."""
+        return self.dequantize()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import bitsandbytes as bnb
 
@@ -128,6 +137,12 @@ def quantize_base(model: nn.Module, folder: SafetensorsFolder | None, device: to
     if count == 0:
         raise ValueError("--lora-4bit: the decoder layers have no linear layers to quantize")
     return count
+
+
+def quantized_weight_names(model: nn.Module) -> set[str]:
+    """The names under which a state dict of the full-precision model holds the weights that
+    are 4-bit here (not parameters of this model: quantize_base filled them)."""
+    return {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, NF4Linear)}
 
 
 def dequantized_weights(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -233,13 +233,22 @@ HYBRIDS = {
                           num_hidden_layers=3, sliding_window=3, pad_token_id=0, bos_token_id=1,
                           eos_token_id=2)),
 }
+# Configs of these families with no attention layer: every token mixer is a routed recurrent
+# layer (the families sweep's 2-layer tiny models are such), nothing else to shard.
+HYBRIDS.update({
+    "qwen3_next": ("qwen3_next", QWEN3_NEXT),
+    "qwen3_next_no_attention": ("qwen3_next", dict(QWEN3_NEXT, layer_types=["linear_attention"] * 2)),
+    "granite_no_attention": ("granitemoehybrid", dict(GRANITE, layer_types=["mamba"] * 2)),
+    "lfm2_no_attention": ("lfm2", dict(HYBRIDS["lfm2"][1], layer_types=["conv"] * 2)),
+})
 
 
-def tiny_hybrid(family: str, seed: int = 0):
-    """A tiny model of ``HYBRIDS[family]``, mild decays (module docstring), in training mode
-    (a layer's training-only branch, e.g. Mamba-2's fused kernel, is taken)."""
+def tiny_hybrid(family: str, seed: int = 0, **config):
+    """A tiny model of ``HYBRIDS[family]`` (``config``: more overrides), mild decays (module
+    docstring), in training mode (a layer's training-only branch, e.g. Mamba-2's fused kernel,
+    is taken)."""
     model_type, overrides = HYBRIDS[family]
-    config = AutoConfig.for_model(model_type, **{**COMMON, **overrides})
+    config = AutoConfig.for_model(model_type, **{**COMMON, **overrides, **config})
     torch.manual_seed(seed)
     # eager experts: the grouped-matmul path takes no float64 (the reference)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",

@@ -4,7 +4,8 @@ three methods at 4 for Qwen3-Next and LFM2), pieces shorter than the conv halo, 
 (gated DeltaNet, short conv, Mamba-2); unrouted recurrent layers are refused. Families: gated
 DeltaNet (Qwen3-Next, Qwen3.5 dense and MoE, OLMo hybrid), short convolutions (LFM2, LFM2-MoE,
 LFM3), Mamba-2 (Granite 4, Bamba, Nemotron-H, Falcon-H1, Zamba2), KDA (Kimi Linear), Mamba-1
-(Jamba: every method at 1, 2 and 4 ranks, as Kimi Linear)."""
+(Jamba: every method at 1, 2 and 4 ranks, as Kimi Linear); configs of three of them with no
+attention layer at all."""
 
 import pytest
 
@@ -103,3 +104,11 @@ def test_packed_documents_under_activation_checkpointing_2_ranks(dist2, family):
     # call's kwargs)
     reports = dist2.run(check_documents_checkpointed, family, "zigzag_ring_attn")
     assert all(le <= TOL and ge <= TOL for le, ge in reports), reports
+
+
+@pytest.mark.parametrize("family", ["qwen3_next_no_attention", "granite_no_attention",
+                                    "lfm2_no_attention"])
+def test_no_attention_layer_every_method_2_ranks(dist2, family):
+    # every token mixer recurrent (a hybrid config without its attention layers): runs, exact,
+    # where it was refused ("found no attention layers")
+    _assert_small(dist2.run(check_hybrid, family, sorted(ec.METHODS)))

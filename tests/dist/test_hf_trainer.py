@@ -14,7 +14,9 @@ process's. Each method runs at least once; DDP, FSDP2 and DeepSpeed ZeRO-3; padd
 through a PeftModel and through SFTTrainer's peft_config; max-length mode; bf16; the
 Trainer's gradient_checkpointing beside our own checkpointing; predict() without labels;
 resume from a checkpoint (one and two data-parallel groups); under FSDP2, save_model's file
-holds the trained weights (the full model and LoRA's adapters).
+holds the trained weights (the full model and LoRA's adapters). Hybrid models (Qwen3-Next's
+gated DeltaNet, Granite 4's Mamba-2; LoRA on their recurrent layers' projections too) with
+the Trainer and SFTTrainer, DDP, FSDP2 and DeepSpeed.
 """
 
 from __future__ import annotations
@@ -72,6 +74,23 @@ CASES = {
     "sft-deepspeed-dp2-sp2-left-padded-lora": (4, dict(kind="sft", engine="deepspeed",
                                                        padding_side="left", sp_size=2,
                                                        method="dist_flash_attn", lora=True), 4),
+    # hybrid models (recurrent layers routed by apply_sequence_parallel): gated DeltaNet,
+    # Mamba-2. Unpacked: packed, the recurrent layers restart at each document here while
+    # transformers' CPU path in one process carries their state across documents
+    # (hf_recurrent_cases.check_hybrid_documents checks packing against documents alone)
+    "trainer-padded-zigzag-qwen3-next": (2, dict(kind="trainer", model_name="qwen3_next"), 2),
+    # (router_aux_loss_coef=0: TRL turns the router loss on for any config that has one,
+    # and these have no expert layer: transformers fails on the empty router logits)
+    "sft-left-padded-ulysses-lora-qwen3-next": (2, dict(
+        kind="sft", padding_side="left", method="ulysses_attn", lora=True,
+        model_name="qwen3_next", args={"router_aux_loss_coef": 0.0}), 2),
+    # LoRA: Mamba-2's A_log and dt_bias get gradients of ~1e-7 here, too small to move
+    # their float32 weights in two steps, so a full-weight run has no change to compare
+    "trainer-fsdp2-padded-lora-granite-hybrid": (2, dict(kind="trainer", engine="fsdp2",
+                                                         lora=True, model_name="granite_hybrid"), 2),
+    "sft-deepspeed-lora-granite-hybrid": (2, dict(
+        kind="sft", engine="deepspeed", lora=True, model_name="granite_hybrid",
+        args={"router_aux_loss_coef": 0.0}), 2),
 }
 # the checkpoint functions of the layers that transformers checkpoints, after train()
 CHECKPOINTING = {"trainer-offload-gradient-checkpointing": ["_offloaded_checkpoint"],
@@ -88,7 +107,7 @@ _REFERENCES: dict[str, dict] = {}
 
 
 def _reference(dist1, assets: str, options: dict, accum: int) -> dict:
-    keep = ("kind", "packing", "lora", "padding_side", "args", "predict")
+    keep = ("kind", "packing", "lora", "padding_side", "args", "predict", "model_name")
     ref = {k: v for k, v in options.items() if k in keep}
     key = json.dumps({**ref, "accum": accum}, sort_keys=True)
     if key not in _REFERENCES:

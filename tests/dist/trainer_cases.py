@@ -19,6 +19,8 @@ VOCAB = 96
 PAD = VOCAB - 1
 LR = 10.0
 MAX_NORM = 0.05  # below every reference gradient norm (measured 0.06 to 0.83): clipping runs
+# hybrid models saved beside the Llama (``model=`` picks one): gated DeltaNet, Mamba-2
+HYBRID_MODELS = ("qwen3_next", "granite_hybrid")
 
 
 def _tokenizer():
@@ -51,6 +53,12 @@ def make_assets(folder: str, seed: int = 0) -> str:
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(root / "model")
     _tokenizer().save_pretrained(root / "model")
+    from .hf_recurrent_cases import tiny_hybrid
+
+    for family in HYBRID_MODELS:  # the same vocabulary and special tokens
+        tiny_hybrid(family, seed, vocab_size=VOCAB, pad_token_id=PAD, eos_token_id=VOCAB - 2,
+                    tie_word_embeddings=False).save_pretrained(root / family)
+        _tokenizer().save_pretrained(root / family)
     rng = random.Random(seed)
     for split, n in (("train", 32), ("eval", 8)):
         rows = [[rng.randrange(VOCAB - 3) for _ in range(rng.randrange(9, 40))] for _ in range(n)]
@@ -147,7 +155,7 @@ def train_and_evaluate(folder: str, name: str, kind: str = "trainer", engine: st
                 save: bool = True, args: dict | None = None, resume: str | None = None,
                 predict: bool = False, override: str | None = None, model_init: bool = False,
                 streaming: bool = False, extra_column: str | None = None,
-                mixin_first: bool = False) -> dict:
+                mixin_first: bool = False, model_name: str = "model") -> dict:
     """Train two steps (and evaluate) with ``kind`` ("trainer": transformers' Trainer with
     DataCollatorWithFlattening when ``packing``, else padded batches; "sft": TRL's SFTTrainer)
     on ``engine`` ("ddp", "fsdp2", "deepspeed"). ``method=None`` is the one-process reference.
@@ -156,6 +164,7 @@ def train_and_evaluate(folder: str, name: str, kind: str = "trainer", engine: st
     ``override`` (a method the script's Trainer subclass defines), ``model_init``,
     ``streaming`` (an IterableDataset), ``extra_column`` (a batch key that is not sharded).
     ``mixin_first``: the script's class is ``(SequenceParallelMixin, Trainer)`` itself.
+    ``model_name``: the folder of the model to train (``model``: the Llama; HYBRID_MODELS).
     Returns, on rank 0, the logged losses and gradient norms, eval loss, TRL metrics, the
     Trainer's counts, the weights before and after (saved)."""
     import datasets
@@ -169,7 +178,7 @@ def train_and_evaluate(folder: str, name: str, kind: str = "trainer", engine: st
     out = root / name
     tokenizer = _tokenizer()
     tokenizer.padding_side = padding_side
-    model = AutoModelForCausalLM.from_pretrained(root / "model", attn_implementation="sdpa",
+    model = AutoModelForCausalLM.from_pretrained(root / model_name, attn_implementation="sdpa",
                                                  dtype=torch.float32)
     train = datasets.load_from_disk(str(root / "train"))
     evals = datasets.load_from_disk(str(root / "eval"))
@@ -181,7 +190,9 @@ def train_and_evaluate(folder: str, name: str, kind: str = "trainer", engine: st
     if lora:
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+        # (in_proj*, out_proj: the hybrids' recurrent layers, gated DeltaNet and Mamba-2)
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=[
+                                     "q_proj", "v_proj", "in_proj_qkvz", "in_proj", "out_proj"],
                                  lora_dropout=0.0, task_type="CAUSAL_LM")
     args = _args(out, kind, engine, accum, batch, packing, **(args or {}))
     if kind == "sft":

@@ -76,3 +76,49 @@ def test_layer_forward_replaced_by_a_hub_kernel_is_refused():
     with pytest.raises(ValueError, match="Qwen3_5GatedDeltaNet \\(layer 0\\) has its forward "
                                          "replaced"):
         check_model_supported(model)
+
+
+def _saved_and_loaded_qwen3_5(tmp_path):
+    # from_pretrained turns transformers' hub kernels on (use_kernels, transformers 5.25)
+    config = AutoConfig.for_model(
+        "qwen3_5_text", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    assert model.use_kernels
+    return model
+
+
+def _routed(layer) -> bool:
+    return all(getattr(w.__dict__.get("forward"), "_easy_context_routed", False)
+               for w in layer._kernel_funcs.values())
+
+
+def test_routing_survives_train_and_eval_and_a_later_kernelize_is_refused(tmp_path):
+    # model.train() / eval() re-kernelize a kernelized model, which gave every kernel function
+    # wrapper its own forward back: the recurrent layers then ran unrouted, on each shard as
+    # if it were the whole sequence (a Trainer run 1e-3 off at 2 ranks: tests/dist/
+    # test_hf_trainer.py's hybrid cases). Now the kernels are off once routed, and a kernelize
+    # after apply_sequence_parallel is refused at the layer's next call
+    import easy_context as ec
+
+    model = _saved_and_loaded_qwen3_5(tmp_path)
+    ec.apply_sequence_parallel(model, "zigzag_ring_attn")
+    layer = model.model.layers[0].linear_attn
+    model.train()
+    model.eval()
+    # (the old code: each wrapper lost its instance forward here, back to transformers' own)
+    assert all("forward" in w.__dict__ for w in layer._kernel_funcs.values())
+    assert _routed(layer)
+    ids = torch.randint(0, 97, (1, 8))
+    model(input_ids=ids, position_ids=torch.arange(8)[None], use_cache=False)
+    model.set_use_kernels(True)  # a kernelize after apply_sequence_parallel
+    assert not _routed(layer)
+    with pytest.raises(ValueError, match="replaced after apply_sequence_parallel"):
+        model(input_ids=ids, position_ids=torch.arange(8)[None], use_cache=False)
+    ec.apply_sequence_parallel(model, "zigzag_ring_attn")  # what the message says: runs again
+    assert _routed(layer)
+    model(input_ids=ids, position_ids=torch.arange(8)[None], use_cache=False)

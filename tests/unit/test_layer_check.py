@@ -34,7 +34,7 @@ def test_llama_shaped_layers_are_accepted(model_type, overrides):
     ("olmo", dict(clip_qkv=8.0), "config.clip_qkv = 8.0"),  # OLMo clamps q, k and v
     # Seed-OSS drops out of both branches (its defaults: 0.1)
     ("seed_oss", dict(attention_dropout=0.1, residual_dropout=0.1), "attention_dropout = 0.1"),
-    ("falcon_h1", {}, "has ["),  # Mamba mixer and Falcon-H1's multipliers beside attention
+    ("falcon_h1", {}, "FalconH1Mixer"),  # a Mamba-2 mixer beside attention (recurrent_reason)
     ("gemma2", {}, "pre_feedforward_layernorm"),  # Gemma 2's extra norms
     # its global layers skip RoPE and drop the window: told by is_sliding, unknown here
     ("exaone_moe", dict(sliding_window=4, pad_token_id=0), "ExaoneMoeAttention.s"),
@@ -118,4 +118,27 @@ def test_a_layer_that_computes_something_else_is_refused_by_the_probe():
     assert reason is not None and "LlamaDecoderLayer's own forward and the fused layer differ" \
         in reason, reason
     with pytest.raises(ValueError, match="differ by"):
+        apply_max_length(model, 4, 2)
+
+
+@pytest.mark.parametrize("model_type,overrides,layer", [
+    ("qwen3_next", dict(layer_types=["linear_attention", "full_attention"], mlp_only_layers=[0, 1],
+                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                        linear_value_head_dim=8), "Qwen3NextGatedDeltaNet"),
+    ("granitemoehybrid", dict(layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=8,
+                              mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=8,
+                              num_local_experts=0, shared_intermediate_size=64),
+     "GraniteMoeHybridMambaLayer"),
+    ("lfm2", dict(layer_types=["conv", "full_attention"], conv_L_cache=4,
+                  block_auto_adjust_ff_dim=False), "Lfm2ShortConv"),
+])
+def test_recurrent_layers_are_refused_by_name(model_type, overrides, layer):
+    # a hybrid's recurrent mixer is never fused or tiled as if it were attention or per-token:
+    # refused for what it is (the old message named only the layer's children), naming the
+    # flags to drop, by apply_max_length too
+    model = _model(model_type, **overrides)
+    reason = unsupported_reason(model)
+    assert reason is not None and layer in reason and "carry state along the sequence" in reason
+    assert "--mlp-tile/--head-chunk" in reason
+    with pytest.raises(ValueError, match="carry state along the sequence"):
         apply_max_length(model, 4, 2)

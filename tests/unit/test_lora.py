@@ -150,6 +150,27 @@ def test_bad_targets_say_what_to_change(targets, message):
         _lora_model(targets=targets)
 
 
+def test_adapters_on_a_recurrent_layer_s_convolution_are_refused():
+    # Qwen3-Next's gated DeltaNet hands its conv1d module to a kernel function that reads
+    # conv1d.weight (transformers' torch path and ours): a peft adapter there would never run
+    # nor train (the old code accepted it: the logits equalled the base model's)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "qwen3_next", **{**TINY, "layer_types": ["linear_attention", "full_attention"],
+                         "mlp_only_layers": [0, 1], "linear_num_key_heads": 2,
+                         "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+                         "linear_value_head_dim": 8})
+    model = AutoModelForCausalLM.from_config(config)
+    # rank 64: peft adapts a depthwise conv only with a rank divisible by its groups
+    with pytest.raises(ValueError, match=r"linear_attn.conv1d'\] would never run"):
+        inject_lora(model, peft_config(_config(lora_rank=64, lora_targets="conv1d")))
+    model = AutoModelForCausalLM.from_config(config)  # all-linear adapts the rest, not the conv
+    modules = inject_lora(model, peft_config(_config(lora_rank=4)))
+    assert "model.layers.0.linear_attn.in_proj_qkvz" in modules
+    assert not any("conv1d" in n for n in modules)
+
+
 def test_without_bitsandbytes_lora_4bit_names_the_extra(tmp_path):
     tiny_model_dir(tmp_path / "model")
     tiny_dataset_dir(tmp_path / "data", seq_length=16, rows=4)
@@ -179,6 +200,9 @@ def test_nf4_linear_computes_with_its_dequantized_weight_and_quantizes_the_decod
     y.sum().backward()
     torch.testing.assert_close(x.grad, torch.ones(2, 5, 24) @ deq, rtol=1e-5, atol=1e-5)
     assert list(layer.parameters()) == [bias]  # the 4-bit weight is not a parameter
+    # read as a linear layer's weight (Mamba-2 hands out_proj.weight to its fused kernel):
+    # the weight it computes with (it had none: AttributeError in Granite 4 hybrids' forward)
+    torch.testing.assert_close(layer.weight, deq, rtol=0, atol=0)
     model, _ = _lora_model(targets="q_proj")
     names = quantized_linears(model)
     assert "model.layers.0.self_attn.q_proj.base_layer" in names  # an adapter's base
