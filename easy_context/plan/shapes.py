@@ -38,6 +38,35 @@ class ModelShape:
     v_head_dim: int | None = None
     """the value head width where it differs from the query/key one (multi-head latent
     attention: DeepSeek-V3's 192 / 128); None: head_dim"""
+    kinds: tuple = ()
+    """((plan.layers.LayerKind, count), ...) of the layers; (): every layer a Llama one (global
+    attention, dense MLP)"""
+    recurrent: object = None
+    """plan.layers.RecurrentShape of the recurrent layers (None: there are none)"""
+    moe: object = None
+    """plan.layers.MoEShape of the MoE layers' experts (None: none)"""
+    window: int | None = None
+    """tokens a window layer's query sees (sliding_window / attention_chunk_size)"""
+    gated_mlp: bool = True
+    """gate, up and down projections (False: up and down only, Nemotron-H)"""
+
+    def layer_counts(self) -> list[tuple[object, int]]:
+        """[(LayerKind, count)] over the layers (plan/layers.py)."""
+        from .layers import LLAMA_LAYER
+
+        return list(self.kinds) or [(LLAMA_LAYER, self.layers)]
+
+    def count(self, what) -> int:
+        """Layers of which ``what(kind)`` holds."""
+        return sum(n for k, n in self.layer_counts() if what(k))
+
+    @property
+    def attention_layers(self) -> int:
+        return self.count(lambda k: k.attention is not None)
+
+    @property
+    def recurrent_layers(self) -> int:
+        return self.count(lambda k: k.recurrent)
 
     @property
     def hd(self) -> int:
@@ -52,20 +81,40 @@ class ModelShape:
         hd = self.hd if self.v_head_dim in (None, self.hd) else (self.hd + self.v_head_dim) // 2
         return AttentionDims(self.heads, self.kv_heads, hd)
 
-    def layer_params(self) -> int:
-        """Parameters of one decoder layer: q/k/v/o projections, gated MLP, two RMSNorms."""
+    def attention_params(self) -> int:
+        """Parameters of one attention block: q/k/v/o projections (and q/k/v biases)."""
         h, hd = self.hidden, self.hd
-        attn = h * self.heads * hd + 2 * h * self.kv_heads * hd + self.heads * hd * h
+        vd = self.v_head_dim or hd
+        attn = h * self.heads * hd + h * self.kv_heads * (hd + vd) + self.heads * vd * h
         if self.qkv_bias:
-            attn += (self.heads + 2 * self.kv_heads) * hd
-        return attn + 3 * h * self.intermediate + 2 * h
+            attn += self.heads * hd + self.kv_heads * (hd + vd)
+        return attn
+
+    def kind_params(self, kind) -> int:
+        """Parameters of one layer of ``kind`` (plan.layers.LayerKind): its mixers, MLP or
+        experts, and one RMSNorm per block."""
+        h = self.hidden
+        p = self.attention_params() if kind.attention else 0
+        if kind.recurrent:
+            p += self.recurrent.params(h)
+        if kind.mlp == "dense":
+            p += (3 if self.gated_mlp else 2) * h * self.intermediate
+        elif kind.mlp == "moe":
+            p += self.moe.params(h)
+        return p + h * (bool(kind.attention or kind.recurrent) + bool(kind.mlp))
+
+    def layer_params(self) -> int:
+        """Parameters of the largest decoder layer (what a sharded engine gathers at once);
+        a Llama layer: q/k/v/o projections, gated MLP, two RMSNorms."""
+        return max(self.kind_params(k) for k, _ in self.layer_counts())
 
     def embedding_params(self) -> int:
         """Input embedding plus the output head (once when tied)."""
         return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
 
     def num_params(self) -> int:
-        return self.layers * self.layer_params() + self.embedding_params() + self.hidden  # final norm
+        layers = sum(n * self.kind_params(k) for k, n in self.layer_counts())
+        return layers + self.embedding_params() + self.hidden  # final norm
 
 
 
@@ -110,21 +159,47 @@ def _key(name: str) -> str:
 
 
 def shape_from_config(config, name: str = "config") -> ModelShape:
-    """A ModelShape from a transformers config object (its text part for multimodal ones)."""
+    """A ModelShape from a transformers config object (its text part for multimodal ones):
+    its layers by kind (plan/layers.py: attention, sliding-window, recurrent, experts).
+    Raises a ValueError naming a layer kind whose sizes the planner cannot read."""
+    from .layers import gated_mlp, layer_kinds, moe_from_config, recurrent_from_config
+
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = c.num_attention_heads
     # multi-head latent attention (DeepSeek-V2/V3, Kimi K2): head_dim names the RoPE part only;
     # the attention runs on qk_nope + qk_rope wide queries/keys and v_head_dim wide values
     mla = getattr(c, "qk_nope_head_dim", None) is not None and getattr(c, "v_head_dim", None)
+    types = [str(t) for t in (getattr(c, "layer_types", None)
+                              or getattr(c, "layers_block_type", None) or [])]
+    kinds = layer_kinds(c, types)
+    recurrent = None
+    if any(k.recurrent for k, _ in kinds):
+        recurrent = recurrent_from_config(c)
+        if recurrent is None:
+            other = sorted(set(types) - {"full_attention", "sliding_attention", "attention",
+                                         "chunked_attention", "mlp", "moe"})
+            raise ValueError(
+                f"{name}: the planner cannot read the sizes of its {', '.join(other) or 'recurrent'} "
+                "layers (it knows gated DeltaNet, Mamba-2 and short-conv layers; Mamba-1 and "
+                "other mixers are not planned, and sequence parallelism refuses those it does "
+                "not run)")
+    moe = moe_from_config(c) if any(k.mlp == "moe" for k, _ in kinds) else None
+    window = None
+    if any(k.attention == "window" for k, _ in kinds):
+        window = getattr(c, "sliding_window", None) or getattr(c, "attention_chunk_size", None)
+    # Llama 4: the dense layers' MLP is intermediate_size_mlp (intermediate_size: experts')
+    intermediate = getattr(c, "intermediate_size_mlp", None) or c.intermediate_size
+    n_layers = len(types) if types else c.num_hidden_layers
     return ModelShape(
-        name=name, hidden=c.hidden_size, layers=c.num_hidden_layers, heads=heads,
+        name=name, hidden=c.hidden_size, layers=n_layers, heads=heads,
         kv_heads=getattr(c, "num_key_value_heads", None) or heads,
-        intermediate=c.intermediate_size, vocab=c.vocab_size,
+        intermediate=intermediate, vocab=c.vocab_size,
         tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         head_dim=(c.qk_nope_head_dim + c.qk_rope_head_dim) if mla else getattr(c, "head_dim", None),
         v_head_dim=c.v_head_dim if mla else None,
         # Qwen2 puts biases on q/k/v without a config flag; others say attention_bias.
-        qkv_bias=bool(getattr(c, "attention_bias", False)) or getattr(c, "model_type", "") == "qwen2")
+        qkv_bias=bool(getattr(c, "attention_bias", False)) or getattr(c, "model_type", "") == "qwen2",
+        kinds=kinds, recurrent=recurrent, moe=moe, window=window, gated_mlp=gated_mlp(c))
 
 
 def load_shape(name_or_path: str) -> ModelShape:
