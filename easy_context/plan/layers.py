@@ -24,7 +24,7 @@ from dataclasses import dataclass
 class LayerKind:
     """One decoder layer's make-up."""
 
-    attention: str | None = "global"  # "global", "window" (sliding or chunked), None
+    attention: str | None = "global"  # "global", "window" (sliding), "chunk" (chunked), None
     recurrent: bool = False  # a recurrent mixer (next to the attention in "hybrid" layers)
     mlp: str | None = "dense"  # "dense", "moe", None (Nemotron-H's mixer-only layers)
 
@@ -151,7 +151,7 @@ def recurrent_from_config(c) -> RecurrentShape | None:
 
 
 # layer_types entries (transformers 5.25 names them the same across families)
-_WINDOW = {"sliding_attention", "chunked_attention"}
+_WINDOW = {"sliding_attention": "window", "chunked_attention": "chunk"}
 _GLOBAL = {"full_attention", "attention"}
 _HYBRID = {"hybrid"}  # attention and a recurrent mixer in one layer (Falcon-H1, Zamba2)
 _FFN_ONLY = {"mlp", "moe"}  # Nemotron-H: channel mixers as layers of their own
@@ -183,7 +183,7 @@ def moe_from_config(c) -> MoEShape | None:
     experts = _first(c, "num_experts", "num_local_experts", "n_routed_experts", default=0)
     if not experts:
         return None
-    inter = _first(c, "moe_intermediate_size", default=None) or c.intermediate_size
+    inter = _first(c, "moe_intermediate_size", "intermediate_size", default=None)
     shared = _first(c, "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size",
                     "shared_intermediate_size", default=0) or 0
     n_shared = getattr(c, "n_shared_experts", None)
@@ -217,8 +217,7 @@ def layer_kinds(c, layer_types: list[str]) -> tuple[tuple[LayerKind, int], ...]:
         if t in _FFN_ONLY:
             kind = LayerKind(None, False, "moe" if t == "moe" else "dense")
         elif t in _GLOBAL or t in _WINDOW:
-            kind = LayerKind("window" if t in _WINDOW else "global", False,
-                             None if own_ffn else mlp)
+            kind = LayerKind(_WINDOW.get(t, "global"), False, None if own_ffn else mlp)
         elif t in _HYBRID:
             kind = LayerKind("global", True, None if own_ffn else mlp)
         else:  # a token-mixing layer that is not attention

@@ -32,8 +32,13 @@ from .shapes import ModelShape
 CHUNK = 64  # the chunked recurrent kernels' block (fla, transformers' torch fallback)
 
 
-def mean_context(seq_len: int, window: int | None = None) -> float:
-    """Keys a causal query sees on average over a sequence of ``seq_len`` tokens."""
+def mean_context(seq_len: int, window: int | None = None, chunk: int | None = None) -> float:
+    """Keys a causal query sees on average over a sequence of ``seq_len`` tokens: all earlier
+    ones, the last ``window`` (sliding window), or those of its own ``chunk``-token chunk
+    (chunked attention)."""
+    if chunk is not None and chunk < seq_len:
+        full, rest = divmod(seq_len, chunk)
+        return (full * chunk * (chunk + 1) / 2 + rest * (rest + 1) / 2) / seq_len
     if window is None or window >= seq_len:
         return (seq_len + 1) / 2
     return window - window * (window - 1) / (2 * seq_len)
@@ -49,7 +54,8 @@ def layer_flops_per_token(shape: ModelShape, seq_len: int, world_size: int) -> d
         per = 0.0
         if kind.attention:
             per += 2 * shape.attention_params()
-            ctx = mean_context(seq_len, shape.window if kind.attention == "window" else None)
+            ctx = mean_context(seq_len, shape.window if kind.attention == "window" else None,
+                               shape.attention_chunk if kind.attention == "chunk" else None)
             attention += n * 2 * ctx * shape.heads * (qk + v)
         if kind.recurrent:
             r = shape.recurrent

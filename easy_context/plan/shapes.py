@@ -46,7 +46,17 @@ class ModelShape:
     moe: object = None
     """plan.layers.MoEShape of the MoE layers' experts (None: none)"""
     window: int | None = None
-    """tokens a window layer's query sees (sliding_window / attention_chunk_size)"""
+    """tokens a sliding-window layer's query sees at most (sliding_window)"""
+    attention_chunk: int | None = None
+    """tokens of a chunked-attention layer's chunks (Llama 4's attention_chunk_size)"""
+    q_lora_rank: int | None = None
+    """multi-head latent attention (DeepSeek-V2/V3): the query's low-rank width (None: a
+    full q_proj)"""
+    kv_lora_rank: int | None = None
+    """multi-head latent attention: the compressed key/value width (None: not MLA)"""
+    rope_head_dim: int | None = None
+    """multi-head latent attention: the RoPE part of the query/key head (shared by the heads
+    in the compressed projection)"""
     gated_mlp: bool = True
     """gate, up and down projections (False: up and down only, Nemotron-H)"""
 
@@ -82,9 +92,16 @@ class ModelShape:
         return AttentionDims(self.heads, self.kv_heads, hd)
 
     def attention_params(self) -> int:
-        """Parameters of one attention block: q/k/v/o projections (and q/k/v biases)."""
+        """Parameters of one attention block: q/k/v/o projections (and q/k/v biases); with
+        multi-head latent attention, its low-rank projections and their norms."""
         h, hd = self.hidden, self.hd
         vd = self.v_head_dim or hd
+        if self.kv_lora_rank:  # MLA: q (low rank or not), kv_a (latent + rope), kv_b, o
+            r, rope = self.kv_lora_rank, self.rope_head_dim or 0
+            q = (h * self.heads * hd if not self.q_lora_rank else
+                 self.q_lora_rank * (h + 1 + self.heads * hd))
+            return (q + h * (r + rope) + r + r * self.heads * (hd - rope + vd)
+                    + self.heads * vd * h)
         attn = h * self.heads * hd + h * self.kv_heads * (hd + vd) + self.heads * vd * h
         if self.qkv_bias:
             attn += self.heads * hd + self.kv_heads * (hd + vd)
@@ -158,10 +175,74 @@ def _key(name: str) -> str:
     return _ALIASES.get(key, key)
 
 
-def shape_from_config(config, name: str = "config") -> ModelShape:
+# how far the planner's parameter count may be from the model's own before the planner refuses
+# it: its layer model (Llama-style attention, gated MLPs, the mixers of plan/layers.py) leaves
+# out small terms (q/k norms, routers' biases, Qwen3-Next's output gate: under 1% on the
+# full-size configs); a larger gap means layers it does not model (ungated MLPs, shared blocks)
+PARAM_TOLERANCE = 0.05
+
+
+def shape_from_config(config, name: str = "config", check: bool = True) -> ModelShape:
     """A ModelShape from a transformers config object (its text part for multimodal ones):
     its layers by kind (plan/layers.py: attention, sliding-window, recurrent, experts).
-    Raises a ValueError naming a layer kind whose sizes the planner cannot read."""
+
+    Raises a ValueError, saying why, when the planner cannot plan the family: a config
+    without the fields its layer model reads (GPT-2-style ``n_embd``, per-layer head dims),
+    a layer kind whose sizes it cannot read, or (``check``) a model whose parameters, counted
+    on the meta device (no memory), are more than PARAM_TOLERANCE from the planner's count."""
+    try:
+        shape = _read_config(config, name)
+        shape.num_params()  # every size a number
+    except ValueError as e:
+        if str(e).startswith(f"{name}:"):  # the planner's own refusal
+            raise
+        raise ValueError(f"{name}: the planner cannot read this config's layer shapes ({e})") from e
+    except Exception as e:  # noqa: BLE001 - AttributeError, TypeError, transformers' per-layer errors
+        raise ValueError(
+            f"{name}: the planner cannot read this config's layer shapes ({type(e).__name__}: "
+            f"{str(e)[:160]}); it plans decoders with Llama-style fields (hidden_size, "
+            "num_attention_heads, intermediate_size, ...) and one size per layer kind") from e
+    if check:
+        check_against_model(config, shape)
+    return shape
+
+
+def model_parameters(config) -> int | None:
+    """Parameters of ``config``'s decoder and output head, counted on the meta device (no
+    memory), or None where transformers cannot build it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..utils.decoder import decoder_of
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - an unknown or broken family: nothing to check against
+        return None
+    n = sum(p.numel() for p in decoder_of(model).parameters())
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None and (embed is None or head.weight is not embed.weight):
+        n += head.weight.numel()
+    return n
+
+
+def check_against_model(config, shape: ModelShape) -> None:
+    """Refuse a family whose parameters the planner counts more than PARAM_TOLERANCE off the
+    model's own (its layers are not what the planner models, so its memory would be too)."""
+    real = model_parameters(config)
+    if real is None or not real:
+        return
+    planned = shape.num_params()
+    if abs(planned - real) > PARAM_TOLERANCE * real:
+        raise ValueError(
+            f"{shape.name}: the planner counts {planned / 1e6:,.1f}M parameters where the model "
+            f"has {real / 1e6:,.1f}M ({planned / real - 1:+.0%}): its layers are not what the "
+            "planner models (Llama-style attention or MLA, gated MLPs or experts, gated "
+            "DeltaNet / Mamba-2 / short-conv mixers), so its memory estimate would be wrong too")
+
+
+def _read_config(config, name: str) -> ModelShape:
     from .layers import gated_mlp, layer_kinds, moe_from_config, recurrent_from_config
 
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -180,15 +261,29 @@ def shape_from_config(config, name: str = "config") -> ModelShape:
                                          "chunked_attention", "mlp", "moe"})
             raise ValueError(
                 f"{name}: the planner cannot read the sizes of its {', '.join(other) or 'recurrent'} "
-                "layers (it knows gated DeltaNet, Mamba-2 and short-conv layers; Mamba-1 and "
-                "other mixers are not planned, and sequence parallelism refuses those it does "
-                "not run)")
+                "layers: it plans attention (full, sliding-window, chunked, MLA) and gated "
+                "DeltaNet, Mamba-2 and short-conv layers, not Mamba-1, sparse-indexed or other "
+                "mixers")
     moe = moe_from_config(c) if any(k.mlp == "moe" for k, _ in kinds) else None
-    window = None
+    window = chunk = None
     if any(k.attention == "window" for k, _ in kinds):
-        window = getattr(c, "sliding_window", None) or getattr(c, "attention_chunk_size", None)
+        window = getattr(c, "sliding_window", None)
+    if any(k.attention == "chunk" for k, _ in kinds):
+        chunk = getattr(c, "attention_chunk_size", None)
     # Llama 4: the dense layers' MLP is intermediate_size_mlp (intermediate_size: experts')
-    intermediate = getattr(c, "intermediate_size_mlp", None) or c.intermediate_size
+    intermediate = (getattr(c, "intermediate_size_mlp", None)
+                    or getattr(c, "intermediate_size", None))
+    if intermediate is None and moe is not None and all(k.mlp != "dense" for k, _ in kinds):
+        intermediate = 0  # experts in every layer: no dense MLP
+    if not isinstance(intermediate, int):  # None (GPT-Neo: 4 x hidden), a list per layer
+        raise ValueError(f"{name}: the planner reads one intermediate_size for the dense MLPs; "
+                         f"this config gives {intermediate!r}")
+    if getattr(c, "block_auto_adjust_ff_dim", False):  # LFM2 sizes its MLP from this
+        intermediate = int(2 * intermediate / 3)
+        if getattr(c, "block_ffn_dim_multiplier", None):
+            intermediate = int(c.block_ffn_dim_multiplier * intermediate)
+        m = getattr(c, "block_multiple_of", 1) or 1
+        intermediate = m * -(-intermediate // m)
     n_layers = len(types) if types else c.num_hidden_layers
     return ModelShape(
         name=name, hidden=c.hidden_size, layers=n_layers, heads=heads,
@@ -199,7 +294,11 @@ def shape_from_config(config, name: str = "config") -> ModelShape:
         v_head_dim=c.v_head_dim if mla else None,
         # Qwen2 puts biases on q/k/v without a config flag; others say attention_bias.
         qkv_bias=bool(getattr(c, "attention_bias", False)) or getattr(c, "model_type", "") == "qwen2",
-        kinds=kinds, recurrent=recurrent, moe=moe, window=window, gated_mlp=gated_mlp(c))
+        kinds=kinds, recurrent=recurrent, moe=moe, window=window, attention_chunk=chunk,
+        gated_mlp=gated_mlp(c),
+        q_lora_rank=getattr(c, "q_lora_rank", None) if mla else None,
+        kv_lora_rank=getattr(c, "kv_lora_rank", None) if mla else None,
+        rope_head_dim=c.qk_rope_head_dim if mla else None)
 
 
 def load_shape(name_or_path: str) -> ModelShape:

@@ -60,7 +60,8 @@ def test_recurrent_layers_cost_activations_and_states():
     # 2 ranks x 2 pieces x (A, B) of 4 heads x 8 x 16, float32
     assert two.state_bytes_per_layer == 2 * 2 * 4 * 8 * 16 * 4
     attention_only = shape_from_config(AutoConfig.for_model("qwen3_next", **{
-        **COMMON, **QWEN3_NEXT, "layer_types": ["full_attention", "full_attention"]}), "attn")
+        **COMMON, **QWEN3_NEXT, "layer_types": ["full_attention", "full_attention"]}), "attn",
+        check=False)  # at this size the gated q_proj no config field names is 8% of it
     assert attention_only.recurrent_layers == 0
     assert (estimate_memory(attention_only, 64, 1, "local", **kw).stored_activations
             != one.stored_activations)
