@@ -10,7 +10,10 @@ one fits when its peak is within the device budget and what it keeps in host mem
 (offloaded states and checkpoints) within ``--host-memory`` per device.
 
 Longest context: the setup whose longest fitting length is the largest; among setups within
-2% of it, the fastest by the order below. For a given length: the fastest setup that fits.
+2% of it, the fastest by the order below (so attention-saving checkpointing whenever it fits
+there as well as full or offloaded checkpoints do, other settings equal). For a given length:
+the fastest setup that fits. Each plan says what each checkpointing choice would cost (plan/recompute.py: memory
+kept against the share of the step's FLOPs recomputed).
 Speed order (a ranking from what each setting costs per step, not a measured time): no
 offload, then optimizer offload, then parameter offload (every step moves them through the
 host link); attention-saving checkpointing, then full, then offloaded, then nested (each one
@@ -27,6 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 from .choose import ORDER, constraint, max_sequence_length, required_multiple
 from .estimate import GIB, MemoryEstimate, estimate_memory
 from .lora import LINEAR, LoRASpec
+from .recompute import checkpointing_costs, describe
 from .shapes import ModelShape
 
 TILES = (16384, 8192, 4096, 2048, 1024, 512)
@@ -250,6 +254,18 @@ def _describe(setup) -> str:
             + tiling)
 
 
+def setup_checkpointing_costs(shape: ModelShape, seq_len: int, devices: int, setup: Setup,
+                              budget: int, dtype: str = "bf16"):
+    """plan.recompute's costs of each checkpointing choice for ``setup`` (the rest of it
+    unchanged; nested recompute (keep_every > 1) only with full or offloaded checkpoints, and
+    its extra recompute is not counted)."""
+    kw = {k: v for k, v in setup.kw(dtype).items() if k != "checkpointing"}
+    choices = ("none", "attention", "full", "offload")
+    if setup.keep_every > 1:
+        choices = ("full", "offload")
+    return checkpointing_costs(shape, seq_len, devices, setup.method, budget, choices, **kw)
+
+
 def run_auto(args, shape, budget: int, lora: LoRASpec | None = None) -> int:
     """``plan --auto``'s output for the parsed ``args``; ``lora``: the adapters to plan
     every candidate with (plan.cli.lora_spec; None: full fine-tuning)."""
@@ -280,15 +296,18 @@ def run_auto(args, shape, budget: int, lora: LoRASpec | None = None) -> int:
             continue
         s, est = plan.setup, plan.estimate
         what = f"setup for {plan.seq_len:,} tokens" if kind == "for" else "longest-context setup"
+        costs = setup_checkpointing_costs(shape, plan.seq_len, n, s, budget, args.dtype)
         lines += [f"{what}: {_describe(s)} ({plan.reason})", est.table(),
                   f"  host memory per device   {est.host_bytes / GIB:10.2f} GiB",
+                  *describe(costs),
                   "train with: easy-context train --model ... --dataset ... "
                   + s.train_flags(plan.seq_len, n, args.dtype)]
         if kind == "longest":
             lines.append(f"longest sequence that fits: {plan.seq_len:,} tokens with {s.method}")
         result[kind] = {"seq_len": plan.seq_len, "setup": asdict(s),
                         "train_flags": s.train_flags(plan.seq_len, n, args.dtype),
-                        "estimate": est.to_dict(), "reason": plan.reason}
+                        "estimate": est.to_dict(), "reason": plan.reason,
+                        "checkpointing_costs": [c.to_dict() for c in costs]}
     if any(k == "longest" for k, _ in plans):
         result["max_seq_len"] = (result.get("longest") or {}).get("seq_len", 0)
     print(json.dumps(result, indent=1) if args.json else "\n".join(lines))

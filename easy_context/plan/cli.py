@@ -176,6 +176,13 @@ def run_plan(args) -> int:
         if est is not None:
             lines.append(est.table())
             result["estimate"] = est.to_dict()
+            from .recompute import checkpointing_costs, describe
+
+            ckpt_kw = {k: v for k, v in kw.items() if k != "checkpointing"}
+            costs = checkpointing_costs(shape, est.seq_len, n, est.method, budget,
+                                        ring_degree=rd, **ckpt_kw)
+            lines += describe(costs)
+            result["checkpointing_costs"] = [c.to_dict() for c in costs]
     if args.max_seq_len or not args.seq_len:
         rd = args.ring_degree if method == "usp_attn" else None
         longest, m = max_sequence_length(shape, n, budget, method, rd,

@@ -82,11 +82,25 @@ class MemoryEstimate:
     mlp_tile: int | None = None
     heads_per_chunk: int | None = None
     keep_every: int = 1
+    # hybrid models (plan/layers.py): layers with attention / with a recurrent mixer, and per
+    # recurrent layer the bytes one rank sends per step for its state exchange (the (A, B)
+    # all-gather and the conv halo, fwd + bwd: recurrent.mixer.Mixer.comm_bytes) and the
+    # gathered (A, B) maps it holds (every rank's pieces, float32)
+    attention_layers: int = 0
+    recurrent_layers: int = 0
+    state_communication_per_layer: int = 0
+    state_bytes_per_layer: int = 0
 
     COMPONENTS = ("parameters", "gradients", "gradients_in_backward", "optimizer",
                   "optimizer_step", "gathered_parameters", "stored_activations", "mlp_backward",
                   "attention_backward", "attention_buffers", "attention_workspace", "loss",
                   "runtime")
+
+    @property
+    def communication_per_step(self) -> int:
+        """Bytes one rank sends per step over every layer: attention and state exchange."""
+        return (self.attention_layers * self.communication_per_layer
+                + self.recurrent_layers * self.state_communication_per_layer)
 
     @property
     def layer_phase(self) -> int:
@@ -120,7 +134,8 @@ class MemoryEstimate:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "total": self.total, "backward_phase": self.backward_phase,
-                "step_phase": self.step_phase}
+                "step_phase": self.step_phase,
+                "communication_per_step": self.communication_per_step}
 
     def table(self) -> str:
         """A text breakdown, GiB per device. Rows marked with the phase they belong to; only
@@ -160,7 +175,17 @@ class MemoryEstimate:
             lines.append(f"  {'host memory (offloaded)':24s} {self.host_bytes / GIB:10.2f} GiB")
         if self.communication_per_layer:
             lines.append(f"  {'sent per layer (fwd+bwd)':24s} "
-                         f"{self.communication_per_layer / GIB:10.2f} GiB")
+                         f"{self.communication_per_layer / GIB:10.2f} GiB"
+                         + (f"   [each of {self.attention_layers} attention layers]"
+                            if self.recurrent_layers else ""))
+        if self.recurrent_layers:
+            lines.append(f"  {'state exchange per layer':24s} "
+                         f"{self.state_communication_per_layer / GIB:10.4f} GiB   [each of "
+                         f"{self.recurrent_layers} recurrent layers; holds "
+                         f"{self.state_bytes_per_layer / 2**20:.1f} MiB of gathered states]")
+            lines.append(f"  {'sent per step, all layers':24s} "
+                         f"{self.communication_per_step / GIB:10.2f} GiB   [state exchange "
+                         f"{self.recurrent_layers * self.state_communication_per_layer / max(self.communication_per_step, 1):.1%}]")
         return "\n".join(lines)
 
 
@@ -181,7 +206,7 @@ def layer_saved_per_token(shape: ModelShape, a: int, method: str, world_size: in
     m = get_method("local" if world_size == 1 else method)
     attn = m.saved_per_token(shape.attention_dims(), a, world_size, ring_degree)
     return {"input_norm": norm, "attention": attn, "post_norm": norm,
-            "mlp": 4 * shape.intermediate * a}
+            "mlp": (4 if shape.gated_mlp else 2) * shape.intermediate * a}
 
 
 def backward_transients(shape: ModelShape, a: int) -> tuple[int, int]:
@@ -249,6 +274,69 @@ def communication_per_layer(shape: ModelShape, s: int, a: int, method: str, worl
     return get_method(method).comm_bytes(shape.attention_dims(), s, a, world_size, ring_degree)
 
 
+# --------------------------------------------------------------------------- recurrent layers
+def _extended_values(shape: ModelShape, world_size: int) -> int:
+    """Value elements per token through a recurrent layer's kernel: sequence-parallel, the
+    scan appends an identity block of d_k (Mamba-2: d_state) columns per head to read off
+    each piece's transition (easy_context.recurrent.scan)."""
+    r = shape.recurrent
+    return r.value_width + (r.heads * r.key_width if world_size > 1 else 0)
+
+
+def recurrent_saved_per_token(shape: ModelShape, a: int, world_size: int) -> int:
+    """Bytes per local token one recurrent mixer saves for backward: its input projection's
+    output, the causal conv's input, output and activation (3 x channels), the kernel's values
+    in and out (with the scan's identity block), the gated norm's fp32 input, its output and
+    the gated product (out_proj's input)."""
+    r = shape.recurrent
+    d = r.dims()
+    norm = r.inner * (4 + 2 * a) if r.gated_norm else r.inner * a
+    return a * (r.projection + 3 * d.conv_channels + 2 * _extended_values(shape, world_size)) + norm
+
+
+def recurrent_transient_per_token(shape: ModelShape, a: int, world_size: int) -> int:
+    """Gradient bytes per local token alive in a recurrent mixer's backward: the residual
+    stream's in and out, the projection's and the conv's gradients, the kernel's value and
+    output gradients."""
+    r = shape.recurrent
+    d = r.dims()
+    return a * (2 * shape.hidden + r.projection + d.conv_channels
+                + 2 * _extended_values(shape, world_size))
+
+
+def pieces_per_rank(method: str, world_size: int, s: int, ring_degree: int | None = None) -> int:
+    """Pieces of the sequence a rank holds under ``method``'s layout (recurrent.pieces): 1
+    contiguous, 2 zigzag, 1-2 USP."""
+    if world_size == 1:
+        return 1
+    from ..recurrent.pieces import piece_table
+
+    m = get_method(method)
+    rd = ring_degree or (world_size if m.needs_ring_degree else None)
+    return max(len(p) for p in piece_table(m.layout, world_size, s, rd))
+
+
+def state_bytes(shape: ModelShape, s: int, method: str, world_size: int,
+                ring_degree: int | None = None) -> int:
+    """Bytes of every piece's (A, B) maps one recurrent layer all-gathers (float32, per
+    sequence): N x pieces x |A + B| (Mixer dims' ``state``). None on one device."""
+    if world_size == 1 or shape.recurrent is None:
+        return 0
+    return (world_size * pieces_per_rank(method, world_size, s, ring_degree)
+            * shape.recurrent.dims().state * 4)
+
+
+def state_communication_per_layer(shape: ModelShape, s: int, a: int, method: str,
+                                  world_size: int, ring_degree: int | None = None) -> int:
+    """Bytes one rank sends per recurrent layer and step, forward and backward: the state
+    all-gather and reduce-scatter and the conv halo (recurrent.mixer.Mixer.comm_bytes)."""
+    if world_size == 1 or shape.recurrent is None:
+        return 0
+    r = shape.recurrent
+    return r.mixer().comm_bytes(r.dims(), pieces_per_rank(method, world_size, s, ring_degree),
+                                a, world_size)
+
+
 def activations(shape: ModelShape, s: int, a: int, method: str, world_size: int,
                 checkpointing: str, ring_degree: int | None = None) -> tuple[int, int, int, int]:
     """(stored on device, MLP-half and attention-half working sets, host) bytes, s tokens.
@@ -265,31 +353,64 @@ def activations(shape: ModelShape, s: int, a: int, method: str, world_size: int,
       the recompute does not run attention (nor its communication) again.
     Always stored besides: the final norm, its output (saved by the loss) and the RoPE
     cos/sin tables (H x (4 + 2a) + 2 D a per token).
+
+    Hybrid and MoE models (plan/layers.py): each kind of layer counts its own blocks (a
+    recurrent mixer: :func:`recurrent_saved_per_token`, its gathered states
+    :func:`state_bytes`; experts: the top-k experts' and the shared expert's widths), and the
+    working sets are those of the costliest kind.
     """
     saved = layer_saved_per_token(shape, a, method, world_size, ring_degree)
     mlp_tr, attn_tr = backward_transients(shape, a)
     head = shape.hidden * (4 + 2 * a) + 2 * shape.hd * a
     x = shape.hidden * a  # one layer's input
     shared = shape.hidden * 4 if a == 4 else 0  # the input norm's fp32 input is x in fp32
-    mlp_half = saved["post_norm"] + saved["mlp"]
-    attn_half = saved["input_norm"] + saved["attention"]
-    n_layers, host = shape.layers, 0
-    if checkpointing == "none":
-        stored = n_layers * (attn_half + mlp_half)
-        mlp_w, attn_w = mlp_tr, max(0, attn_tr - mlp_half)
-    elif checkpointing in ("full", "offload"):
-        recomputed = attn_half + mlp_half - shared
-        stored = n_layers * x if checkpointing == "full" else 2 * x
-        host = n_layers * x * s if checkpointing == "offload" else 0
-        mlp_w, attn_w = recomputed + mlp_tr, attn_half - shared + attn_tr
-    elif checkpointing == "attention":
-        kept = shape.heads * shape.hd * a + shape.heads * 4  # out and lse
-        stored = n_layers * (x + kept)
-        recomputed = attn_half + mlp_half - shared - kept
-        mlp_w, attn_w = recomputed + mlp_tr, attn_half - shared - kept + attn_tr
-    else:
+    residual = 2 * shape.hidden * a
+    rec = rec_tr = states = 0
+    if shape.recurrent_layers:
+        rec = recurrent_saved_per_token(shape, a, world_size)
+        rec_tr = recurrent_transient_per_token(shape, a, world_size)
+        states = state_bytes(shape, s, method, world_size, ring_degree)
+    moe_mlp = moe_tr = 0
+    if shape.moe is not None:
+        act = shape.moe.active_intermediate()
+        moe_mlp = (4 if shape.moe.matrices == 3 else 2) * act * a + shape.moe.experts * 4  # + router
+        moe_tr = residual + act * a
+    kept = shape.heads * (shape.v_head_dim or shape.hd) * a + shape.heads * 4  # out and lse
+    if checkpointing not in CHECKPOINTING:
         raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {checkpointing!r}")
-    return s * (stored + head), s * mlp_w, s * attn_w, host
+    stored = stored_seq = 0
+    mlp_w = attn_w = 0  # per token
+    attn_w_seq = 0  # per sequence (the gathered states of a recurrent layer)
+    host = 0
+    for kind, n in shape.layer_counts():
+        mixes = kind.attention is not None or kind.recurrent
+        mix_half = (saved["input_norm"] if mixes else 0) + (
+            saved["attention"] if kind.attention else 0) + (rec if kind.recurrent else 0)
+        mlp_half = (saved["post_norm"] + (saved["mlp"] if kind.mlp == "dense" else moe_mlp)
+                    if kind.mlp else 0)
+        mix_tr = ((attn_tr if kind.attention else 0) + (rec_tr if kind.recurrent else 0)
+                  - (residual if kind.attention and kind.recurrent else 0))
+        m_tr = (mlp_tr if kind.mlp == "dense" else moe_tr) if kind.mlp else 0
+        layer_states = states if kind.recurrent else 0
+        if checkpointing == "none":
+            stored += n * (mix_half + mlp_half)
+            stored_seq += n * 2 * layer_states  # the gathered maps and the chained states
+            mlp_w = max(mlp_w, m_tr)
+            attn_w = max(attn_w, max(0, mix_tr - mlp_half))
+            attn_w_seq = max(attn_w_seq, layer_states)  # their gradient
+            continue
+        k = kept if checkpointing == "attention" and kind.attention else 0
+        stored += n * (x if checkpointing != "offload" else 0) + n * k
+        recomputed = mix_half + mlp_half - shared - k
+        if kind.mlp:
+            mlp_w = max(mlp_w, recomputed + m_tr)
+        if mixes:
+            attn_w = max(attn_w, mix_half - shared - k + mix_tr)
+            attn_w_seq = max(attn_w_seq, 3 * layer_states)  # recomputed, kept, gradient
+    if checkpointing == "offload":
+        stored += 2 * x
+        host = shape.layers * x * s
+    return s * (stored + head) + stored_seq, s * mlp_w, s * attn_w + attn_w_seq, host
 
 
 def loss_bytes(shape: ModelShape, s: int, a: int, chunk: int | None) -> int:
@@ -386,7 +507,12 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
         communication_per_layer=communication_per_layer(model_shape, s, a, method, world_size,
                                                         ring_degree),
         mlp_tile=mlp_tile if fused else None,
-        heads_per_chunk=heads_per_chunk if fused else None, keep_every=keep_every)
+        heads_per_chunk=heads_per_chunk if fused else None, keep_every=keep_every,
+        attention_layers=model_shape.attention_layers,
+        recurrent_layers=model_shape.recurrent_layers,
+        state_communication_per_layer=state_communication_per_layer(
+            model_shape, s, a, method, world_size, ring_degree),
+        state_bytes_per_layer=state_bytes(model_shape, s, method, world_size, ring_degree))
     if lora is not None:
         from .lora import with_lora
 

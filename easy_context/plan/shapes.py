@@ -38,6 +38,45 @@ class ModelShape:
     v_head_dim: int | None = None
     """the value head width where it differs from the query/key one (multi-head latent
     attention: DeepSeek-V3's 192 / 128); None: head_dim"""
+    kinds: tuple = ()
+    """((plan.layers.LayerKind, count), ...) of the layers; (): every layer a Llama one (global
+    attention, dense MLP)"""
+    recurrent: object = None
+    """plan.layers.RecurrentShape of the recurrent layers (None: there are none)"""
+    moe: object = None
+    """plan.layers.MoEShape of the MoE layers' experts (None: none)"""
+    window: int | None = None
+    """tokens a sliding-window layer's query sees at most (sliding_window)"""
+    attention_chunk: int | None = None
+    """tokens of a chunked-attention layer's chunks (Llama 4's attention_chunk_size)"""
+    q_lora_rank: int | None = None
+    """multi-head latent attention (DeepSeek-V2/V3): the query's low-rank width (None: a
+    full q_proj)"""
+    kv_lora_rank: int | None = None
+    """multi-head latent attention: the compressed key/value width (None: not MLA)"""
+    rope_head_dim: int | None = None
+    """multi-head latent attention: the RoPE part of the query/key head (shared by the heads
+    in the compressed projection)"""
+    gated_mlp: bool = True
+    """gate, up and down projections (False: up and down only, Nemotron-H)"""
+
+    def layer_counts(self) -> list[tuple[object, int]]:
+        """[(LayerKind, count)] over the layers (plan/layers.py)."""
+        from .layers import LLAMA_LAYER
+
+        return list(self.kinds) or [(LLAMA_LAYER, self.layers)]
+
+    def count(self, what) -> int:
+        """Layers of which ``what(kind)`` holds."""
+        return sum(n for k, n in self.layer_counts() if what(k))
+
+    @property
+    def attention_layers(self) -> int:
+        return self.count(lambda k: k.attention is not None)
+
+    @property
+    def recurrent_layers(self) -> int:
+        return self.count(lambda k: k.recurrent)
 
     @property
     def hd(self) -> int:
@@ -52,20 +91,47 @@ class ModelShape:
         hd = self.hd if self.v_head_dim in (None, self.hd) else (self.hd + self.v_head_dim) // 2
         return AttentionDims(self.heads, self.kv_heads, hd)
 
-    def layer_params(self) -> int:
-        """Parameters of one decoder layer: q/k/v/o projections, gated MLP, two RMSNorms."""
+    def attention_params(self) -> int:
+        """Parameters of one attention block: q/k/v/o projections (and q/k/v biases); with
+        multi-head latent attention, its low-rank projections and their norms."""
         h, hd = self.hidden, self.hd
-        attn = h * self.heads * hd + 2 * h * self.kv_heads * hd + self.heads * hd * h
+        vd = self.v_head_dim or hd
+        if self.kv_lora_rank:  # MLA: q (low rank or not), kv_a (latent + rope), kv_b, o
+            r, rope = self.kv_lora_rank, self.rope_head_dim or 0
+            q = (h * self.heads * hd if not self.q_lora_rank else
+                 self.q_lora_rank * (h + 1 + self.heads * hd))
+            return (q + h * (r + rope) + r + r * self.heads * (hd - rope + vd)
+                    + self.heads * vd * h)
+        attn = h * self.heads * hd + h * self.kv_heads * (hd + vd) + self.heads * vd * h
         if self.qkv_bias:
-            attn += (self.heads + 2 * self.kv_heads) * hd
-        return attn + 3 * h * self.intermediate + 2 * h
+            attn += self.heads * hd + self.kv_heads * (hd + vd)
+        return attn
+
+    def kind_params(self, kind) -> int:
+        """Parameters of one layer of ``kind`` (plan.layers.LayerKind): its mixers, MLP or
+        experts, and one RMSNorm per block."""
+        h = self.hidden
+        p = self.attention_params() if kind.attention else 0
+        if kind.recurrent:
+            p += self.recurrent.params(h)
+        if kind.mlp == "dense":
+            p += (3 if self.gated_mlp else 2) * h * self.intermediate
+        elif kind.mlp == "moe":
+            p += self.moe.params(h)
+        return p + h * (bool(kind.attention or kind.recurrent) + bool(kind.mlp))
+
+    def layer_params(self) -> int:
+        """Parameters of the largest decoder layer (what a sharded engine gathers at once);
+        a Llama layer: q/k/v/o projections, gated MLP, two RMSNorms."""
+        return max(self.kind_params(k) for k, _ in self.layer_counts())
 
     def embedding_params(self) -> int:
         """Input embedding plus the output head (once when tied)."""
         return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
 
     def num_params(self) -> int:
-        return self.layers * self.layer_params() + self.embedding_params() + self.hidden  # final norm
+        layers = sum(n * self.kind_params(k) for k, n in self.layer_counts())
+        return layers + self.embedding_params() + self.hidden  # final norm
 
 
 
@@ -109,22 +175,130 @@ def _key(name: str) -> str:
     return _ALIASES.get(key, key)
 
 
-def shape_from_config(config, name: str = "config") -> ModelShape:
-    """A ModelShape from a transformers config object (its text part for multimodal ones)."""
+# how far the planner's parameter count may be from the model's own before the planner refuses
+# it: its layer model (Llama-style attention, gated MLPs, the mixers of plan/layers.py) leaves
+# out small terms (q/k norms, routers' biases, Qwen3-Next's output gate: under 1% on the
+# full-size configs); a larger gap means layers it does not model (ungated MLPs, shared blocks)
+PARAM_TOLERANCE = 0.05
+
+
+def shape_from_config(config, name: str = "config", check: bool = True) -> ModelShape:
+    """A ModelShape from a transformers config object (its text part for multimodal ones):
+    its layers by kind (plan/layers.py: attention, sliding-window, recurrent, experts).
+
+    Raises a ValueError, saying why, when the planner cannot plan the family: a config
+    without the fields its layer model reads (GPT-2-style ``n_embd``, per-layer head dims),
+    a layer kind whose sizes it cannot read, or (``check``) a model whose parameters, counted
+    on the meta device (no memory), are more than PARAM_TOLERANCE from the planner's count."""
+    try:
+        shape = _read_config(config, name)
+        shape.num_params()  # every size a number
+    except ValueError as e:
+        if str(e).startswith(f"{name}:"):  # the planner's own refusal
+            raise
+        raise ValueError(f"{name}: the planner cannot read this config's layer shapes ({e})") from e
+    except Exception as e:  # noqa: BLE001 - AttributeError, TypeError, transformers' per-layer errors
+        raise ValueError(
+            f"{name}: the planner cannot read this config's layer shapes ({type(e).__name__}: "
+            f"{str(e)[:160]}); it plans decoders with Llama-style fields (hidden_size, "
+            "num_attention_heads, intermediate_size, ...) and one size per layer kind") from e
+    if check:
+        check_against_model(config, shape)
+    return shape
+
+
+def model_parameters(config) -> int | None:
+    """Parameters of ``config``'s decoder and output head, counted on the meta device (no
+    memory), or None where transformers cannot build it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..utils.decoder import decoder_of
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - an unknown or broken family: nothing to check against
+        return None
+    n = sum(p.numel() for p in decoder_of(model).parameters())
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None and (embed is None or head.weight is not embed.weight):
+        n += head.weight.numel()
+    return n
+
+
+def check_against_model(config, shape: ModelShape) -> None:
+    """Refuse a family whose parameters the planner counts more than PARAM_TOLERANCE off the
+    model's own (its layers are not what the planner models, so its memory would be too)."""
+    real = model_parameters(config)
+    if real is None or not real:
+        return
+    planned = shape.num_params()
+    if abs(planned - real) > PARAM_TOLERANCE * real:
+        raise ValueError(
+            f"{shape.name}: the planner counts {planned / 1e6:,.1f}M parameters where the model "
+            f"has {real / 1e6:,.1f}M ({planned / real - 1:+.0%}): its layers are not what the "
+            "planner models (Llama-style attention or MLA, gated MLPs or experts, gated "
+            "DeltaNet / Mamba-2 / short-conv mixers), so its memory estimate would be wrong too")
+
+
+def _read_config(config, name: str) -> ModelShape:
+    from .layers import gated_mlp, layer_kinds, moe_from_config, recurrent_from_config
+
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = c.num_attention_heads
     # multi-head latent attention (DeepSeek-V2/V3, Kimi K2): head_dim names the RoPE part only;
     # the attention runs on qk_nope + qk_rope wide queries/keys and v_head_dim wide values
     mla = getattr(c, "qk_nope_head_dim", None) is not None and getattr(c, "v_head_dim", None)
+    types = [str(t) for t in (getattr(c, "layer_types", None)
+                              or getattr(c, "layers_block_type", None) or [])]
+    kinds = layer_kinds(c, types)
+    recurrent = None
+    if any(k.recurrent for k, _ in kinds):
+        recurrent = recurrent_from_config(c)
+        if recurrent is None:
+            other = sorted(set(types) - {"full_attention", "sliding_attention", "attention",
+                                         "chunked_attention", "mlp", "moe"})
+            raise ValueError(
+                f"{name}: the planner cannot read the sizes of its {', '.join(other) or 'recurrent'} "
+                "layers: it plans attention (full, sliding-window, chunked, MLA) and gated "
+                "DeltaNet, Mamba-2 and short-conv layers, not Mamba-1, sparse-indexed or other "
+                "mixers")
+    moe = moe_from_config(c) if any(k.mlp == "moe" for k, _ in kinds) else None
+    window = chunk = None
+    if any(k.attention == "window" for k, _ in kinds):
+        window = getattr(c, "sliding_window", None)
+    if any(k.attention == "chunk" for k, _ in kinds):
+        chunk = getattr(c, "attention_chunk_size", None)
+    # Llama 4: the dense layers' MLP is intermediate_size_mlp (intermediate_size: experts')
+    intermediate = (getattr(c, "intermediate_size_mlp", None)
+                    or getattr(c, "intermediate_size", None))
+    if intermediate is None and moe is not None and all(k.mlp != "dense" for k, _ in kinds):
+        intermediate = 0  # experts in every layer: no dense MLP
+    if not isinstance(intermediate, int):  # None (GPT-Neo: 4 x hidden), a list per layer
+        raise ValueError(f"{name}: the planner reads one intermediate_size for the dense MLPs; "
+                         f"this config gives {intermediate!r}")
+    if getattr(c, "block_auto_adjust_ff_dim", False):  # LFM2 sizes its MLP from this
+        intermediate = int(2 * intermediate / 3)
+        if getattr(c, "block_ffn_dim_multiplier", None):
+            intermediate = int(c.block_ffn_dim_multiplier * intermediate)
+        m = getattr(c, "block_multiple_of", 1) or 1
+        intermediate = m * -(-intermediate // m)
+    n_layers = len(types) if types else c.num_hidden_layers
     return ModelShape(
-        name=name, hidden=c.hidden_size, layers=c.num_hidden_layers, heads=heads,
+        name=name, hidden=c.hidden_size, layers=n_layers, heads=heads,
         kv_heads=getattr(c, "num_key_value_heads", None) or heads,
-        intermediate=c.intermediate_size, vocab=c.vocab_size,
+        intermediate=intermediate, vocab=c.vocab_size,
         tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         head_dim=(c.qk_nope_head_dim + c.qk_rope_head_dim) if mla else getattr(c, "head_dim", None),
         v_head_dim=c.v_head_dim if mla else None,
         # Qwen2 puts biases on q/k/v without a config flag; others say attention_bias.
-        qkv_bias=bool(getattr(c, "attention_bias", False)) or getattr(c, "model_type", "") == "qwen2")
+        qkv_bias=bool(getattr(c, "attention_bias", False)) or getattr(c, "model_type", "") == "qwen2",
+        kinds=kinds, recurrent=recurrent, moe=moe, window=window, attention_chunk=chunk,
+        gated_mlp=gated_mlp(c),
+        q_lora_rank=getattr(c, "q_lora_rank", None) if mla else None,
+        kv_lora_rank=getattr(c, "kv_lora_rank", None) if mla else None,
+        rope_head_dim=c.qk_rope_head_dim if mla else None)
 
 
 def load_shape(name_or_path: str) -> ModelShape:

@@ -669,3 +669,24 @@ def test_loss_chunks_table():
     worst = max(r["max_rel_error_to_rows_130_product"] for r in d["rows"])
     assert f"agree within {worst:.1e} relative" in page and worst < 1e-5
     assert f"rounds at commit {d['machine']['git_commit']}" in page
+
+
+def test_hybrid_table():
+    """docs/benchmarks.md's hybrid-model table and growth sentence are the results file's."""
+    d = _results("hybrid.json")
+    page = _text("docs/benchmarks.md")
+    for method in ("zigzag_ring_attn", "ulysses_attn"):
+        for length in ("16384", "32768"):
+            r, ref = d["runs"][method][length], d["runs"]["local"][length]
+            assert (f"| {method} | {int(length):,} | {r['step_s']:.1f} ({ref['step_s']:.1f}) | "
+                    f"{r['step_ratio_to_one_process']:.2f}x | "
+                    f"{max(r['peak_rise_mb_per_rank']):.0f} ({ref['peak_rise_bytes'] / 2**20:.0f}) | "
+                    f"{100 * r['exchange_share']:.2f}% ({100 * r['exchange_share_with_wait']:.1f}%) | "
+                    f"{r['loss_rel_error']:.1e} / {r['grad_max_rel_error']:.1e} |") in page
+    g = d["growth"]
+    assert (f"**{g['zigzag_ring_attn']['growth_ratio']:.3f}x** and "
+            f"**{g['ulysses_attn']['growth_ratio']:.3f}x** (target <= 0.55x") in page
+    assert f"at commit {d['machine']['git_commit']} (`benchmarks/results/hybrid.json`" in page
+    passed = all(t["result"] == "PASS" for t in d["targets"])
+    assert ("Every target passes" in page) == passed
+    assert f"The run took {d['total_s']:.0f} s" in page
