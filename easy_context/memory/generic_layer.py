@@ -72,6 +72,10 @@ def static_mismatch(layer: nn.Module, config) -> str | None:
     """Why the generic path cannot run ``layer`` exactly (from its structure and the
     config), or None."""
     name = type(layer).__name__
+    if getattr(config, "output_router_logits", False):
+        return ("max-length mode: config.output_router_logits is on: the router's auxiliary "
+                "loss would see the MLP's sequence tiles as separate calls, recorded without "
+                "grad; turn it off (router_aux_loss_coef=0)")
     if find_mlp(layer) is None:
         return (f"max-length mode tiles a decoder layer's MLP child ({', '.join(MLP_NAMES)}); "
                 f"{name} has {sorted(n for n, _ in layer.named_children())}. Train this model "
@@ -81,9 +85,6 @@ def static_mismatch(layer: nn.Module, config) -> str | None:
         # the recompute in backward would draw other masks than the forward did
         return (f"max-length mode: {name}.{drop[0]} is a dropout (p > 0), which the layer's "
                 "recompute would draw again; set the config's dropout to 0")
-    if getattr(config, "output_router_logits", False):
-        return ("max-length mode: config.output_router_logits is on: the router's auxiliary "
-                "loss would see the MLP's sequence tiles as separate calls; turn it off")
     for key in CAPACITY_KEYS:
         if getattr(config, key, None):
             return (f"max-length mode: config.{key} = {getattr(config, key)}: an expert capacity "

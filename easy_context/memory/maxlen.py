@@ -169,6 +169,10 @@ def path_for(layer: nn.Module, model: nn.Module | None = None, path: str = "auto
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     config = _text_config(model) if model is not None else _layer_config(layer)
+    if getattr(config, "output_router_logits", False):
+        # on both paths the MoE block runs once per sequence tile, and in forward without
+        # grad: the router logits recorded for the auxiliary loss would carry no gradient
+        return generic_layer.static_mismatch(layer, config)
     fused_reason = None
     if path in ("auto", "fused"):
         try:

@@ -140,13 +140,48 @@ def paths_of(family: str, lora: bool = False, **overrides) -> list[str]:
     return [path_for(layer, model) for layer in decoder_layers(model)]
 
 
+def generic_calls(family: str, tile: int, chunk: int, **overrides) -> dict:
+    """What the generic path hands the model's own modules in one forward and backward of
+    one rank: the query heads of each attention call and the tokens of each MLP call."""
+    model = tiny(family, **overrides)
+    ec.apply_sequence_parallel(model, "local")
+    seen = {"heads": [], "tokens": []}
+    from easy_context.memory.generic_layer import find_mlp
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for layer in model.model.layers:
+        mlp = find_mlp(layer)[1]
+
+        def spy(x, forward=mlp.forward):
+            seen["tokens"].append(x.size(1))
+            return forward(x)
+
+        mlp.forward = spy  # an instance forward: the tiles call it
+    apply_max_length(model, tile, chunk, "full", path="generic")
+    seen["tokens"].clear()  # the probe's (apply_max_length checks the MLP is per token)
+    name = model.config._attn_implementation
+    inner = ALL_ATTENTION_FUNCTIONS.get_interface(name, None)
+
+    def attention(module, q, *args, **kwargs):
+        seen["heads"].append(q.size(1))
+        return inner(module, q, *args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS.register(name, attention)
+    try:
+        inputs, positions, targets = make_batch(24, model.config.vocab_size)
+        ec.causal_lm_loss(model, inputs, positions, targets, chunked=True).backward()
+    finally:
+        ALL_ATTENTION_FUNCTIONS.register(name, inner)
+    return seen
+
+
 def max_length_error(family: str, method: str, chunk: int, ring_degree: int | None = None,
-                     **overrides) -> str:
+                     path: str = "auto", **overrides) -> str:
     """The ValueError apply_max_length raises for this model / method / chunk."""
     model = tiny(family, **overrides)
     ec.apply_sequence_parallel(model, method, ring_degree=ring_degree)
     try:
-        apply_max_length(model, 4, chunk, "full")
+        apply_max_length(model, 4, chunk, "full", path=path)
     except ValueError as e:
         return str(e)
     return "no error"
