@@ -80,7 +80,17 @@ def static_mismatch(layer: nn.Module, config) -> str | None:
         return (f"max-length mode tiles a decoder layer's MLP child ({', '.join(MLP_NAMES)}); "
                 f"{name} has {sorted(n for n, _ in layer.named_children())}. Train this model "
                 "without --mlp-tile/--head-chunk")
+    from ..integrations.hf_recurrent import stateful_layers
+
+    stateful = stateful_layers(layer)
+    if stateful:
+        return (f"max-length mode: {name} holds {stateful[0]}, which carries a state along the "
+                "sequence; max-length mode runs attention layers only. Train this model "
+                "without --mlp-tile/--head-chunk")
     drop = [n for n, m in layer.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
+    drop += [f"{n + '.' if n else ''}{a}" for n, m in layer.named_modules()
+             for a, v in vars(m).items() if "dropout" in a and isinstance(v, (int, float))
+             and not isinstance(v, bool) and v > 0]
     if drop:
         # the recompute in backward would draw other masks than the forward did
         return (f"max-length mode: {name}.{drop[0]} is a dropout (p > 0), which the layer's "
