@@ -185,3 +185,40 @@ def max_length_error(family: str, method: str, chunk: int, ring_degree: int | No
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def fused_layer_work(family: str, tile: int, chunk: int, length: int = 24) -> dict:
+    """How often one fused layer (the second) projects q and v (F.linear calls on a tile with
+    those weights' rows) and runs its input norm (with grad: in backward) in one forward and
+    backward of one process."""
+    import torch.nn.functional as F
+
+    from easy_context.memory import fused_layer
+
+    model = tiny(family)
+    ec.apply_sequence_parallel(model, "local")
+    apply_max_length(model, tile, chunk, "full", path="fused")
+    layer = model.model.layers[1]
+    weights = {"q": layer.self_attn.q_proj.weight, "v": layer.self_attn.v_proj.weight}
+    counts = {"q": 0, "v": 0, "norm1": 0, "norm1 with grad": 0}
+    linear = F.linear
+
+    def spy(x, w, b=None):
+        for name, weight in weights.items():
+            if w.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
+                counts[name] += 1
+        return linear(x, w, b)
+
+    def hook(module, args, out):
+        counts["norm1"] += 1
+        counts["norm1 with grad"] += int(torch.is_grad_enabled())
+
+    handle = layer.input_layernorm.register_forward_hook(hook)
+    fused_layer.F.linear = spy
+    try:
+        inputs, positions, targets = make_batch(length, model.config.vocab_size)
+        ec.causal_lm_loss(model, inputs, positions, targets, chunked=True).backward()
+    finally:
+        fused_layer.F.linear = linear
+        handle.remove()
+    return counts

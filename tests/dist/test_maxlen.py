@@ -10,7 +10,8 @@ from torch import nn
 
 from easy_context.memory.generic_layer import mlp_mismatch
 
-from .maxlen_cases import check_max_length, generic_calls, max_length_error, paths_of
+from .maxlen_cases import (check_max_length, fused_layer_work, generic_calls, max_length_error,
+                           paths_of)
 
 TOL = 1e-5
 # (mlp_tile, heads_per_chunk, checkpointing, keep_every) on 8 query / 4 KV heads: tiles that do
@@ -171,3 +172,17 @@ def test_generic_path_refuses_mlp_across_tokens():
     assert "not per token" in mlp_mismatch(layer)
     layer.mlp.forward = lambda x: layer.mlp.proj(x)  # per token: accepted
     assert mlp_mismatch(layer) is None
+
+
+@pytest.mark.parametrize("chunk,groups", [(8, 1), (2, 4)])
+def test_fused_layer_projects_no_more_than_exactness_needs(dist1, chunk, groups):
+    """Llama, 24 tokens in 4 tiles of 6. q and v are projected (per group, tile by tile) in
+    forward and in backward's recompute of the attention, and once more in backward for every
+    group but the last (whose q, k, v the recompute hands on): not again to differentiate
+    the projections, which are linear. The input norm runs with grad once per tile, on the
+    gradient summed over the groups (it was once per group and tile)."""
+    tiles = 4
+    seen = dist1.run(fused_layer_work, "llama", 6, chunk)[0]
+    passes = 2 * groups + (groups - 1)  # it was 4 * groups
+    assert seen["q"] == seen["v"] == passes * tiles, seen
+    assert seen["norm1 with grad"] == tiles, seen
