@@ -121,6 +121,7 @@ GENERIC = [(5, 1, "full", 1), (3, 2, "offload", 2), (4, 2, "attention", 1)]
 GEMMA3_SOFTCAP = dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
 PHI3 = dict(pad_token_id=0)
 QWEN3_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+DEEPSEEK_V3 = dict(head_dim=4, num_key_value_heads=8)  # with hf_cases' MLA widths
 
 
 @pytest.mark.parametrize("family,overrides,path,lora", [
@@ -132,6 +133,7 @@ QWEN3_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     ("olmo3", {}, "auto", False),  # post-norm, norms over all heads
     ("llama4_text", {}, "auto", False),  # MoE + dense layers, chunked attention, NoPE
     ("llama", {}, "auto", True),  # LoRA on every linear layer
+    ("deepseek_v3", DEEPSEEK_V3, "auto", False),  # MLA (v head dim 6), grouped MoE routing
 ])
 def test_generic_path(dist1, dist2, family, overrides, path, lora):
     if path == "auto":  # these take the generic path on their own
