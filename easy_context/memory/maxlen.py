@@ -1,9 +1,9 @@
-"""Max-length mode: every decoder layer fused and tiled, the final norm folded into the loss.
+"""Max-length mode: every decoder layer tiled and head-chunked, the final norm folded into the loss.
 
     apply_max_length(model, mlp_tile=4096, heads_per_chunk=4, checkpointing="offload")
 
 replaces each decoder layer's forward with :class:`~easy_context.memory.fused_layer.FusedLayer`
-(its MLP and norms over sequence tiles of ``mlp_tile`` tokens, its attention ``heads_per_chunk``
+or :class:`~easy_context.memory.generic_layer.GenericLayer` (its MLP and norms over sequence tiles of ``mlp_tile`` tokens, its attention ``heads_per_chunk``
 query heads at a time, its own recompute) and lets ``causal_lm_loss`` apply the final norm chunk by
 chunk inside the chunked loss (easy_context.memory.tiled_loss), so no whole-sequence
 intermediate of a layer, and no float32 copy of the hidden states, ever exists. The layers
@@ -20,16 +20,22 @@ others are regenerated in backward (easy_context.memory.offload). The first laye
 when it is the embedding lookup, and the decoder's RoPE tables are not kept at all: backward
 computes them again (easy_context.memory.recomputed).
 
-Which layers: pre-norm decoder layers, found by their structure, not by model name: the
-children ``input_layernorm``, ``self_attn`` (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``
-linear layers, optional per-head ``q_norm``/``k_norm``), ``post_attention_layernorm`` and
-``mlp``, and nothing else (Llama, Mistral, Qwen2 and Qwen3, Gemma, Granite, SmolLM3...),
-with no setting the fused layer does not reproduce (easy_context.memory.layer_check:
-every number attribute of the layer and its attention, and the config entries read inside
-a layer), and whose own forward, run on a few random tokens, gives what the fused layer
-gives (probe_mismatch: what no attribute shows). Anything else (post-norm layers such as
-OLMo-2's, Cohere's parallel block, fused qkv projections, norms over all heads, OLMo's
-clip_qkv, MiniMax's residual weights) raises a ValueError that says what does not fit.
+Which path each layer takes (:func:`path_for`; :func:`layer_paths` for a model's layers):
+the fused layer for pre-norm decoder layers, found by their structure, not by model name:
+the children ``input_layernorm``, ``self_attn`` (``q_proj``, ``k_proj``, ``v_proj``,
+``o_proj`` linear layers, optional per-head ``q_norm``/``k_norm``),
+``post_attention_layernorm`` and ``mlp``, and nothing else (Llama, Mistral, Qwen2 and Qwen3,
+Gemma, Granite, SmolLM3...), with no setting the fused layer does not reproduce
+(easy_context.memory.layer_check: every number attribute of the layer and its attention,
+and the config entries read inside a layer), and whose own forward, run on a few random
+tokens, gives what the fused layer gives (probe_mismatch: what no attribute shows). Any
+other layer (post-norm layers such as OLMo-2's, Cohere's parallel block, fused qkv
+projections, norms over all heads, OLMo's clip_qkv, sandwich norms, MoE blocks, LoRA
+adapters on the projections) takes the generic path (easy_context.memory.generic_layer:
+the layer's own forward, its MLP module in checkpointed sequence tiles, its attention
+function a chunk of heads at a time, its input kept as the fused layer's), unless that
+refuses it too (dropout, router logits for an auxiliary loss, expert capacities, an MLP
+that is not per token, recurrent mixers): then a ValueError says what does not fit.
 Generation with a KV cache runs the layers unchanged.
 """
 
@@ -196,8 +202,9 @@ def _layer_config(layer: nn.Module):
     return None
 
 
-def _paths(model: nn.Module, path: str = "auto") -> list[str]:
-    """Each decoder layer's path; a ValueError with the first refusal."""
+def layer_paths(model: nn.Module, path: str = "auto") -> list[str]:
+    """Each decoder layer's path ("fused" or "generic", as :func:`path_for` picks it); a
+    ValueError with the first refusal."""
     paths = [path_for(layer, model, path) for layer in decoder_layers(model)]
     for p in paths:
         if p not in ("fused", "generic"):
@@ -208,7 +215,7 @@ def _paths(model: nn.Module, path: str = "auto") -> list[str]:
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why max-length mode cannot run this model's layers (fused or generic), or None."""
     try:
-        _paths(model)
+        layer_paths(model)
     except (ValueError, AttributeError) as e:
         return str(e)
     return None
@@ -347,7 +354,7 @@ def apply_max_length(model: nn.Module, mlp_tile: int, heads_per_chunk: int,
                          f"and keep_every ({keep_every}) must be >= 1")
     config = _text_config(model)
     layers = decoder_layers(model)
-    paths = _paths(model, path)
+    paths = layer_paths(model, path)
     specs = [layer_spec(layer, config) if p == "fused" else None
              for layer, p in zip(layers, paths)]
     heads, kv_heads = (specs[0].heads, specs[0].kv_heads) if specs[0] else _heads(config)
