@@ -202,17 +202,23 @@ class Run:
         return None if sinks is None else sinks[qs]
 
     # ---------------------------------------------------------------- forward pieces
-    def attention_forward(self, x: Tensor, cos: Tensor, sin: Tensor):
-        """Every group's attention output (B, S, hq, D) and what its function recorded."""
-        outs, recorded = [], []
-        for qs, ks in self.groups():
+    def attention_forward(self, x: Tensor, cos: Tensor, sin: Tensor, keep_last: bool = False):
+        """Every group's attention output (B, S, hq, D) and what its function recorded;
+        with ``keep_last`` also the last group's q, k, v (before RoPE), which the backward
+        that follows takes first (attention_backward runs the groups last to first) rather
+        than projecting them again (with one group: the layer's whole q, k, v)."""
+        outs, recorded, last = [], [], None
+        groups = self.groups()
+        for i, (qs, ks) in enumerate(groups):
             q, k, v = self.project_tiled(x, qs, ks)
             rec: list = []
             with recording(rec):
                 outs.append(self.attend(q, k, v, cos, sin, self.sinks(qs)))
             recorded.append(rec)
+            if keep_last and i == len(groups) - 1:
+                last = (q, k, v)
             del q, k, v
-        return outs, recorded
+        return (outs, recorded, last) if keep_last else (outs, recorded)
 
     def residual_tile(self, x: Tensor, outs: list[Tensor], t: slice) -> tuple[Tensor, Tensor]:
         """(h = x + o_proj(attention output), the attention output) for tile t."""
@@ -225,9 +231,10 @@ class Run:
         so its attention results are kept for it (``replay``) instead of being computed a
         third time there."""
         with torch.no_grad():
-            outs, recorded = self.attention_forward(x, cos, sin)
+            got = self.attention_forward(x, cos, sin, keep_last=keep)
+            outs, recorded = got[0], got[1]
             if keep:
-                self.replay = (outs, recorded)
+                self.replay = got  # (outs, recorded, the last group's q, k, v)
             return self.output(x, outs)
 
     def regenerate(self, x: Tensor, cos: Tensor, sin: Tensor, keep: bool = False) -> Tensor:
@@ -305,21 +312,67 @@ def mlp_backward(run: Run, x: Tensor, outs: list[Tensor], dy: Tensor, grads: Gra
     return dh
 
 
+def _projection_backward(run: Run, xn: Tensor, w: list[Tensor | None], grads_out: list,
+                         owners: list, rows: list, grads: Grads, head_norms: list) -> Tensor:
+    """One tile of one group: the gradient of n1(x) from those of q, k, v (B, T, h, D), and
+    the q/k/v rows' (and per-head norms') parameter gradients into ``grads``. The
+    projections are linear: their backward needs n1(x) and the gradients only, so q, k and v
+    are not projected again, except q and k before their per-head norms (whose backward
+    needs them)."""
+    a = run.spec.attn
+    d = run.spec.head_dim
+    dq, dk, dv = grads_out
+    if getattr(a, "q_norm", None) is not None:
+        with torch.no_grad():
+            q = F.linear(xn, w[0], w[1]).unflatten(-1, (dq.size(2), d))
+            k = F.linear(xn, w[2], w[3]).unflatten(-1, (dk.size(2), d))
+        q.requires_grad_(True), k.requires_grad_(True)
+        with torch.enable_grad():
+            qn, kn = a.q_norm(q), a.k_norm(k)
+        got = _grad((qn, kn), [q, k, *head_norms], (dq, dk))
+        dq, dk = got[0], got[1]
+        for p, g in zip(head_norms, got[2:]):
+            grads.add(p, g)
+        del qn, kn, q, k, got
+    dxn = None
+    for i, dt in enumerate((dq, dk, dv)):
+        weight, bias = w[2 * i], w[2 * i + 1]
+        g = dt.flatten(2).to(weight.dtype)  # (B, T, h * D)
+        part = g @ weight  # d n1(x) = dq W_q + dk W_k + dv W_v
+        dxn = part if dxn is None else dxn + part
+        if owners[2 * i].requires_grad:  # d W = dq^T n1(x) over the tile's tokens
+            grads.add(owners[2 * i], g.flatten(0, 1).T @ xn.flatten(0, 1).to(g.dtype),
+                      rows[i])
+        if bias is not None and owners[2 * i + 1].requires_grad:
+            grads.add(owners[2 * i + 1], g.sum((0, 1)), rows[i])
+    return dxn
+
+
 def attention_backward(run: Run, x: Tensor, cos: Tensor, sin: Tensor, recorded: list,
-                       dh: Tensor, grads: Grads, needs_dx: bool) -> Tensor | None:
-    """Gradient of x: the residual's dh plus, group by group, the attention's through n1 and the
-    group's projections (recomputed tile by tile); their parameter gradients into ``grads``."""
+                       dh: Tensor, grads: Grads, needs_dx: bool,
+                       last: list | None = None) -> Tensor | None:
+    """Gradient of x: the residual's dh plus the attention's through n1 and the projections;
+    their parameter gradients into ``grads``. Group by group, the gradient of n1(x) is
+    summed over the groups (the projections' backward, tile by tile, from n1(x) computed
+    again without grad); then n1's backward runs once per tile, on that sum (it is linear in
+    its incoming gradient), rather than once per group and tile. The groups run last to
+    first: ``last``, a list holding the last group's q, k, v when the attention was just
+    computed again (emptied when taken), saves projecting them once more."""
     spec = run.spec
     a = spec.attn
-    dx = dh.clone() if needs_dx else None
     n1_params = list(spec.norm1.parameters())
     head_norms = [p for n in ("q_norm", "k_norm") if getattr(a, n, None) is not None
                   for p in getattr(a, n).parameters()]
     projs = (a.q_proj, a.k_proj, a.v_proj)
-    for (qs, ks), rec in zip(run.groups(), recorded):
-        hq, hkv = qs.stop - qs.start, ks.stop - ks.start
-        with torch.no_grad():
-            q, k, v = run.project_tiled(x, qs, ks)
+    owners = [t for proj in projs for t in (proj.weight, proj.bias)]
+    # the gradient of n1(x), summed over the groups; then overwritten tile by tile with dx
+    dxn = torch.zeros_like(dh)
+    for (qs, ks), rec in reversed(list(zip(run.groups(), recorded))):
+        if last:
+            q, k, v = last.pop()
+        else:
+            with torch.no_grad():
+                q, k, v = run.project_tiled(x, qs, ks)
         q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
         sinks = run.sinks(qs)
         sinks = None if sinks is None else sinks.detach().requires_grad_(a.sinks.requires_grad)
@@ -339,25 +392,29 @@ def attention_backward(run: Run, x: Tensor, cos: Tensor, sin: Tensor, recorded: 
         # when the layer's backward ends (3 q/k/v-sized tensors a group otherwise).
         rec.clear()
         del out, dout, q, k, v
-        owners = [t for proj in projs for t in (proj.weight, proj.bias)]
-        leaves = [None if t is None else _leaf(t, p.requires_grad)
-                  for t, p in zip(run.group_weights(qs, ks), owners)]
+        w = [None if t is None else t.detach() for t in run.group_weights(qs, ks)]
         rows = [run._rows(qs), run._rows(ks), run._rows(ks)]
         for t in tiles(x.size(1), run.tile):
-            xt = x[:, t].detach().requires_grad_(needs_dx)
-            with torch.enable_grad():
-                qt, kt, vt = run.project(xt, leaves, hq, hkv)
-            got = _grad((qt, kt, vt), [xt, *leaves, *n1_params, *head_norms],
-                        (dq[:, t], dk[:, t], dv[:, t]))
-            if needs_dx:
-                dx[:, t] += got[0]
-            for i, g in enumerate(got[1:7]):
-                grads.add(owners[i], g, rows[i // 2])
-            for p, g in zip(n1_params + head_norms, got[7:]):
-                grads.add(p, g)
-            del qt, kt, vt, got
+            with torch.no_grad():
+                xn = spec.norm1(x[:, t])
+                dxn[:, t] += _projection_backward(run, xn, w, (dq[:, t], dk[:, t], dv[:, t]),
+                                                  owners, rows, grads, head_norms)
+            del xn
         del dq, dk, dv
-    return dx
+    n1_live = [p for p in n1_params if p.requires_grad]
+    if not (needs_dx or n1_live):
+        return None
+    for t in tiles(x.size(1), run.tile):
+        xt = x[:, t].detach().requires_grad_(needs_dx)
+        with torch.enable_grad():
+            xn = spec.norm1(xt)
+        got = _grad(xn, [xt, *n1_params], dxn[:, t].to(xn.dtype))
+        for p, g in zip(n1_params, got[1:]):
+            grads.add(p, g)
+        if needs_dx:
+            dxn[:, t] = dh[:, t] + got[0]
+        del xn, got
+    return dxn if needs_dx else None
 
 
 class FusedLayer(torch.autograd.Function):
@@ -393,20 +450,22 @@ class FusedLayer(torch.autograd.Function):
         cos, sin = ctx.saved_tensors if ctx.tables is None else ctx.tables()
         kept = run.storage.unpack(ctx.handle)
         ctx.handle = None
-        x = kept[0]
+        x, last = kept[0], None
         if len(kept) > 1:  # the attention was kept (a nested recompute regenerates x only)
             n = len(ctx.layout)
             outs, flat = kept[1:1 + n], iter(kept[1 + n:])
             recorded = [[tuple(next(flat) for _ in range(k)) for k in rec] for rec in ctx.layout]
         elif run.replay is not None:  # regenerated just before, with its attention
-            (outs, recorded), run.replay = run.replay, None
+            (outs, recorded, last), run.replay = run.replay, None
         else:
             with torch.no_grad():
-                outs, recorded = run.attention_forward(x, cos, sin)
+                outs, recorded, last = run.attention_forward(x, cos, sin, keep_last=True)
         del kept
         params = run.spec.parameters()
         grads = Grads(params)
         dh = mlp_backward(run, x, outs, dy, grads)
         del outs
-        dx = attention_backward(run, x, cos, sin, recorded, dh, grads, ctx.needs_input_grad[1])
+        last = [last] if last is not None else []  # emptied when taken: not kept alive here
+        dx = attention_backward(run, x, cos, sin, recorded, dh, grads, ctx.needs_input_grad[1],
+                                last)
         return (None, dx, None, None, *grads.result())

@@ -1,9 +1,9 @@
-"""Max-length mode: every decoder layer fused and tiled, the final norm folded into the loss.
+"""Max-length mode: every decoder layer tiled and head-chunked, the final norm folded into the loss.
 
     apply_max_length(model, mlp_tile=4096, heads_per_chunk=4, checkpointing="offload")
 
 replaces each decoder layer's forward with :class:`~easy_context.memory.fused_layer.FusedLayer`
-(its MLP and norms over sequence tiles of ``mlp_tile`` tokens, its attention ``heads_per_chunk``
+or :class:`~easy_context.memory.generic_layer.GenericLayer` (its MLP and norms over sequence tiles of ``mlp_tile`` tokens, its attention ``heads_per_chunk``
 query heads at a time, its own recompute) and lets ``causal_lm_loss`` apply the final norm chunk by
 chunk inside the chunked loss (easy_context.memory.tiled_loss), so no whole-sequence
 intermediate of a layer, and no float32 copy of the hidden states, ever exists. The layers
@@ -20,16 +20,22 @@ others are regenerated in backward (easy_context.memory.offload). The first laye
 when it is the embedding lookup, and the decoder's RoPE tables are not kept at all: backward
 computes them again (easy_context.memory.recomputed).
 
-Which layers: pre-norm decoder layers, found by their structure, not by model name: the
-children ``input_layernorm``, ``self_attn`` (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``
-linear layers, optional per-head ``q_norm``/``k_norm``), ``post_attention_layernorm`` and
-``mlp``, and nothing else (Llama, Mistral, Qwen2 and Qwen3, Gemma, Granite, SmolLM3...),
-with no setting the fused layer does not reproduce (easy_context.memory.layer_check:
-every number attribute of the layer and its attention, and the config entries read inside
-a layer), and whose own forward, run on a few random tokens, gives what the fused layer
-gives (probe_mismatch: what no attribute shows). Anything else (post-norm layers such as
-OLMo-2's, Cohere's parallel block, fused qkv projections, norms over all heads, OLMo's
-clip_qkv, MiniMax's residual weights) raises a ValueError that says what does not fit.
+Which path each layer takes (:func:`path_for`; :func:`layer_paths` for a model's layers):
+the fused layer for pre-norm decoder layers, found by their structure, not by model name:
+the children ``input_layernorm``, ``self_attn`` (``q_proj``, ``k_proj``, ``v_proj``,
+``o_proj`` linear layers, optional per-head ``q_norm``/``k_norm``),
+``post_attention_layernorm`` and ``mlp``, and nothing else (Llama, Mistral, Qwen2 and Qwen3,
+Gemma, Granite, SmolLM3...), with no setting the fused layer does not reproduce
+(easy_context.memory.layer_check: every number attribute of the layer and its attention,
+and the config entries read inside a layer), and whose own forward, run on a few random
+tokens, gives what the fused layer gives (probe_mismatch: what no attribute shows). Any
+other layer (post-norm layers such as OLMo-2's, Cohere's parallel block, fused qkv
+projections, norms over all heads, OLMo's clip_qkv, sandwich norms, MoE blocks, LoRA
+adapters on the projections) takes the generic path (easy_context.memory.generic_layer:
+the layer's own forward, its MLP module in checkpointed sequence tiles, its attention
+function a chunk of heads at a time, its input kept as the fused layer's), unless that
+refuses it too (dropout, router logits for an auxiliary loss, expert capacities, an MLP
+that is not per token, recurrent mixers): then a ValueError says what does not fit.
 Generation with a KV cache runs the layers unchanged.
 """
 
@@ -44,9 +50,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import fused_layer, recomputed
+from . import fused_layer, generic_layer, recomputed
 from ..utils.decoder import decoder_of
 from .fused_layer import FusedLayer, LayerSpec, Run, head_chunks
+from .generic_layer import GenericLayer, GenericRun
 from .layer_check import fused_layer_mismatch
 from .offload import DeviceStorage, LayerStorage
 
@@ -157,7 +164,7 @@ def probe_mismatch(model: nn.Module, layer: nn.Module, spec: LayerSpec) -> str |
 
 
 def recurrent_reason(model: nn.Module) -> str | None:
-    """Why max-length mode cannot fuse ``model``: its layers that carry state along the
+    """Why max-length mode can run none of ``model``'s paths: its layers that carry state along the
     sequence (a hybrid's recurrent mixers and convolutions), or None. The fused layer computes
     attention and per-token parts; it must never take such a layer for either. Found as
     integrations.hf_recurrent.stateful_layers finds them (memory sits below integrations):
@@ -172,17 +179,62 @@ def recurrent_reason(model: nn.Module) -> str | None:
             "model without --mlp-tile/--head-chunk")
 
 
+PATHS = ("auto", "fused", "generic")
+
+
+def path_for(layer: nn.Module, model: nn.Module | None = None, path: str = "auto") -> str:
+    """How max-length mode runs ``layer``: "fused" (easy_context.memory.fused_layer: the
+    Llama-shaped layer re-implemented, where it verifies), "generic" (easy_context.memory.
+    generic_layer: the layer's own forward, its MLP tiled and its attention head-chunked),
+    or, when neither fits, the one-line reason (a string that is neither). ``model`` (the
+    whole model) lets the fused path's numerical probe run; ``path`` forces one of the two."""
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    config = _text_config(model) if model is not None else _layer_config(layer)
+    if getattr(config, "output_router_logits", False):
+        # on both paths the MoE block runs once per sequence tile, and in forward without
+        # grad: the router logits recorded for the auxiliary loss would carry no gradient
+        return generic_layer.static_mismatch(layer, config)
+    fused_reason = None
+    if path in ("auto", "fused"):
+        try:
+            spec = layer_spec(layer, config)
+            fused_reason = probe_mismatch(model, layer, spec) if model is not None else None
+        except (ValueError, AttributeError) as e:
+            fused_reason = str(e)
+        if fused_reason is None:
+            return "fused"
+        if path == "fused":
+            return fused_reason
+    reason = generic_layer.static_mismatch(layer, config) or generic_layer.mlp_mismatch(layer)
+    return reason or "generic"
+
+
+def _layer_config(layer: nn.Module):
+    for m in layer.modules():
+        c = getattr(m, "config", None)
+        if c is not None:
+            return c.get_text_config() if hasattr(c, "get_text_config") else c
+    return None
+
+
+def layer_paths(model: nn.Module, path: str = "auto") -> list[str]:
+    """Each decoder layer's path ("fused" or "generic", as :func:`path_for` picks it); a
+    ValueError with the first refusal."""
+    paths = [path_for(layer, model, path) for layer in decoder_layers(model)]
+    for p in paths:
+        if p not in ("fused", "generic"):
+            raise ValueError(p)
+    return paths
+
+
 def unsupported_reason(model: nn.Module) -> str | None:
-    """Why max-length mode cannot fuse this model's layers, or None when it can."""
+    """Why max-length mode cannot run this model's layers (fused or generic), or None."""
     reason = recurrent_reason(model)
     if reason:
         return reason
     try:
-        config = _text_config(model)
-        for layer in decoder_layers(model):
-            reason = probe_mismatch(model, layer, layer_spec(layer, config))
-            if reason:
-                return reason
+        layer_paths(model)
     except (ValueError, AttributeError) as e:
         return str(e)
     return None
@@ -201,6 +253,7 @@ class _State:
         self.storage = (LayerStorage(layers, offload=offload, keep_every=keep_every)
                         if offload or keep_every > 1 else DeviceStorage())
         self.embedding = self.rotary = None  # recomputed.Recorded watchers
+        self.paths: list[str] = []  # each layer's path: "fused" or "generic"
 
     def input_recipe(self, x: torch.Tensor) -> Callable[[], torch.Tensor] | None:
         """How to compute the first layer's input again, when it is the embedding lookup."""
@@ -232,6 +285,32 @@ def _fused_forward(self, hidden_states, *args, attention_mask=None, position_ids
     return FusedLayer.apply(run, hidden_states, cos, sin, *spec.parameters())
 
 
+def _generic_forward(self, hidden_states, *args, **kwargs):
+    state, _, index = self._ec_max_length
+    if args or any(kwargs.get(k) is not None and kwargs.get(k) is not False
+                   for k in _CACHE_KEYS):
+        # generation with a cache, or a call we do not recognise: the layer as it was
+        return self._ec_original_forward(hidden_states, *args, **kwargs)
+    kwargs = {k: v for k, v in kwargs.items() if k not in _CACHE_KEYS}
+    grads = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+    if grads and torch.is_grad_enabled():
+        raise ValueError(f"max-length mode: {type(self).__name__} is handed {grads[0]}, which "
+                         "requires grad: only the hidden states go through the layer's recompute")
+    tables = None
+    pe = kwargs.get("position_embeddings")
+    if isinstance(pe, tuple) and len(pe) == 2 and all(isinstance(t, torch.Tensor) for t in pe):
+        tables = state.rope_recipe(*pe)
+        if tables is not None:
+            del kwargs["position_embeddings"]  # computed again where backward needs them
+    run = GenericRun(self, self._ec_original_forward, kwargs, state.mlp_tile,
+                     state.heads_per_chunk, state.keep_attention, state.storage, index,
+                     lambda: _gathered(self),
+                     state.input_recipe(hidden_states) if index == 0 else None, tables)
+    if not torch.is_grad_enabled():
+        return run.call(hidden_states)
+    return GenericLayer.apply(run, hidden_states, *run.parameters())
+
+
 @contextlib.contextmanager
 def _gathered(layer: nn.Module):
     """The layer's whole weights outside its own forward/backward (a collective: every rank
@@ -252,14 +331,15 @@ def _gathered(layer: nn.Module):
         yield
 
 
-def _check_chunks(model: nn.Module, spec: LayerSpec, heads_per_chunk: int) -> None:
+def _check_chunks(model: nn.Module, layer: nn.Module, heads: int, kv_heads: int,
+                  heads_per_chunk: int) -> None:
     """Every head chunk must suit the sequence-parallel method the model was switched to."""
     from ..mesh import group_size
     from ..parallel import get_method
     from ..parallel.settings import module_settings
 
-    chunks = head_chunks(spec.heads, spec.kv_heads, heads_per_chunk)  # raises if it splits badly
-    settings = module_settings(spec.attn)
+    chunks = head_chunks(heads, kv_heads, heads_per_chunk)  # raises if it splits badly
+    settings = next((s for s in map(module_settings, layer.modules()) if s is not None), None)
     if settings is None:
         return
     world = group_size(settings.group)
@@ -274,11 +354,18 @@ def _check_chunks(model: nn.Module, spec: LayerSpec, heads_per_chunk: int) -> No
                              "--head-chunk (query heads per chunk)") from None
 
 
+def _heads(config) -> tuple[int, int]:
+    heads = config.num_attention_heads
+    return heads, getattr(config, "num_key_value_heads", None) or heads
+
+
 def apply_max_length(model: nn.Module, mlp_tile: int, heads_per_chunk: int,
-                     checkpointing: str = "full", keep_every: int = 1) -> nn.Module:
-    """Fuse and tile every decoder layer of ``model`` (see the module docstring). Call after
-    :func:`easy_context.apply_sequence_parallel` (the head groups are checked against its
-    method) and before sharding the model (FSDP, ZeRO-3)."""
+                     checkpointing: str = "full", keep_every: int = 1,
+                     path: str = "auto") -> nn.Module:
+    """Tile and head-chunk every decoder layer of ``model`` (see the module docstring), each
+    on its path (:func:`path_for`: the fused layer where it verifies, else the generic one;
+    ``path`` forces one). Call after :func:`easy_context.apply_sequence_parallel` (the head
+    groups are checked against its method) and before sharding the model (FSDP, ZeRO-3)."""
     if checkpointing not in KINDS:
         raise ValueError(f"checkpointing must be one of {KINDS}, got {checkpointing!r}")
     if mlp_tile < 1 or heads_per_chunk < 1 or keep_every < 1:
@@ -289,21 +376,21 @@ def apply_max_length(model: nn.Module, mlp_tile: int, heads_per_chunk: int,
         raise ValueError(reason)
     config = _text_config(model)
     layers = decoder_layers(model)
-    specs = [layer_spec(layer, config) for layer in layers]
-    for layer, spec in zip(layers, specs):
-        reason = probe_mismatch(model, layer, spec)
-        if reason:
-            raise ValueError(reason)
-    heads_per_chunk = min(heads_per_chunk, specs[0].heads)
+    paths = layer_paths(model, path)
+    specs = [layer_spec(layer, config) if p == "fused" else None
+             for layer, p in zip(layers, paths)]
+    heads, kv_heads = (specs[0].heads, specs[0].kv_heads) if specs[0] else _heads(config)
+    heads_per_chunk = min(heads_per_chunk, heads)
     _stop_kernelizing(model)
-    _check_chunks(model, specs[0], heads_per_chunk)
+    _check_chunks(model, layers[0], heads, kv_heads, heads_per_chunk)
     state = _State(mlp_tile, heads_per_chunk, checkpointing, keep_every, len(layers))
     for index, (layer, spec) in enumerate(zip(layers, specs)):
         if not hasattr(layer, "_ec_original_forward"):
             layer._ec_original_forward = layer.forward
         layer._ec_max_length = (state, spec, index)
-        layer.forward = types.MethodType(_fused_forward, layer)
+        layer.forward = types.MethodType(_fused_forward if spec else _generic_forward, layer)
         _mark_zero3_leaf(layer)
+    state.paths = paths
     _fold_final_norm(model)
     _tile_rotary(model)
     state.embedding = recomputed.watch(

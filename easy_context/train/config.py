@@ -163,13 +163,12 @@ class TrainConfig:
                 raise ValueError(f"{', '.join(given)} apply to LoRA: add --lora-rank R")
         elif self.lora_alpha is not None and not self.lora_alpha > 0:
             raise ValueError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
-        else:
-            fused = [_flag(n) for n in ("mlp_tile", "head_chunk")
-                     if str(getattr(self, n)).lower() not in ("auto", "off")]
-            fused += ["--keep-every"] * (self.keep_every > 1) + ["--auto-memory"] * self.auto_memory
-            if fused:  # the fused layers compute with the base weights and skip the adapters
-                raise ValueError(f"{', '.join(fused)}: max-length mode does not run LoRA "
-                                 "adapters; drop them or --lora-rank")
+        elif self.auto_memory:
+            # max-length mode runs the adapters (a layer whose projections carry them takes
+            # the generic path, which calls the model's own modules), but the planner behind
+            # --auto-memory does not count LoRA runs: force --mlp-tile/--head-chunk instead
+            raise ValueError("--auto-memory does not plan LoRA runs; drop it and give "
+                             "--mlp-tile/--head-chunk for max-length mode, or drop --lora-rank")
         if self.lora_4bit and self.engine != "fsdp":
             raise ValueError("--lora-4bit needs --engine fsdp: ZeRO-3 would partition the 4-bit "
                              "weights, whose layout does not survive it")

@@ -44,22 +44,32 @@ def tiny(family: str, seed: int = 0, **overrides):
 
 
 def grad_errors(model, ref, world: int) -> float:
-    worst = 0.0
+    """The worst gradient error relative to each parameter's max |grad| (NaN when a
+    gradient holds one: torch.maximum keeps it). Frozen parameters (LoRA's base) have no
+    gradient on either side."""
+    worst = torch.zeros(())
     for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        if r.grad is None and not p.requires_grad:
+            continue
         g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
         if world > 1:
             dist.all_reduce(g)
         scale = r.grad.abs().max().clamp(min=1e-6)
-        worst = max(worst, ((g - r.grad).abs().max() / scale).item())
-    return worst
+        worst = torch.maximum(worst, (g - r.grad).abs().max() / scale)
+    return float(worst)
 
 
 def check_max_length(family: str, method: str, cases: list[tuple], ring_degree: int | None = None,
-                     packed: bool = False, overrides: dict | None = None) -> dict:
+                     packed: bool = False, overrides: dict | None = None, path: str = "auto",
+                     lora: bool = False) -> dict:
     """{case: (loss error, grad error)} for each (mlp_tile, heads_per_chunk, checkpointing,
-    keep_every) in ``cases``; ``overrides``: config entries of the family's tiny model."""
+    keep_every) in ``cases``; ``overrides``: config entries of the family's tiny model;
+    ``path``: the max-length path to force ("auto": each layer's own); ``lora``: a peft LoRA
+    adapter on every linear module of the decoder layers (non-zero B, base frozen)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     base = tiny(family, **(overrides or {}))
+    if lora:
+        base = with_lora(base)
     length = 2 * world * 6
     inputs, positions, targets = make_batch(length, base.config.vocab_size)
     doc = None
@@ -88,7 +98,7 @@ def check_max_length(family: str, method: str, cases: list[tuple], ring_degree: 
     for tile, chunk, kind, keep_every in cases:
         model = copy.deepcopy(base)
         ec.apply_sequence_parallel(model, method, ring_degree=ring_degree)
-        apply_max_length(model, tile, chunk, kind, keep_every=keep_every)
+        apply_max_length(model, tile, chunk, kind, keep_every=keep_every, path=path)
         local = ec.prepare_seq_parallel_inputs(method, inputs, positions, targets, rank, world,
                                                "cpu", ring_degree=ring_degree)
         kw = {}
@@ -104,13 +114,111 @@ def check_max_length(family: str, method: str, cases: list[tuple], ring_degree: 
     return report
 
 
+def with_lora(model):
+    """``model`` with a LoRA adapter (rank 4) on every linear layer of its decoder layers,
+    the base frozen and the adapters' B non-zero (so they change the output)."""
+    import peft
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0,
+                             exclude_modules=["lm_head"])
+    peft.inject_adapter_in_model(config, model)
+    torch.manual_seed(7)
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    return model
+
+
+def paths_of(family: str, lora: bool = False, **overrides) -> list[str]:
+    """Each decoder layer's max-length path (maxlen.path_for) for this tiny family."""
+    from easy_context.memory.maxlen import decoder_layers, path_for
+
+    model = tiny(family, **overrides)
+    if lora:
+        model = with_lora(model)
+    return [path_for(layer, model) for layer in decoder_layers(model)]
+
+
+def generic_calls(family: str, tile: int, chunk: int, **overrides) -> dict:
+    """What the generic path hands the model's own modules in one forward and backward of
+    one rank: the query heads of each attention call and the tokens of each MLP call."""
+    model = tiny(family, **overrides)
+    ec.apply_sequence_parallel(model, "local")
+    seen = {"heads": [], "tokens": []}
+    from easy_context.memory.generic_layer import find_mlp
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for layer in model.model.layers:
+        mlp = find_mlp(layer)[1]
+
+        def spy(x, forward=mlp.forward):
+            seen["tokens"].append(x.size(1))
+            return forward(x)
+
+        mlp.forward = spy  # an instance forward: the tiles call it
+    apply_max_length(model, tile, chunk, "full", path="generic")
+    seen["tokens"].clear()  # the probe's (apply_max_length checks the MLP is per token)
+    name = model.config._attn_implementation
+    inner = ALL_ATTENTION_FUNCTIONS.get_interface(name, None)
+
+    def attention(module, q, *args, **kwargs):
+        seen["heads"].append(q.size(1))
+        return inner(module, q, *args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS.register(name, attention)
+    try:
+        inputs, positions, targets = make_batch(24, model.config.vocab_size)
+        ec.causal_lm_loss(model, inputs, positions, targets, chunked=True).backward()
+    finally:
+        ALL_ATTENTION_FUNCTIONS.register(name, inner)
+    return seen
+
+
 def max_length_error(family: str, method: str, chunk: int, ring_degree: int | None = None,
-                     **overrides) -> str:
+                     path: str = "auto", **overrides) -> str:
     """The ValueError apply_max_length raises for this model / method / chunk."""
     model = tiny(family, **overrides)
     ec.apply_sequence_parallel(model, method, ring_degree=ring_degree)
     try:
-        apply_max_length(model, 4, chunk, "full")
+        apply_max_length(model, 4, chunk, "full", path=path)
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def fused_layer_work(family: str, tile: int, chunk: int, length: int = 24) -> dict:
+    """How often one fused layer (the second) projects q and v (F.linear calls on a tile with
+    those weights' rows) and runs its input norm (with grad: in backward) in one forward and
+    backward of one process."""
+    import torch.nn.functional as F
+
+    from easy_context.memory import fused_layer
+
+    model = tiny(family)
+    ec.apply_sequence_parallel(model, "local")
+    apply_max_length(model, tile, chunk, "full", path="fused")
+    layer = model.model.layers[1]
+    weights = {"q": layer.self_attn.q_proj.weight, "v": layer.self_attn.v_proj.weight}
+    counts = {"q": 0, "v": 0, "norm1": 0, "norm1 with grad": 0}
+    linear = F.linear
+
+    def spy(x, w, b=None):
+        for name, weight in weights.items():
+            if w.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
+                counts[name] += 1
+        return linear(x, w, b)
+
+    def hook(module, args, out):
+        counts["norm1"] += 1
+        counts["norm1 with grad"] += int(torch.is_grad_enabled())
+
+    handle = layer.input_layernorm.register_forward_hook(hook)
+    fused_layer.F.linear = spy
+    try:
+        inputs, positions, targets = make_batch(length, model.config.vocab_size)
+        ec.causal_lm_loss(model, inputs, positions, targets, chunked=True).backward()
+    finally:
+        fused_layer.F.linear = linear
+        handle.remove()
+    return counts

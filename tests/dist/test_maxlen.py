@@ -5,7 +5,13 @@ gloo ranks, for several families and every sequence-parallel method (measured ~1
 
 import pytest
 
-from .maxlen_cases import check_max_length, max_length_error
+import torch
+from torch import nn
+
+from easy_context.memory.generic_layer import mlp_mismatch
+
+from .maxlen_cases import (check_max_length, fused_layer_work, generic_calls, max_length_error,
+                           paths_of)
 
 TOL = 1e-5
 # (mlp_tile, heads_per_chunk, checkpointing, keep_every) on 8 query / 4 KV heads: tiles that do
@@ -87,11 +93,98 @@ def test_packed_documents(dist2, method):
 
 
 def test_unsupported_structures_are_refused(dist2):
-    olmo = dist2.run(max_length_error, "olmo2", "zigzag_ring_attn", 1)[0]
+    # the fused layer refuses OLMo-2's post-norm layers (the generic path runs them)
+    olmo = dist2.run(max_length_error, "olmo2", "zigzag_ring_attn", 1, path="fused")[0]
     assert "pre-norm decoder layers" in olmo and "post_feedforward_layernorm" in olmo
+    # the generic path refuses what it cannot redo exactly: dropout (the recompute would
+    # draw again), an MoE's router logits for the auxiliary loss (tiles are separate calls)
+    drop = dist2.run(max_length_error, "phi3", "zigzag_ring_attn", 1, pad_token_id=0,
+                     resid_pdrop=0.1)[0]
+    assert "dropout" in drop and "resid_attn_dropout" in drop
+    aux = dist2.run(max_length_error, "qwen3_moe", "zigzag_ring_attn", 1, **QWEN3_MOE,
+                    output_router_logits=True)[0]
+    assert "output_router_logits" in aux
     # Ulysses cannot split a chunk of one query head over 2 ranks
     odd = dist2.run(max_length_error, "llama", "ulysses_attn", 1)[0]
     assert "head chunks of 1 query heads" in odd and "--head-chunk" in odd
     # 3 query heads would split the 2 that share a KV head
     assert "splits a group of 2 query heads" in dist2.run(max_length_error, "llama",
                                                           "zigzag_ring_attn", 3)[0]
+
+
+# The generic path: the model's own layer forward (sandwich norms, soft-caps, multipliers,
+# Phi-3's fused gate_up, MoE routers, LoRA adapters) with its MLP module in checkpointed
+# sequence tiles and its attention function called a chunk of heads at a time. Tiles of 3-5
+# tokens against shards of 12 and 24, one query head per chunk, offloaded inputs, the nested
+# recompute, kept attention.
+GENERIC = [(5, 1, "full", 1), (3, 2, "offload", 2), (4, 2, "attention", 1)]
+GEMMA3_SOFTCAP = dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+PHI3 = dict(pad_token_id=0)
+QWEN3_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+DEEPSEEK_V3 = dict(head_dim=4, num_key_value_heads=8)  # with hf_cases' MLA widths
+
+
+@pytest.mark.parametrize("family,overrides,path,lora", [
+    ("gemma3_text", {}, "auto", False),  # sliding + global layers, sandwich norms
+    ("gemma3_text", GEMMA3_SOFTCAP, "auto", False),
+    ("phi3", PHI3, "auto", False),  # fused qkv and gate_up projections
+    ("granite", GRANITE, "generic", False),  # multipliers (the fused path takes it too)
+    ("qwen3_moe", QWEN3_MOE, "generic", False),  # router + experts, tiled
+    ("olmo3", {}, "auto", False),  # post-norm, norms over all heads
+    ("llama4_text", {}, "auto", False),  # MoE + dense layers, chunked attention, NoPE
+    ("llama", {}, "auto", True),  # LoRA on every linear layer
+    ("deepseek_v3", DEEPSEEK_V3, "auto", False),  # MLA (v head dim 6), grouped MoE routing
+])
+def test_generic_path(dist1, dist2, family, overrides, path, lora):
+    if path == "auto":  # these take the generic path on their own
+        assert set(dist1.run(paths_of, family, lora, **overrides)[0]) == {"generic"}
+    _assert(dist1.run(check_max_length, family, "local", GENERIC, overrides=overrides,
+                      path=path, lora=lora))
+    _assert(dist2.run(check_max_length, family, "zigzag_ring_attn", GENERIC[:2],
+                      overrides=overrides, path=path, lora=lora))
+
+
+def test_generic_path_ulysses(dist2):
+    _assert(dist2.run(check_max_length, "gemma3_text", "ulysses_attn", [(4, 2, "attention", 1),
+                                                                       (5, 4, "offload", 2)]))
+
+
+def test_generic_path_tiles_and_chunks(dist1):
+    """The model's modules really get tiles and head chunks: 24 tokens in tiles of 5, one
+    query head of 8 per attention call (forward and the recompute in backward)."""
+    seen = dist1.run(generic_calls, "phi3", 5, 1, **PHI3)[0]
+    assert seen["heads"] and set(seen["heads"]) == {1}
+    assert seen["tokens"] and set(seen["tokens"]) == {5, 4}, seen["tokens"]
+
+
+class _Mixing(nn.Module):
+    """An MLP that is not per token (a running sum along the sequence)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(x).cumsum(1)
+
+
+def test_generic_path_refuses_mlp_across_tokens():
+    layer = nn.Module()
+    layer.mlp = _Mixing()
+    assert "not per token" in mlp_mismatch(layer)
+    layer.mlp.forward = lambda x: layer.mlp.proj(x)  # per token: accepted
+    assert mlp_mismatch(layer) is None
+
+
+@pytest.mark.parametrize("chunk,groups", [(8, 1), (2, 4)])
+def test_fused_layer_projects_no_more_than_exactness_needs(dist1, chunk, groups):
+    """Llama, 24 tokens in 4 tiles of 6. q and v are projected (per group, tile by tile) in
+    forward and in backward's recompute of the attention, and once more in backward for every
+    group but the last (whose q, k, v the recompute hands on): not again to differentiate
+    the projections, which are linear. The input norm runs with grad once per tile, on the
+    gradient summed over the groups (it was once per group and tile)."""
+    tiles = 4
+    seen = dist1.run(fused_layer_work, "llama", 6, chunk)[0]
+    passes = 2 * groups + (groups - 1)  # it was 4 * groups
+    assert seen["q"] == seen["v"] == passes * tiles, seen
+    assert seen["norm1 with grad"] == tiles, seen

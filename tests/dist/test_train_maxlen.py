@@ -18,7 +18,9 @@ def workdir(tmp_path_factory):
     work = tmp_path_factory.mktemp("train_maxlen")
     tiny_model_dir(work / "model")
     tiny_model_dir(work / "model4", num_hidden_layers=5)  # for the nested recompute
-    tiny_model_dir(work / "olmo2", family="olmo2")  # post-norm layers: not fused
+    tiny_model_dir(work / "olmo2", family="olmo2")  # post-norm layers: the generic path
+    # residual dropout: refused by both paths (the generic path's recompute would draw again)
+    tiny_model_dir(work / "phi3", family="phi3", pad_token_id=0, resid_pdrop=0.1)
     tiny_dataset_dir(work / "data", seq_length=32, rows=16)
     tiny_dataset_dir(work / "data4k", seq_length=4096, rows=4)
     return str(work)
@@ -134,8 +136,21 @@ def test_bad_tiling_flags(dist2, workdir):
 
 
 def test_unsupported_layers_train_untiled_unless_forced(dist2, workdir):
-    olmo = f"{workdir}/olmo2"
-    metrics = dist2.run(train_run, workdir, "olmo_auto", model=olmo, max_train_steps=1)[0]
+    phi3 = f"{workdir}/phi3"
+    metrics = dist2.run(train_run, workdir, "phi3_auto", model=phi3, max_train_steps=1)[0]
     assert len(metrics) == 1  # auto: the planner's choice falls back to the untiled layers
-    assert "pre-norm decoder layers" in dist2.run(train_error, workdir, model=olmo,
-                                                   mlp_tile="5")[0]
+    assert "dropout" in dist2.run(train_error, workdir, model=phi3, mlp_tile="5")[0]
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_generic_path_trains_like_untiled(dist2, workdir, lora):
+    """OLMo-2's post-norm layers (which the fused layer refuses) and LoRA adapters on every
+    linear layer of Llama run on max-length mode's generic path: forced tiles and one query
+    head per chunk, inputs offloaded, train like the untiled layers."""
+    kw = dict(model=f"{workdir}/olmo2") if not lora else dict(lora_rank=4)
+    name = "lora" if lora else "olmo"
+    want = dist2.run(train_run, workdir, f"{name}_untiled", parallel_mode="zigzag_ring_attn",
+                     mlp_tile="off", head_chunk="off", **kw)[0]
+    got = dist2.run(train_run, workdir, f"{name}_generic", parallel_mode="zigzag_ring_attn",
+                    mlp_tile="5", head_chunk="1", checkpointing="offload", **kw)[0]
+    _same(got, want)

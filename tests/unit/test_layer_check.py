@@ -8,7 +8,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from easy_context.memory.layer_check import fused_layer_mismatch
-from easy_context.memory.maxlen import apply_max_length, unsupported_reason
+from easy_context.memory.maxlen import apply_max_length, path_for, unsupported_reason
 
 SHAPE = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -21,11 +21,28 @@ def _model(model_type: str, **overrides):
     return AutoModelForCausalLM.from_config(config)
 
 
+def _paths(model, path: str = "auto") -> list[str]:
+    return [path_for(layer, model, path) for layer in model.model.layers]
+
+
+def _fused_reason(model) -> str | None:
+    """Why the fused layer does not fit (the first layer it refuses), or None."""
+    return next((p for p in _paths(model, "fused") if p != "fused"), None)
+
+
 @pytest.mark.parametrize("model_type,overrides", [
     ("llama", {}), ("granite", dict(residual_multiplier=0.5, attention_multiplier=0.1)),
     ("smollm3", dict(no_rope_layers=[1, 0], pad_token_id=0)), ("qwen3", {})])
 def test_llama_shaped_layers_are_accepted(model_type, overrides):
-    assert unsupported_reason(_model(model_type, **overrides)) is None
+    model = _model(model_type, **overrides)
+    assert unsupported_reason(model) is None
+    assert set(_paths(model)) == {"fused"}
+
+
+# generic: the layer's own forward runs them (max-length mode's generic path);
+# refused: what the generic path cannot redo either (dropout drawn again in the recompute, a
+# Mamba mixer carrying a state along the sequence)
+REFUSED_TOO = {"seed_oss": "dropout", "falcon_h1": "carries a state along the sequence"}
 
 
 @pytest.mark.parametrize("model_type,overrides,named", [
@@ -46,23 +63,29 @@ def test_llama_shaped_layers_are_accepted(model_type, overrides):
 ])
 def test_layers_the_fused_layer_does_not_reproduce_are_refused(model_type, overrides, named):
     model = _model(model_type, **overrides)
-    reason = unsupported_reason(model)
+    reason = _fused_reason(model)
     assert reason is not None and named in reason, reason
     with pytest.raises(ValueError, match="fuse|max-length mode"):
-        apply_max_length(model, 4, 2)
+        apply_max_length(model, 4, 2, path="fused")
+    # without the fused layer: the generic path, or a refusal of its own
+    auto = unsupported_reason(model)
+    if model_type in REFUSED_TOO:
+        assert auto is not None and REFUSED_TOO[model_type] in auto, auto
+    else:
+        assert auto is None and set(_paths(model)) == {"generic"}, auto
 
 
 def test_an_unknown_child_module_is_refused():
     model = _model("llama")
     model.model.layers[1].extra_norm = nn.LayerNorm(32)
-    reason = unsupported_reason(model)
+    reason = _fused_reason(model)
     assert reason is not None and "extra_norm" in reason
 
 
 def test_an_unknown_child_of_the_attention_is_refused():
     model = _model("llama")
     model.model.layers[0].self_attn.gate = nn.Linear(32, 4)
-    reason = unsupported_reason(model)
+    reason = _fused_reason(model)
     assert reason is not None and "gate" in reason
 
 
@@ -98,7 +121,7 @@ def test_a_projection_with_its_own_forward_is_refused():
     attn = model.model.layers[0].self_attn
     old = attn.v_proj
     attn.v_proj = Scaled(old.in_features, old.out_features, bias=False)
-    reason = unsupported_reason(model)
+    reason = _fused_reason(model)
     assert reason is not None and "v_proj" in reason and "Scaled" in reason
 
 
@@ -114,11 +137,12 @@ def test_a_layer_that_computes_something_else_is_refused_by_the_probe():
 
     layer.forward = forward
     assert fused_layer_mismatch(layer, model.config) is None  # the structure looks right
-    reason = unsupported_reason(model)
+    reason = _fused_reason(model)
     assert reason is not None and "LlamaDecoderLayer's own forward and the fused layer differ" \
         in reason, reason
     with pytest.raises(ValueError, match="differ by"):
-        apply_max_length(model, 4, 2)
+        apply_max_length(model, 4, 2, path="fused")
+    assert _paths(model) == ["fused", "generic"]  # the generic path runs that forward
 
 
 @pytest.mark.parametrize("model_type,overrides,layer", [

@@ -28,15 +28,19 @@ def _config(**kw) -> TrainConfig:
     ({"lora_rank": 4, "lora_alpha": 0}, "--lora-alpha must be > 0"),
     ({"lora_4bit": True}, "--lora-4bit apply to LoRA"),
     ({"lora_rank": 4, "lora_4bit": True, "engine": "deepspeed"}, "--lora-4bit needs --engine fsdp"),
-    # max-length mode's fused layers compute with the base weights: forcing it under LoRA
-    # would skip the adapters, so it is refused (its "auto" default stays off instead)
-    ({"lora_rank": 4, "mlp_tile": "512"}, "--mlp-tile: max-length mode does not run LoRA"),
-    ({"lora_rank": 4, "head_chunk": "2", "keep_every": 2}, "--head-chunk, --keep-every: max"),
-    ({"lora_rank": 4, "auto_memory": True}, "--auto-memory: max-length mode does not run LoRA"),
+    # max-length mode runs the adapters (generic path), but the planner does not plan LoRA
+    ({"lora_rank": 4, "auto_memory": True}, "--auto-memory does not plan LoRA runs"),
 ])
 def test_flags_are_checked(kw, message):
     with pytest.raises(ValueError, match=message):
         _config(**kw).validate()
+
+
+def test_max_length_flags_are_accepted_with_lora():
+    """Forced tiles and head chunks run the adapters (their layers take max-length mode's
+    generic path: tests/dist/test_train_maxlen.py trains one like the untiled layers)."""
+    _config(lora_rank=4, mlp_tile="512").validate()
+    _config(lora_rank=4, mlp_tile="8", head_chunk="2", keep_every=2).validate()
 
 
 def test_without_peft_the_package_imports_trains_and_lora_names_the_extra(tmp_path):

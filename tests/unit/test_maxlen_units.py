@@ -184,7 +184,7 @@ def test_nested_recompute_reuses_the_regenerated_attention(monkeypatch, keep_eve
     calls = []
     original = fused_layer.Run.attention_forward
     monkeypatch.setattr(fused_layer.Run, "attention_forward",
-                        lambda self, *a: calls.append(self.index) or original(self, *a))
+                        lambda self, *a, **k: calls.append(self.index) or original(self, *a, **k))
     base = _tiny_llama(4)
     ids = torch.randint(0, 61, (1, 24), generator=torch.Generator().manual_seed(0))
     pos, tgt = torch.arange(24)[None], torch.roll(ids, -1, 1)

@@ -1,0 +1,382 @@
+"""Max-length mode for any decoder layer: the model's own layer forward, tiled and recomputed.
+
+The fused layer (easy_context.memory.fused_layer) re-implements one layer shape. This path
+re-implements nothing: it runs the layer's own ``forward``, so whatever the layer computes
+(sandwich norms, multipliers, soft-caps, residual scalings, fused projections, MoE blocks,
+LoRA adapters) runs as written. Around and inside that forward:
+
+- the layer's MLP module (its ``mlp`` / ``feed_forward`` / ``block_sparse_moe`` child,
+  whatever it is: gated, dense, an MoE with its router) runs over sequence tiles of ``tile``
+  tokens, each tile under its own (non-reentrant) checkpoint, so a tile's (B, tile, I)
+  intermediates are not kept for backward but computed again there, tile by tile;
+- the attention function transformers calls (any sequence-parallel method's included) runs
+  ``heads_per_chunk`` query heads at a time: q, k, v arrive there already projected,
+  whatever the layer's norms and projections were, and are cut by heads; a ring method
+  then sends each chunk's K/V in its own pass (the same bytes in all, in more messages);
+- one autograd function keeps only the layer's input (on the device, or in host memory and
+  with the nested recompute, through the same storage as the fused layer:
+  easy_context.memory.offload) and, in backward, runs the layer's own forward again with
+  grad and differentiates it. With ``keep_attention`` it also keeps each head chunk's
+  attention result (easy_context.attention.saving), which that recompute takes instead of
+  running attention, and its communication, again.
+
+What this path keeps in backward beyond the fused layer's: while one layer runs backward,
+the autograd graph of its recompute holds its whole-sequence intermediates other than the
+MLP's (the normed input, q, k, v, the attention output, the residual, the normed residual):
+a few hidden-sized tensors for that one layer. The MLP's I-wide tensors, the large ones,
+exist one tile at a time.
+
+Exact: the same modules on the same numbers; MLP tiles and head chunks are independent
+(per-token MLPs, per-head attention), which :func:`mlp_mismatch` checks for the MLP on a
+few random tokens and the MoE checks below refuse where routing looks past one token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..attention.saving import recording, replaying
+from .fused_layer import _grad, head_chunks, tiles
+
+Tensor = torch.Tensor
+
+MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe")  # a decoder layer's MLP child
+CHUNKED = "easy_context_head_chunked"  # the attention-interface name of the chunking wrapper
+# (inner implementation name, query heads per chunk) while a generic layer runs
+_CHUNKING: contextvars.ContextVar = contextvars.ContextVar("ec_head_chunking", default=None)
+# Config entries of MoE routers that look at more than one token: a capacity per expert
+# counts the tokens routed to it over the whole batch (drops depend on the other tokens).
+CAPACITY_KEYS = ("capacity_factor", "expert_capacity", "moe_capacity_factor",
+                 "eval_capacity_factor", "train_capacity_factor")
+PROBE_TOKENS = 8
+
+
+def find_mlp(layer: nn.Module) -> tuple[str, nn.Module] | None:
+    """The layer's MLP child (its name and module), or None."""
+    for name in MLP_NAMES:
+        module = getattr(layer, name, None)
+        if isinstance(module, nn.Module):
+            return name, module
+    return None
+
+
+def static_mismatch(layer: nn.Module, config) -> str | None:
+    """Why the generic path cannot run ``layer`` exactly (from its structure and the
+    config), or None."""
+    name = type(layer).__name__
+    if getattr(config, "output_router_logits", False):
+        return ("max-length mode: config.output_router_logits is on: the router's auxiliary "
+                "loss would see the MLP's sequence tiles as separate calls, recorded without "
+                "grad; turn it off (router_aux_loss_coef=0)")
+    if find_mlp(layer) is None:
+        return (f"max-length mode tiles a decoder layer's MLP child ({', '.join(MLP_NAMES)}); "
+                f"{name} has {sorted(n for n, _ in layer.named_children())}. Train this model "
+                "without --mlp-tile/--head-chunk")
+    from ..integrations.hf_recurrent import stateful_layers
+
+    stateful = stateful_layers(layer)
+    if stateful:
+        return (f"max-length mode: {name} holds {stateful[0]}, which carries a state along the "
+                "sequence; max-length mode runs attention layers only. Train this model "
+                "without --mlp-tile/--head-chunk")
+    drop = [n for n, m in layer.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
+    drop += [f"{n + '.' if n else ''}{a}" for n, m in layer.named_modules()
+             for a, v in vars(m).items() if "dropout" in a and isinstance(v, (int, float))
+             and not isinstance(v, bool) and v > 0]
+    if drop:
+        # the recompute in backward would draw other masks than the forward did
+        return (f"max-length mode: {name}.{drop[0]} is a dropout (p > 0), which the layer's "
+                "recompute would draw again; set the config's dropout to 0")
+    for key in CAPACITY_KEYS:
+        if getattr(config, key, None):
+            return (f"max-length mode: config.{key} = {getattr(config, key)}: an expert capacity "
+                    "counts tokens over the whole sequence, which MLP tiles do not see; "
+                    "train this model without --mlp-tile/--head-chunk")
+    return None
+
+
+# ------------------------------------------------------------------------- MLP tiles
+def _tile_output(outs: list, b: int, t: list[int]):
+    """The tiles' outputs as one: (B, T, H) tensors along the sequence; a tuple (an MoE's
+    hidden states and its (B * T, E) router logits) element by element, token-major."""
+    if isinstance(outs[0], Tensor):
+        return torch.cat(outs, dim=1)
+    parts = []
+    for i in range(len(outs[0])):
+        items = [o[i] for o in outs]
+        if not all(isinstance(x, Tensor) for x in items):
+            parts.append(items[0])
+        elif items[0].dim() >= 3 and items[0].size(0) == b:
+            parts.append(torch.cat(items, dim=1))
+        elif items[0].dim() >= 1 and items[0].size(0) == b * t[0]:
+            parts.append(torch.cat([x.unflatten(0, (b, n)) for x, n in zip(items, t)], 1)
+                         .flatten(0, 1))
+        else:
+            raise ValueError(f"max-length mode: the MLP returned a {tuple(items[0].shape)} "
+                             "tensor that is not per token; it cannot run in sequence tiles")
+    return type(outs[0])(parts)
+
+
+def tiled(forward: Callable, tile: int) -> Callable:
+    """``forward`` (an MLP's, on (B, S, H)) over sequence tiles of ``tile`` tokens, each
+    checkpointed when grad is on: backward computes a tile's intermediates again."""
+
+    def contiguous(x: Tensor):
+        # a tile of a batch of rows is a strided view; MoE blocks view it as (B * T, H). The
+        # copy is made inside the checkpoint, which keeps the view (of a kept tensor) only.
+        return forward(x.contiguous())
+
+    def run(hidden_states: Tensor, *args, **kwargs):
+        if args or kwargs or hidden_states.dim() != 3 or hidden_states.size(1) <= tile:
+            return forward(hidden_states, *args, **kwargs)
+        outs, lengths = [], []
+        for t in tiles(hidden_states.size(1), tile):
+            x = hidden_states[:, t]
+            if torch.is_grad_enabled():
+                outs.append(checkpoint(contiguous, x, use_reentrant=False))
+            else:
+                outs.append(contiguous(x))
+            lengths.append(x.size(1))
+        return _tile_output(outs, hidden_states.size(0), lengths)
+
+    return run
+
+
+@contextlib.contextmanager
+def mlp_tiled(mlp: nn.Module, tile: int):
+    """``mlp`` runs in sequence tiles inside (its instance ``forward`` replaced, then put back)."""
+    had = "forward" in vars(mlp)
+    old = vars(mlp).get("forward")
+    mlp.forward = tiled(mlp.forward, tile)
+    try:
+        yield
+    finally:
+        if had:
+            mlp.forward = old
+        else:
+            del mlp.forward
+
+
+def mlp_mismatch(layer: nn.Module, tile: int = 3) -> str | None:
+    """Run the layer's MLP on a few random tokens whole and in tiles (no grad, eval mode)
+    and say how far apart they are when they differ: a check that it is per token (an MoE
+    whose routing looks at other tokens is not). Skipped (None) where the weights are not
+    whole and local (meta, ZeRO-3, DTensor) or not floating point."""
+    name, mlp = find_mlp(layer)
+    params = list(mlp.parameters())
+    if not params or any(p.is_meta or hasattr(p, "ds_id") or type(p.data) is not torch.Tensor
+                         or not p.is_floating_point() for p in params):
+        return None
+    hidden = getattr(getattr(layer, "config", None), "hidden_size", None) or _width(layer)
+    if hidden is None:
+        return None
+    p = params[0]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, PROBE_TOKENS, hidden, generator=gen).to(p.device, p.dtype)
+    training = mlp.training
+    try:
+        mlp.train(False)
+        with torch.no_grad():
+            want = mlp(x)
+            with mlp_tiled(mlp, tile):
+                got = mlp(x)
+    except ValueError as e:
+        return str(e)
+    finally:
+        mlp.train(training)
+    want = want[0] if isinstance(want, tuple) else want
+    got = got[0] if isinstance(got, tuple) else got
+    err = float((got.float() - want.float()).abs().max() /
+                want.float().abs().max().clamp(min=1e-12))
+    tol = 1e-5 if p.dtype in (torch.float32, torch.float64) else 5e-2
+    if err <= tol:
+        return None
+    return (f"max-length mode: {type(layer).__name__}.{name} gives other results in sequence "
+            f"tiles ({err:.1e} relative on {PROBE_TOKENS} random tokens): it is not per token "
+            "(e.g. routing that looks at the other tokens); train without --mlp-tile/--head-chunk")
+
+
+def _width(layer: nn.Module) -> int | None:
+    for m in layer.modules():
+        if isinstance(m, nn.Linear):
+            return m.in_features
+    return None
+
+
+# ------------------------------------------------------------------------- head chunks
+def _eager(module: nn.Module) -> Callable | None:
+    return getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+
+
+def chunked_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                      attention_mask, **kwargs):
+    """The attention function transformers would call, a chunk of query heads at a time:
+    query (B, Hq, S, D), key/value (B, Hkv, S, D) -> ((B, S, Hq, Dv), weights or None).
+    GQA chunks take whole KV heads or part of one KV head's query heads (head_chunks); the
+    sinks (``s_aux``) go with their query heads."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    inner_name, per_chunk = _CHUNKING.get()
+    inner = ALL_ATTENTION_FUNCTIONS.get_interface(inner_name, _eager(module))
+    heads, kv_heads = query.size(1), key.size(1)
+    if per_chunk >= heads:
+        return inner(module, query, key, value, attention_mask, **kwargs)
+    odd = [k for k, v in kwargs.items() if k != "s_aux" and isinstance(v, Tensor)
+           and v.dim() == 1 and v.numel() == heads]
+    if odd:
+        raise ValueError(f"max-length mode: the attention of {type(module).__name__} takes "
+                         f"{odd[0]}, one value per head, which the head chunks do not cut; "
+                         "use a --head-chunk of all heads")
+    mask = attention_mask
+    outs, weights = [], []
+    for qs, ks in head_chunks(heads, kv_heads, per_chunk):
+        kw = dict(kwargs)
+        if isinstance(kw.get("s_aux"), Tensor):
+            kw["s_aux"] = kw["s_aux"][qs]
+        m = mask[:, qs] if isinstance(mask, Tensor) and mask.dim() == 4 and mask.size(1) == heads \
+            else mask
+        out, w = inner(module, query[:, qs], key[:, ks], value[:, ks], m, **kw)
+        outs.append(out)
+        weights.append(w)
+    w = None if any(x is None for x in weights) else torch.cat(weights, dim=1)
+    return torch.cat(outs, dim=2), w
+
+
+def _register() -> None:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    if CHUNKED not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(CHUNKED, chunked_attention)
+
+
+def _configs(layer: nn.Module) -> list:
+    """The distinct configs (with an attention implementation) of the layer's modules."""
+    seen: dict[int, object] = {}
+    for m in layer.modules():
+        c = getattr(m, "config", None)
+        if c is not None and hasattr(c, "_attn_implementation_internal"):
+            seen.setdefault(id(c), c)
+    return list(seen.values())
+
+
+@contextlib.contextmanager
+def heads_chunked(layer: nn.Module, per_chunk: int):
+    """Inside, the layer's attention calls go through :func:`chunked_attention`."""
+    _register()
+    configs = _configs(layer)
+    names = {c._attn_implementation_internal for c in configs}
+    if len(names) != 1:  # nothing to switch, or modules disagreeing: left as they are
+        yield
+        return
+    (inner,) = names
+    token = _CHUNKING.set((inner, per_chunk))
+    for c in configs:
+        c._attn_implementation_internal = CHUNKED
+    try:
+        yield
+    finally:
+        for c in configs:
+            c._attn_implementation_internal = inner
+        _CHUNKING.reset(token)
+
+
+# ------------------------------------------------------------------------- the layer
+@dataclass
+class GenericRun:
+    """One call of a layer on the generic path: the layer's own forward and its arguments
+    besides the hidden states, the settings, and where its input is kept."""
+
+    layer: nn.Module
+    forward: Callable  # the layer's own forward (bound)
+    kwargs: dict  # its keyword arguments besides hidden_states (position_embeddings apart)
+    tile: int
+    heads_per_chunk: int
+    keep_attention: bool
+    storage: object  # easy_context.memory.offload: DeviceStorage or LayerStorage
+    index: int = 0
+    gathered: Callable = contextlib.nullcontext
+    input_recipe: Callable | None = None  # () -> x again (the first layer's: an embedding)
+    tables: Callable | None = None  # () -> position_embeddings (kept, or their recipe)
+    replay: list | None = None  # what the nested recompute's regenerate() recorded
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.layer.parameters())
+
+    def call(self, x: Tensor) -> Tensor:
+        """The layer's own forward on x, its MLP tiled and its attention head-chunked."""
+        kwargs = dict(self.kwargs)
+        if self.tables is not None:
+            kwargs["position_embeddings"] = self.tables()
+        _, mlp = find_mlp(self.layer)
+        with mlp_tiled(mlp, self.tile), heads_chunked(self.layer, self.heads_per_chunk):
+            out = self.forward(x, **kwargs)
+        if not isinstance(out, Tensor):
+            raise ValueError(f"max-length mode: {type(self.layer).__name__} returns "
+                             f"{type(out).__name__}, not the hidden states alone")
+        return out
+
+    def forward_recorded(self, x: Tensor) -> tuple[Tensor, list]:
+        rec: list = []
+        with torch.no_grad(), recording(rec):
+            y = self.call(x)
+        return y, rec
+
+    def regenerate(self, x: Tensor, keep: bool = False) -> Tensor:
+        """The forward again, from another layer's backward (the nested recompute), weights
+        gathered; ``keep``: this layer's backward comes next, so its attention results are
+        kept for it."""
+        with self.gathered():
+            y, rec = self.forward_recorded(x)
+        if keep:
+            self.replay = rec
+        return y
+
+
+class GenericLayer(torch.autograd.Function):
+    """(run, x (B, S, H), *layer parameters) -> the layer's output (B, S, H)."""
+
+    @staticmethod
+    def forward(ctx, run: GenericRun, x: Tensor, *params: Tensor) -> Tensor:
+        if run.keep_attention:
+            y, rec = run.forward_recorded(x)
+            ctx.layout = [len(result) for result in rec]
+            kept = [x, *(t for result in rec for t in result)]
+        else:
+            with torch.no_grad():
+                y = run.call(x)
+            kept = [x]
+        ctx.run = run
+        recipe = None if run.keep_attention else run.input_recipe
+        ctx.handle = run.storage.pack(kept, run.index, run.regenerate, recipe=recipe)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        run = ctx.run
+        kept = run.storage.unpack(ctx.handle)
+        ctx.handle = None
+        x, recorded = kept[0], None
+        if len(kept) > 1:  # the attention results were kept
+            flat = iter(kept[1:])
+            recorded = [tuple(next(flat) for _ in range(n)) for n in ctx.layout]
+        elif run.replay is not None:  # regenerated just before, with its attention
+            recorded, run.replay = run.replay, None
+        del kept
+        params = run.parameters()
+        xg = x.detach().requires_grad_(ctx.needs_input_grad[1])
+        with torch.enable_grad(), (replaying(recorded) if recorded is not None
+                                   else contextlib.nullcontext()):
+            y = run.call(xg)
+        inputs = [xg, *params]
+        if not y.requires_grad or not any(t.requires_grad for t in inputs):
+            return (None, None, *([None] * len(params)))
+        got = _grad(y, inputs, dy)
+        return (None, got[0], *got[1:])
