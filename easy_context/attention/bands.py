@@ -127,7 +127,7 @@ def masked_tiles(sq: int, sk: int, lo: int, hi: int) -> list[tuple[slice, slice]
 
 def _masked(kernel: Kernel, lo: int | None, hi: int | None, extra: dict) -> bool:
     return (kernel.additive_mask and not extra and lo is not None and hi is not None
-            and lo <= hi and hi - lo + 1 <= MASK_WIDTH)
+            and NARROW <= hi - lo + 1 <= MASK_WIDTH)
 
 
 class _Masks:

@@ -10,7 +10,7 @@ import pytest
 
 from easy_context import METHODS
 
-from .variant_cases import check_variants
+from .variant_cases import check_variants, sent_elements
 
 TOL = 1e-5
 SETUPS = ([(2, m, None) for m in sorted(METHODS) if m != "usp_attn"] + [(2, "usp_attn", 1)]
@@ -36,3 +36,24 @@ def test_variants_exact(dist2, dist4, world, method, ring_degree):
     pool = dist2 if world == 2 else dist4
     bad = beyond_tolerance(pool.run(check_variants, method, ring_degree))
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("world,method", [(2, "zigzag_ring_attn"), (4, "zigzag_ring_attn"),
+                                          (4, "ring_attn")])
+def test_a_window_sends_what_it_reads(dist2, dist4, world, method):
+    """Under a window of 4 on shards of 32 rows, a ring moves only the K/V rows later steps
+    read and returns only the dK/dV rows read, as traffic.window_traffic predicts for the
+    busiest rank; a global layer moves whole shards; both exact."""
+    from easy_context.parallel.traffic import window_traffic
+
+    pool = dist2 if world == 2 else dist4
+    row = 2 * 2 * 8  # K and V, 2 heads of 8
+    length = 32 * world
+    for window in (None, 4, 40):
+        sent = pool.run(sent_elements, method, window)
+        assert all(r["exact"] for r in sent), (window, sent)
+        plan = window_traffic(method, world, length, window, row)
+        assert max(r["forward"] for r in sent) == plan["forward_bytes"], (window, sent, plan)
+        assert max(r["backward"] for r in sent) == plan["backward_bytes"], (window, sent, plan)
+        if window == 4:  # 3 rows per neighbour instead of a 32-row shard
+            assert plan["forward_bytes"] + plan["backward_bytes"] <= plan["global_bytes"] / 8

@@ -47,6 +47,8 @@ def cases(shard: int, length: int) -> list[dict]:
         dict(chunk=5), dict(chunk=shard + 1, dv=12),
         dict(softcap=2.0, window=5), dict(softcap=1.5, sinks=True, dv=6),
         dict(sinks=True), dict(window=4, docs=True, sinks=True), dict(chunk=7, docs=True),
+        dict(window=shard), dict(window=shard // 2, batch=1), dict(window=2 * shard + 3, docs=True),
+        dict(window=shard + 1, batch=1, docs=True, dv=6),
     ]
 
 
@@ -62,7 +64,7 @@ def check_variants(method: str, ring_degree: int | None = None, half: int = 6, s
     report = {}
     for n, case in enumerate(cases(shard_len, length)):
         gen = torch.Generator().manual_seed(seed + n)
-        b, hq, hkv, d = 2, 4, 2, 8
+        b, hq, hkv, d = case.get("batch", 2), 4, 2, 8
         dv = case.get("dv", d)
         q, k = torch.randn(b, length, hq, d, generator=gen), torch.randn(b, length, hkv, d, generator=gen)
         v = torch.randn(b, length, hkv, dv, generator=gen)
@@ -97,3 +99,40 @@ def check_variants(method: str, ring_degree: int | None = None, half: int = 6, s
             errors["dsinks"] = _rel(dsinks, ref_sinks.grad)
         report[" ".join(f"{k}={v}" for k, v in case.items())] = errors
     return report
+
+
+def sent_elements(method: str, window: int | None, half: int = 16, batch: int = 1,
+                  ring_degree: int | None = None) -> dict:
+    """Elements this rank hands to point-to-point sends (comm.Exchange.send) in one forward
+    and one backward of a layer with ``window`` (None: global), and whether it was exact
+    (fp32, 1e-5 of the float64 reference's max)."""
+    from easy_context.parallel import comm
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    length = 2 * half * world
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, dout = (torch.randn(batch, length, 2, 8, generator=gen) for _ in range(4))
+    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = dense_attention(*ref_in, window=window)
+    ref.backward(dout.double())
+    shard = lambda t: ec.shard_sequence(t, method, rank, world, ring_degree=ring_degree)
+    sp_in = [shard(t).detach().clone().requires_grad_() for t in (q, k, v)]
+    counts, original = [0], comm.Exchange.send
+
+    def counting(self, tensor, to):
+        counts[0] += tensor.numel()
+        return original(self, tensor, to)
+
+    comm.Exchange.send = counting
+    try:
+        out = ec.sequence_parallel_attention(*sp_in, method=method, ring_degree=ring_degree,
+                                             sliding_window=window)
+        forward, counts[0] = counts[0], 0
+        out.backward(shard(dout))
+        backward = counts[0]
+    finally:
+        comm.Exchange.send = original
+    errors = [_rel(out.detach(), shard(ref.detach()))] + [
+        _rel(t.grad, shard(r.grad)) for t, r in zip(sp_in, ref_in)]
+    return {"forward": forward, "backward": backward,
+            "exact": all(e <= 1e-5 for e in errors)}
