@@ -39,21 +39,27 @@ def test_variants_exact(dist2, dist4, world, method, ring_degree):
 
 
 @pytest.mark.parametrize("world,method", [(2, "zigzag_ring_attn"), (4, "zigzag_ring_attn"),
-                                          (4, "ring_attn")])
+                                          (4, "ring_attn"), (4, "dist_flash_attn")])
 def test_a_window_sends_what_it_reads(dist2, dist4, world, method):
     """Under a window of 4 on shards of 32 rows, a ring moves only the K/V rows later steps
-    read and returns only the dK/dV rows read, as traffic.window_traffic predicts for the
-    busiest rank; a global layer moves whole shards; both exact."""
+    read and returns only the dK/dV rows read (dist_flash: only the keys a task reads), as
+    traffic.window_traffic predicts for the busiest rank, element for element; a global
+    layer moves whole shards; all exact."""
+    from easy_context.parallel.method import AttentionDims
     from easy_context.parallel.traffic import window_traffic
 
     pool = dist2 if world == 2 else dist4
-    row = 2 * 2 * 8  # K and V, 2 heads of 8
     length = 32 * world
     for window in (None, 4, 40):
         sent = pool.run(sent_elements, method, window)
         assert all(r["exact"] for r in sent), (window, sent)
-        plan = window_traffic(method, world, length, window, row)
+        # elements, not bytes: one per element, one per lse entry
+        plan = window_traffic(method, AttentionDims(2, 2, 8), length, world, window, a=1,
+                              lse_bytes=1)
         assert max(r["forward"] for r in sent) == plan["forward_bytes"], (window, sent, plan)
         assert max(r["backward"] for r in sent) == plan["backward_bytes"], (window, sent, plan)
-        if window == 4:  # 3 rows per neighbour instead of a 32-row shard
-            assert plan["forward_bytes"] + plan["backward_bytes"] <= plan["global_bytes"] / 8
+        if window is None:
+            assert plan["forward_bytes"] == plan["global_forward_bytes"]
+            assert plan["backward_bytes"] == plan["global_backward_bytes"]
+        if window == 4 and method != "dist_flash_attn":  # 3 rows instead of a 32-row shard
+            assert plan["backward_bytes"] <= plan["global_backward_bytes"] / 8
