@@ -64,3 +64,16 @@ def test_a_window_sends_what_it_reads(dist2, dist4, world, method):
         if window == 4:  # rows 3 at a time instead of 32-row shards
             assert plan["backward_bytes"] <= plan["global_backward_bytes"] / 8, plan
             assert plan["forward_bytes"] <= plan["global_forward_bytes"] / 2, plan
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_mla_latent_all_gather_exact(dist2, dist4, world):
+    """All-gather attention moving MLA's latent (r + rope values a token) and expanding K/V
+    on every rank: output and the gradients of q, the latent and the up-projection within
+    TOL of one process expanding the whole sequence; plain, a window, a window with
+    documents."""
+    from .variant_cases import check_latent
+
+    pool = dist2 if world == 2 else dist4
+    bad = beyond_tolerance(pool.run(check_latent))
+    assert not bad, "\n".join(bad)

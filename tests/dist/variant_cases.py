@@ -136,3 +136,50 @@ def sent_elements(method: str, window: int | None, half: int = 16, batch: int = 
         _rel(t.grad, shard(r.grad)) for t, r in zip(sp_in, ref_in)]
     return {"forward": forward, "backward": backward,
             "exact": all(e <= 1e-5 for e in errors)}
+
+
+def check_latent(half: int = 6, seed: int = 0) -> dict:
+    """{case: {"out"|"dq"|"dlatent"|"dW": error}} of latent_allgather_attn on this rank against
+    the float64 reference that expands the whole sequence's latent itself (dW summed over
+    ranks: each holds its share of the up-projection's gradient)."""
+    from easy_context.parallel.latent import latent_allgather_attn
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    length = 2 * half * world
+    b, h, r, rope, nope, dv = 2, 4, 6, 4, 8, 6
+    report = {}
+    for n, case in enumerate([{}, dict(window=3), dict(window=2 * half + 1, docs=True)]):
+        gen = torch.Generator().manual_seed(seed + n)
+        q = torch.randn(b, length, h, nope + rope, generator=gen)
+        latent = torch.randn(b, length, r + rope, generator=gen)
+        w = torch.randn(h * (nope + dv), r, generator=gen) / r ** 0.5
+        dout = torch.randn(b, length, h, dv, generator=gen)
+        doc = None
+        if case.get("docs"):
+            doc = torch.zeros(b, length, dtype=torch.long)
+            doc[:, length // 3:] = 1
+
+        def expand(lat, weight):
+            kv = (lat[..., :r] @ weight.T).unflatten(-1, (h, nope + dv))
+            k = torch.cat([kv[..., :nope], lat[..., None, r:].expand(*kv.shape[:3], rope)], -1)
+            return k, kv[..., nope:]
+
+        ref_in = [t.double().requires_grad_() for t in (q, latent, w)]
+        ref = dense_attention(ref_in[0], *expand(ref_in[1], ref_in[2]),
+                              window=case.get("window"), doc=doc)
+        ref.backward(dout.double())
+        shard = lambda t: ec.shard_sequence(t, "allgather_attn", rank, world)
+        sq, sl = (shard(t).detach().clone().requires_grad_() for t in (q, latent))
+        sw = w.clone().requires_grad_()
+        out = latent_allgather_attn(sq, sl, lambda lat: expand(lat, sw),
+                                    document_ids=None if doc is None else shard(doc),
+                                    variant=ec.Variant(window=case.get("window")))
+        out.backward(shard(dout))
+        dw = sw.grad.clone()
+        dist.all_reduce(dw)
+        report[" ".join(f"{k}={v}" for k, v in case.items()) or "plain"] = {
+            "out": _rel(out.detach(), shard(ref.detach())),
+            "dq": _rel(sq.grad, shard(ref_in[0].grad)),
+            "dlatent": _rel(sl.grad, shard(ref_in[1].grad)),
+            "dW": _rel(dw, ref_in[2].grad)}
+    return report
