@@ -14,7 +14,7 @@ The contract every backend meets (tested on CPU for all of them, see tests/unit/
 ``causal=True`` is only ever handed a *square* block (Sq == Sk, the same tokens on both
 sides): there the top-left alignment of torch's ops and the bottom-right alignment of
 flash-attn agree, so no backend's convention matters. Kernels refuse anything else.
-No kernel takes a mask: packed documents are cut into sub-blocks that are each either full
+No block takes a mask: packed documents are cut into sub-blocks that are each either full
 or causal-square (easy_context.attention.documents), so no (Sq, Sk) tensor ever exists.
 
 What models add beyond that (attention/variants.py turns any kernel into one that does all
@@ -53,6 +53,10 @@ class Kernel:
     """takes ``softcap=`` itself"""
     value_dim: bool = False
     """runs a v head dim different from q's"""
+    additive_mask: bool = False
+    """takes ``attn_mask=``, an additive float (Sq, Sk) mask in q's dtype (0 or -inf), on a
+    call with ``causal`` False: only bands.py passes one, to run a sliding band as short
+    masked tiles (a few hundred rows: no (Sq, Sk) mask of a whole block is ever made)"""
 
 
 def default_scale(head_dim: int) -> float:

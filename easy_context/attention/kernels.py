@@ -146,22 +146,26 @@ REFERENCE = Kernel("reference", reference_forward, reference_backward, windows=T
 
 
 # --------------------------------------------------------------------------- CPU
-def _cpu_forward(q, k, v, causal=False, scale=None):
+def _cpu_forward(q, k, v, causal=False, scale=None, attn_mask=None):
     check_block(q, k, causal)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        heads_first(q), heads_first(k), heads_first(v), 0.0, causal, scale=scale)
+        heads_first(q), heads_first(k), heads_first(v), 0.0, causal, attn_mask=attn_mask,
+        scale=scale)
     return out.transpose(1, 2), lse
 
 
-def _cpu_backward(dout, q, k, v, out, lse, causal=False, scale=None):
+def _cpu_backward(dout, q, k, v, out, lse, causal=False, scale=None, attn_mask=None):
     check_block(q, k, causal)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         heads_first(dout), heads_first(q), heads_first(k), heads_first(v),
-        heads_first(out), finite_lse(lse).contiguous(), 0.0, causal, scale=scale)
+        heads_first(out), finite_lse(lse).contiguous(), 0.0, causal, attn_mask=attn_mask,
+        scale=scale)
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
-CPU_FLASH = Kernel("cpu_flash", _cpu_forward, _cpu_backward)
+# torch's CPU op adds a float mask to each score tile it computes (its cost: one add per
+# score); bands.py uses it for sliding bands (Kernel.additive_mask)
+CPU_FLASH = Kernel("cpu_flash", _cpu_forward, _cpu_backward, additive_mask=True)
 
 
 KERNELS = {"reference": REFERENCE, "cpu_flash": CPU_FLASH}

@@ -112,8 +112,13 @@ def allgather_forward(q, k, v, group, causal, scale, kernel, docs=None):
     """(out in q's dtype, lse (B, H, S) float32) for this rank's queries."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     k_all, v_all = _unpack(_gather_kv(k, v, group, world), k.size(-1))
+    return gathered_forward(q, k_all, v_all, rank, world, causal, scale, kernel, docs)
+
+
+def gathered_forward(q, k_all, v_all, rank, world, causal, scale, kernel, docs=None):
+    """This rank's zigzag queries against the whole sequence's K/V (sequence order)."""
     b, s, h, d = q.shape
-    out = torch.zeros(b, s, h, v.size(-1), dtype=torch.float32, device=q.device)
+    out = torch.zeros(b, s, h, v_all.size(-1), dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
     for rows, keys, calls in _block_calls(rank, world, s, causal, docs):
         forward_block(kernel, calls, q[:, rows], k_all[:, keys], v_all[:, keys], scale,
@@ -121,15 +126,11 @@ def allgather_forward(q, k, v, group, causal, scale, kernel, docs=None):
     return out.to(q.dtype), lse
 
 
-def allgather_backward(dout, q, k, v, out, lse, group, causal, scale, kernel, docs, *, grads):
-    """Fills ``grads`` = (dq, dk, dv) (views, the inputs' dtype) for this rank's shards."""
-    dq, dk, dv = grads
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    kv = _gather_kv(k, v, group, world)
-    k_all, v_all = _unpack(kv, k.size(-1))
+def gathered_backward(dout, q, k_all, v_all, out, lse, rank, world, causal, scale, kernel,
+                      docs, dk_all: Tensor, dv_all: Tensor) -> Tensor:
+    """dq of this rank's queries (float32); adds their dK/dV to ``dk_all``, ``dv_all``
+    (float32, the whole sequence)."""
     dq_acc = torch.zeros_like(q, dtype=torch.float32)
-    dkv = torch.zeros_like(kv, dtype=torch.float32)  # this rank's share, whole sequence
-    dk_all, dv_all = _unpack(dkv, k.size(-1))
     repeated = docs is not None and docs.repeated
     for rows, keys, calls in _block_calls(rank, world, q.size(1), causal, docs):
         dq_b, dk_b, dv_b = backward_block(
@@ -138,6 +139,19 @@ def allgather_backward(dout, q, k, v, out, lse, group, causal, scale, kernel, do
         dq_acc[:, rows] += dq_b
         dk_all[:, keys] += dk_b
         dv_all[:, keys] += dv_b
+    return dq_acc
+
+
+def allgather_backward(dout, q, k, v, out, lse, group, causal, scale, kernel, docs, *, grads):
+    """Fills ``grads`` = (dq, dk, dv) (views, the inputs' dtype) for this rank's shards."""
+    dq, dk, dv = grads
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    kv = _gather_kv(k, v, group, world)
+    k_all, v_all = _unpack(kv, k.size(-1))
+    dkv = torch.zeros_like(kv, dtype=torch.float32)  # this rank's share, whole sequence
+    dk_all, dv_all = _unpack(dkv, k.size(-1))
+    dq_acc = gathered_backward(dout, q, k_all, v_all, out, lse, rank, world, causal, scale,
+                               kernel, docs, dk_all, dv_all)
     del kv, k_all, v_all
     if world > 1:
         # send[r] = rank r's zigzag shard of our share; the sum over ranks lands at r.

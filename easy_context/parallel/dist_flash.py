@@ -93,18 +93,36 @@ def _rows(part: str, length: int) -> slice:
 
 
 def _calls(task: Task, docs: ShardDocuments | None, causal: bool, length: int) -> list[Call]:
-    """The kernel calls of a task's block (its diagonal is the only causal block)."""
+    """The kernel calls of a task's block (its diagonal is the only causal block), on the
+    kv owner's rows :func:`_kv_rows`."""
     return block_calls(docs, task.q_owner, _rows(task.rows, length), task.kv_owner,
-                       slice(None), causal and task.q_owner == task.kv_owner)
+                       _kv_rows(task, docs, causal, length),
+                       causal and task.q_owner == task.kv_owner)
+
+
+def _kv_rows(task: Task, docs: ShardDocuments | None, causal: bool, length: int) -> slice:
+    """The kv owner's rows a task reads: under a window, chunks or documents the span of the
+    keys its calls see (traffic.py's reasoning; only these travel, and only their dK/dV come
+    back), else the whole shard. Every rank derives the same from the same plan."""
+    if docs is None or task.q_owner == task.kv_owner:
+        return slice(0, length)
+    key = ("dist_flash_kv", task, causal, length)
+    if key not in docs._memo:
+        calls = block_calls(docs, task.q_owner, _rows(task.rows, length), task.kv_owner,
+                            slice(None), False)
+        spans = [span(c.kv, length) for c in calls]
+        docs._memo[key] = (slice(min(a for a, _ in spans), max(b for _, b in spans))
+                           if spans else slice(0, 0))
+    return docs._memo[key]
 
 
 def _steps(world: int, causal: bool, length: int,
            docs: ShardDocuments | None = None) -> list[list[Task]]:
-    # A shard of one row has an empty first half, and under a sliding window or chunks (the
-    # plan's geometry) a block may hold no visible key: drop such tasks, and steps left
+    # A shard of one row has an empty first half, and under a sliding window, chunks or
+    # packed documents a block may hold no visible key: drop such tasks, and steps left
     # empty, with their transfers (every rank holds the same plan, so alike on all).
     steps = [[t for t in step if _rows(t.rows, length).stop > _rows(t.rows, length).start
-              and (docs is None or docs.geometry is None or _calls(t, docs, causal, length))]
+              and (docs is None or _calls(t, docs, causal, length))]
              for step in balanced_schedule(world, causal)]
     return [step for step in steps if step] or [[]]
 
@@ -143,7 +161,10 @@ def dist_flash_forward(q: Tensor, k: Tensor, v: Tensor, group, causal: bool, sca
     steps = _steps(world, causal, s, docs)
 
     def inputs(task, side):  # data on the owner, a template of the same shape elsewhere
-        return [q[:, _rows(task.rows, s)]] if side == "q" else [k, v]
+        if side == "q":
+            return [q[:, _rows(task.rows, s)]]
+        kv = _kv_rows(task, docs, causal, s)
+        return [k[:, kv], v[:, kv]]
 
     def merge_results(received):
         for (task, _), (block_out, block_lse) in received.items():
@@ -163,7 +184,8 @@ def dist_flash_forward(q: Tensor, k: Tensor, v: Tensor, group, causal: bool, sca
                 continue
             rows = _rows(task.rows, s)
             q_blk = q[:, rows] if task.q_owner == rank else got[(task, "q")][0]
-            k_blk, v_blk = (k, v) if task.kv_owner == rank else got[(task, "kv")]
+            kv = _kv_rows(task, docs, causal, s)
+            k_blk, v_blk = (k[:, kv], v[:, kv]) if task.kv_owner == rank else got[(task, "kv")]
             calls = _calls(task, docs, causal, s)
             if task.q_owner == rank:
                 forward_block(kernel, calls, q_blk, k_blk, v_blk, scale, out[:, rows],
@@ -192,11 +214,14 @@ def dist_flash_forward(q: Tensor, k: Tensor, v: Tensor, group, causal: bool, sca
     return out.to(q.dtype), lse
 
 
-def dist_flash_terms(steps: list[list[Task]], rank: int, length: int) -> tuple[int, int]:
-    """The most block partials any element of ``rank``'s dQ, and of its dK/dV, receives."""
+def dist_flash_terms(steps: list[list[Task]], rank: int, length: int,
+                     kv_rows: Callable[[Task], slice] | None = None) -> tuple[int, int]:
+    """The most block partials any element of ``rank``'s dQ, and of its dK/dV, receives;
+    ``kv_rows(task)``: the kv owner's rows a task reads (default: all)."""
     tasks = [t for step in steps for t in step]
     dq = [span(_rows(t.rows, length), length) for t in tasks if t.q_owner == rank]
-    dkv = [(0, length) for t in tasks if t.kv_owner == rank]
+    dkv = [(0, length) if kv_rows is None else span(kv_rows(t), length)
+           for t in tasks if t.kv_owner == rank]
     return max_cover(dq), max_cover(dkv)
 
 
@@ -222,12 +247,13 @@ def dist_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     if grads is None:
         grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     steps = _steps(world, causal, s, docs)
-    dq_terms, dkv_terms = dist_flash_terms(steps, rank, s)
+    kv_rows = lambda task: _kv_rows(task, docs, causal, s)  # noqa: E731
+    dq_terms, dkv_terms = dist_flash_terms(steps, rank, s, kv_rows)
     dq, dk, dv = GradSum(grads[0], dq_terms), GradSum(grads[1], dkv_terms), GradSum(grads[2], dkv_terms)
 
     def inputs(task, side):
         if side == "kv":
-            return [k, v]
+            return [k[:, kv_rows(task)], v[:, kv_rows(task)]]
         rows = _rows(task.rows, s)
         return [q[:, rows], out[:, rows], dout[:, rows], lse[:, :, rows]]
 
@@ -236,8 +262,8 @@ def dist_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
             if side == "q":
                 dq.add(parts[0], _rows(task.rows, s))
             else:
-                dk.add(parts[0])
-                dv.add(parts[1])
+                dk.add(parts[0], kv_rows(task))
+                dv.add(parts[1], kv_rows(task))
 
     exchange, got = _route(group, rank, steps[0], inputs, to_computer=True)
     for i, tasks in enumerate(steps):
@@ -252,7 +278,7 @@ def dist_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
         def results(task, side):
             if task.rank == rank:
                 return done[(task, side)]
-            return [q[:, _rows(task.rows, s)]] if side == "q" else [k, v]
+            return [q[:, _rows(task.rows, s)]] if side == "q" else inputs(task, "kv")[:2]
 
         returned = _route(group, rank, tasks, results, to_computer=False)
         if i + 1 < len(steps):  # the next step's inputs travel with this step's results
@@ -274,6 +300,7 @@ def _task_backward(task: Task, rank: int, got: dict, inputs, kernel: Kernel, cau
     rows = _rows(task.rows, s)
     q_blk, o_blk, do_blk, lse_blk = (inputs(task, "q") if task.q_owner == rank
                                      else got[(task, "q")])
+    kv = _kv_rows(task, docs, causal, s)
     k_blk, v_blk = inputs(task, "kv") if task.kv_owner == rank else got[(task, "kv")]
     dq_b, dk_b, dv_b = backward_block(kernel, _calls(task, docs, causal, s), do_blk, q_blk,
                                       k_blk, v_blk, o_blk, lse_blk, scale,
@@ -285,8 +312,8 @@ def _task_backward(task: Task, rank: int, got: dict, inputs, kernel: Kernel, cau
         owed[(task, "q")] = [dq_b.to(dtype)]
     del dq_b
     if task.kv_owner == rank:
-        dk.add(dk_b)
-        dv.add(dv_b)
+        dk.add(dk_b, kv)
+        dv.add(dv_b, kv)
     else:
         owed[(task, "kv")] = [dk_b.to(dtype), dv_b.to(dtype)]
     return owed

@@ -31,9 +31,10 @@ from ..mesh import process_group
 from .accumulate import GradSum, max_cover, span
 from .blocks import (backward_block, block_calls, forward_block, group_buffer_choice,
                      shard_documents)
-from .comm import Exchange, group_rank_size, ring_pass
+from .comm import Exchange, group_rank_size
 from .function import GroupAlgorithm, check_inputs, run_attention
 from .method import AttentionDims, Method
+from .traffic import Ranges, RingPlan, ring_plan
 
 Tensor = torch.Tensor
 ALL = slice(None)
@@ -85,17 +86,23 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, group, causal: bool, scale: fl
 
     ``docs``: the document runs of every rank's shard (packed sequences): each block runs
     as one kernel call per document it holds (blocks.py), no ids travel with K/V.
-    ``steps``: the ring steps to run (ring_steps; default all).
+    ``steps``: the ring steps to run (ring_steps; default all). With ``docs``, only the rows
+    of K/V that later steps read travel (traffic.py).
     """
     rank, world = group_rank_size(group)
     steps = world if steps is None else steps
     b, s, h, d = q.shape
+    plan = ring_plan(schedule, docs, world, s, bool(causal), steps)
     out = torch.zeros(b, s, h, v.size(-1), dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
     held = [k, v]  # what travels
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
     for step in range(steps):
         if step + 1 < steps:  # post the next transfer before computing on this block
-            exchange, arriving = ring_pass(held, group)
+            exchange = Exchange(group)
+            arriving, landing = _pass_on(exchange, held, None, nxt, prv,
+                                         *_travel(plan, rank, world, step))
+            exchange.start()
         k_cur, v_cur = held
         src = (rank - step) % world
         for blk in schedule(src, rank, s, causal):
@@ -104,8 +111,18 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, group, causal: bool, scale: fl
                           out[:, blk.q], lse[:, :, blk.q])
         if step + 1 < steps:
             exchange.wait()
+            _land(landing)
             held = arriving
     return out.to(q.dtype), lse
+
+
+def _travel(plan: RingPlan | None, rank: int, world: int, step: int):
+    """(rows of the shard held at ``step`` passed to the next rank, rows of the one arriving
+    from the previous rank) for the step's transfer; None: whole shards."""
+    if plan is None:
+        return None, None
+    return (plan.carry((rank - step) % world, step + 1),
+            plan.carry((rank - 1 - step) % world, step + 1))
 
 
 def ring_terms(schedule: Schedule, rank: int, world: int, local_len: int,
@@ -151,6 +168,7 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     rank, world = group_rank_size(group)
     steps = world if steps is None else steps
     s = q.size(1)
+    plan = ring_plan(schedule, docs, world, s, bool(causal), steps)
     if grads is None:
         grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     dq_terms, dkv_terms = ring_terms(schedule, rank, world, s, causal, steps)
@@ -162,64 +180,103 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
         src = (rank - step) % world
         more = step + 1 < steps
         early = more and step > 0
+        rows = _travel(plan, rank, world, step)
         if early:  # pass the received shard on and fetch the next while the kernel runs
             kv_ex = Exchange(group)
-            arriving = _pass_on(kv_ex, held, spare, nxt, prv)
+            arriving, landing = _pass_on(kv_ex, held, spare, nxt, prv, *rows)
             kv_ex.start()
         owed = _ring_step_backward(dout, q, out, lse, held, docs, src, rank, causal, scale,
-                                   schedule, kernel, dq, dk, dv)
+                                   schedule, kernel, dq, dk, dv, plan)
         if steps == 1:  # one rank, or a window inside the shard: nothing travels
             break
         ex = Exchange(group)
         if more and not early:  # step 0: our own shard, after the kernel (see above)
-            arriving = _pass_on(ex, held, None, nxt, prv)
+            arriving, landing = _pass_on(ex, held, None, nxt, prv, *rows)
         if not more:
             held = None  # the last shard: done with
         if step > 0:  # partials owed to src; ours from the rank that now holds our shard
             for t in owed:
                 ex.send(t, src)
             computer = (rank + step) % world
-            mine = [ex.recv(t[:, blk.kv], computer)
-                    for blk in schedule(rank, computer, s, causal) for t in (k, v)]
+            parts = _partial_rows(plan, schedule, rank, computer, s, causal)
+            mine = [ex.recv(t[:, a:b], computer) for a, b in parts for t in (k, v)]
         ex.start().wait()
         if early:
             kv_ex.wait()
+        if more:
+            _land(landing)
         del owed
         if more:
             spare, held, arriving = (held if step > 0 else None), arriving, None
         if step > 0:
-            blocks = schedule(rank, computer, s, causal)
-            for blk, dk_b, dv_b in zip(blocks, mine[0::2], mine[1::2]):
-                dk.add(dk_b, blk.kv)
-                dv.add(dv_b, blk.kv)
+            for (a, b), dk_b, dv_b in zip(parts, mine[0::2], mine[1::2]):
+                dk.add(dk_b, slice(a, b))
+                dv.add(dv_b, slice(a, b))
             del mine
     for acc in (dq, dk, dv):
         acc.finish()
     return grads
 
 
+def _partial_rows(plan: RingPlan | None, schedule: Schedule, owner: int, computer: int,
+                  s: int, causal: bool) -> list[tuple[int, int]]:
+    """The rows of ``owner``'s shard of each dK/dV partial ``computer`` sends back to it, in
+    the order it sends them: per block, the rows the block read (whole blocks without a plan)."""
+    if plan is None:
+        return [span(blk.kv, s) for blk in schedule(owner, computer, s, causal)]
+    return [r for block in plan.block_reads[(owner, computer)] for r in block]
+
+
 def _pass_on(ex: Exchange, held: list[Tensor], spare: list[Tensor] | None, nxt: int,
-             prv: int) -> list[Tensor]:
-    """Add to ``ex`` sending ``held`` to the next rank and receiving the previous rank's shard
-    (into ``spare`` when given); returns the receive buffers."""
+             prv: int, out_rows: Ranges | None = None, in_rows: Ranges | None = None,
+             ) -> tuple[list[Tensor], list[tuple[Tensor, Tensor]]]:
+    """Add to ``ex`` sending ``held`` (its ``out_rows``; None: whole) to the next rank and
+    receiving the previous rank's shard (its ``in_rows``) into ``spare`` when given, else into
+    new shard-sized buffers; rows that do not travel are never read there (traffic.py).
+    Returns the receive buffers and the (destination, received) copies to make after the
+    wait (row ranges of a batch of several rows are not contiguous views)."""
     for t in held:
-        ex.send(t, nxt)
-    if spare is None:
-        return [ex.recv(t, prv) for t in held]
-    return [ex.recv_into(buf, prv) for buf in spare]
+        if out_rows is None:
+            ex.send(t, nxt)
+        else:
+            for a, b in out_rows:
+                ex.send(t[:, a:b], nxt)
+    if spare is None and in_rows is None:
+        return [ex.recv(t, prv) for t in held], []
+    bufs = spare if spare is not None else [
+        torch.empty_like(t, memory_format=torch.contiguous_format) for t in held]
+    if in_rows is None:
+        return [ex.recv_into(buf, prv) for buf in bufs], []
+    landing = []
+    for buf in bufs:
+        for a, b in in_rows:
+            part = buf[:, a:b]
+            if part.is_contiguous():
+                ex.recv_into(part, prv)
+            else:
+                landing.append((part, ex.recv(part, prv)))
+    return bufs, landing
+
+
+def _land(landing: list[tuple[Tensor, Tensor]]) -> None:
+    for dst, got in landing:
+        dst.copy_(got)
 
 
 def _ring_step_backward(dout, q, out, lse, held, docs, src, rank, causal, scale, schedule,
-                        kernel, dq: GradSum, dk: GradSum, dv: GradSum) -> list[Tensor]:
+                        kernel, dq: GradSum, dk: GradSum, dv: GradSum,
+                        plan: RingPlan | None = None) -> list[Tensor]:
     """One step's blocks against src's shard (``held``); adds what stays home, returns the
-    dK/dV partials owed to src (one pair per block, zeros for a block no query sees)."""
+    dK/dV partials owed to src, in the order of :func:`_partial_rows`: the rows each block
+    read (with a plan), or one whole pair per block (zeros for a block no query sees)."""
     s = q.size(1)
     k_cur, v_cur = held
     owed = []
-    for blk in schedule(src, rank, s, causal):
+    reads = None if plan is None or src == rank else plan.block_reads[(src, rank)]
+    for i, blk in enumerate(schedule(src, rank, s, causal)):
         calls = block_calls(docs, rank, blk.q, src, blk.kv, blk.causal)
         if not calls:
-            if src != rank:
+            if src != rank and reads is None:
                 owed += [torch.zeros_like(t[:, blk.kv], memory_format=torch.contiguous_format)
                          for t in (k_cur, v_cur)]
             continue
@@ -231,8 +288,12 @@ def _ring_step_backward(dout, q, out, lse, held, docs, src, rank, causal, scale,
         if src == rank:
             dk.add(dk_b, blk.kv)
             dv.add(dv_b, blk.kv)
-        else:
+        elif reads is None:
             owed += [dk_b, dv_b]
+        else:
+            k0 = span(blk.kv, s)[0]
+            for a, b in reads[i]:
+                owed += [dk_b[:, a - k0:b - k0], dv_b[:, a - k0:b - k0]]
         del dk_b, dv_b
     return owed
 

@@ -10,7 +10,7 @@ import pytest
 
 from easy_context import METHODS
 
-from .variant_cases import check_variants
+from .variant_cases import check_variants, sent_elements
 
 TOL = 1e-5
 SETUPS = ([(2, m, None) for m in sorted(METHODS) if m != "usp_attn"] + [(2, "usp_attn", 1)]
@@ -35,4 +35,45 @@ def test_nan_error_is_beyond_tolerance():
 def test_variants_exact(dist2, dist4, world, method, ring_degree):
     pool = dist2 if world == 2 else dist4
     bad = beyond_tolerance(pool.run(check_variants, method, ring_degree))
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("world,method", [(2, "zigzag_ring_attn"), (4, "zigzag_ring_attn"),
+                                          (4, "ring_attn"), (4, "dist_flash_attn")])
+def test_a_window_sends_what_it_reads(dist2, dist4, world, method):
+    """Under a window of 4 on shards of 32 rows, a ring moves only the K/V rows later steps
+    read and returns only the dK/dV rows read (dist_flash: only the keys a task reads), as
+    traffic.window_traffic predicts for the busiest rank, element for element; a global
+    layer moves whole shards; all exact."""
+    from easy_context.parallel.method import AttentionDims
+    from easy_context.parallel.traffic import window_traffic
+
+    pool = dist2 if world == 2 else dist4
+    length = 32 * world
+    for window in (None, 4, 40):
+        sent = pool.run(sent_elements, method, window)
+        assert all(r["exact"] for r in sent), (window, sent)
+        # elements, not bytes: one per element, one per lse entry
+        plan = window_traffic(method, AttentionDims(2, 2, 8), length, world, window, a=1,
+                              lse_bytes=1)
+        assert max(r["forward"] for r in sent) == plan["forward_bytes"], (window, sent, plan)
+        assert max(r["backward"] for r in sent) == plan["backward_bytes"], (window, sent, plan)
+        if window is None:
+            assert plan["forward_bytes"] == plan["global_forward_bytes"]
+            assert plan["backward_bytes"] == plan["global_backward_bytes"]
+        if window == 4:  # rows 3 at a time instead of 32-row shards
+            assert plan["backward_bytes"] <= plan["global_backward_bytes"] / 8, plan
+            assert plan["forward_bytes"] <= plan["global_forward_bytes"] / 2, plan
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_mla_latent_all_gather_exact(dist2, dist4, world):
+    """All-gather attention moving MLA's latent (r + rope values a token) and expanding K/V
+    on every rank: output and the gradients of q, the latent and the up-projection within
+    TOL of one process expanding the whole sequence; plain, a window, a window with
+    documents."""
+    from .variant_cases import check_latent
+
+    pool = dist2 if world == 2 else dist4
+    bad = beyond_tolerance(pool.run(check_latent))
     assert not bad, "\n".join(bad)

@@ -47,6 +47,8 @@ def cases(shard: int, length: int) -> list[dict]:
         dict(chunk=5), dict(chunk=shard + 1, dv=12),
         dict(softcap=2.0, window=5), dict(softcap=1.5, sinks=True, dv=6),
         dict(sinks=True), dict(window=4, docs=True, sinks=True), dict(chunk=7, docs=True),
+        dict(window=shard), dict(window=shard // 2, batch=1), dict(window=2 * shard + 3, docs=True),
+        dict(window=shard + 1, batch=1, docs=True, dv=6),
     ]
 
 
@@ -62,7 +64,7 @@ def check_variants(method: str, ring_degree: int | None = None, half: int = 6, s
     report = {}
     for n, case in enumerate(cases(shard_len, length)):
         gen = torch.Generator().manual_seed(seed + n)
-        b, hq, hkv, d = 2, 4, 2, 8
+        b, hq, hkv, d = case.get("batch", 2), 4, 2, 8
         dv = case.get("dv", d)
         q, k = torch.randn(b, length, hq, d, generator=gen), torch.randn(b, length, hkv, d, generator=gen)
         v = torch.randn(b, length, hkv, dv, generator=gen)
@@ -96,4 +98,88 @@ def check_variants(method: str, ring_degree: int | None = None, half: int = 6, s
                 dist.all_reduce(dsinks)  # each rank's rows' share
             errors["dsinks"] = _rel(dsinks, ref_sinks.grad)
         report[" ".join(f"{k}={v}" for k, v in case.items())] = errors
+    return report
+
+
+def sent_elements(method: str, window: int | None, half: int = 16, batch: int = 1,
+                  ring_degree: int | None = None) -> dict:
+    """Elements this rank hands to point-to-point sends (comm.Exchange.send) in one forward
+    and one backward of a layer with ``window`` (None: global), and whether it was exact
+    (fp32, 1e-5 of the float64 reference's max)."""
+    from easy_context.parallel import comm
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    length = 2 * half * world
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, dout = (torch.randn(batch, length, 2, 8, generator=gen) for _ in range(4))
+    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = dense_attention(*ref_in, window=window)
+    ref.backward(dout.double())
+    shard = lambda t: ec.shard_sequence(t, method, rank, world, ring_degree=ring_degree)
+    sp_in = [shard(t).detach().clone().requires_grad_() for t in (q, k, v)]
+    counts, original = [0], comm.Exchange.send
+
+    def counting(self, tensor, to):
+        counts[0] += tensor.numel()
+        return original(self, tensor, to)
+
+    comm.Exchange.send = counting
+    try:
+        out = ec.sequence_parallel_attention(*sp_in, method=method, ring_degree=ring_degree,
+                                             sliding_window=window)
+        forward, counts[0] = counts[0], 0
+        out.backward(shard(dout))
+        backward = counts[0]
+    finally:
+        comm.Exchange.send = original
+    errors = [_rel(out.detach(), shard(ref.detach()))] + [
+        _rel(t.grad, shard(r.grad)) for t, r in zip(sp_in, ref_in)]
+    return {"forward": forward, "backward": backward,
+            "exact": all(e <= 1e-5 for e in errors)}
+
+
+def check_latent(half: int = 6, seed: int = 0) -> dict:
+    """{case: {"out"|"dq"|"dlatent"|"dW": error}} of latent_allgather_attn on this rank against
+    the float64 reference that expands the whole sequence's latent itself (dW summed over
+    ranks: each holds its share of the up-projection's gradient)."""
+    from easy_context.parallel.latent import latent_allgather_attn
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    length = 2 * half * world
+    b, h, r, rope, nope, dv = 2, 4, 6, 4, 8, 6
+    report = {}
+    for n, case in enumerate([{}, dict(window=3), dict(window=2 * half + 1, docs=True)]):
+        gen = torch.Generator().manual_seed(seed + n)
+        q = torch.randn(b, length, h, nope + rope, generator=gen)
+        latent = torch.randn(b, length, r + rope, generator=gen)
+        w = torch.randn(h * (nope + dv), r, generator=gen) / r ** 0.5
+        dout = torch.randn(b, length, h, dv, generator=gen)
+        doc = None
+        if case.get("docs"):
+            doc = torch.zeros(b, length, dtype=torch.long)
+            doc[:, length // 3:] = 1
+
+        def expand(lat, weight):
+            kv = (lat[..., :r] @ weight.T).unflatten(-1, (h, nope + dv))
+            k = torch.cat([kv[..., :nope], lat[..., None, r:].expand(*kv.shape[:3], rope)], -1)
+            return k, kv[..., nope:]
+
+        ref_in = [t.double().requires_grad_() for t in (q, latent, w)]
+        ref = dense_attention(ref_in[0], *expand(ref_in[1], ref_in[2]),
+                              window=case.get("window"), doc=doc)
+        ref.backward(dout.double())
+        shard = lambda t: ec.shard_sequence(t, "allgather_attn", rank, world)
+        sq, sl = (shard(t).detach().clone().requires_grad_() for t in (q, latent))
+        sw = w.clone().requires_grad_()
+        out = latent_allgather_attn(sq, sl, lambda lat: expand(lat, sw),
+                                    document_ids=None if doc is None else shard(doc),
+                                    variant=ec.Variant(window=case.get("window")))
+        out.backward(shard(dout))
+        dw = sw.grad.clone()
+        dist.all_reduce(dw)
+        report[" ".join(f"{k}={v}" for k, v in case.items()) or "plain"] = {
+            "out": _rel(out.detach(), shard(ref.detach())),
+            "dq": _rel(sq.grad, shard(ref_in[0].grad)),
+            "dlatent": _rel(sl.grad, shard(ref_in[1].grad)),
+            "dW": _rel(dw, ref_in[2].grad)}
     return report

@@ -80,7 +80,8 @@ def _dense(q, k, v, lo, hi, softcap=None):
 
 @pytest.mark.parametrize("sq,sk,window,dv,softcap", [
     (300, 300, (99, 0), 16, None), (700, 700, (300, 0), 8, None), (40, 90, (7, 3), 16, None),
-    (129, 200, (150, 0), 16, 2.0), (200, 200, (1, 0), 24, None), (600, 1000, (-1, 0), 16, None)])
+    (129, 200, (150, 0), 16, 2.0), (200, 200, (1, 0), 24, None), (600, 1000, (-1, 0), 16, None),
+    (50, 30, (5, 0), 16, None), (700, 700, (600, 0), 16, None)])
 def test_windowed_calls_on_the_cpu_op_equal_the_band(sq, sk, window, dv, softcap):
     """The CPU op has no window, softcap or own v head dim: adapt tiles, pads, or falls back."""
     torch.manual_seed(0)
@@ -105,6 +106,27 @@ def test_windowed_calls_on_the_cpu_op_equal_the_band(sq, sk, window, dv, softcap
     assert all((g - r).abs().max() <= TOL * scale(r)
                for g, r in zip(masked_backward(dout.float(), *args, o2, l2, 0.3, lo, hi, softcap),
                                grads))
+
+
+def test_a_band_on_the_cpu_op_costs_about_its_share():
+    """The CPU op computes every score of a non-causal call, and a causal square under 512
+    rows whole (it skips masked work in blocks of 512 keys); counting every call as rows x
+    keys (an upper bound for causal squares over 512 rows), a 1K window
+    over 4K rows (bf16) costs at most 1.3x the band's scores (masked tiles of 256 rows: 1.25x);
+    the flipped and causal pieces cost about 2x (n^2 for each square of n ~ W rows)."""
+    calls = []
+
+    def forward(q, k, v, causal=False, scale=None, attn_mask=None):
+        calls.append((q.size(1), k.size(1)))
+        return CPU_FLASH.forward(q, k, v, causal=causal, scale=scale, attn_mask=attn_mask)
+
+    op = ec.attention.contract.Kernel("counted", forward, CPU_FLASH.backward, additive_mask=True)
+    s, w = 4096, 1024
+    q, k, v = (torch.randn(1, s, 1, 16, dtype=torch.bfloat16) for _ in range(3))
+    adapt(op).forward(q, k, v, causal=False, scale=0.25, window=(w - 1, 0))
+    band = int(_band_mask(s, s, -(w - 1), 0).sum())
+    work = sum(n * m for n, m in calls)
+    assert work <= 1.3 * band, (work / band, len(calls))
 
 
 @pytest.mark.parametrize("name,make,dv", [
