@@ -137,7 +137,7 @@ def _pixel_rows(pixel_values: Tensor, grid: Tensor | None) -> list[int]:
 
 def _positions(model: nn.Module, family: VisionFamily, input_ids: Tensor,
                document_ids: Tensor | None, grids: dict[str, Tensor | None],
-               position_ids: Tensor | None) -> Tensor:
+               position_ids: Tensor | None, second_per_grid_ts: Tensor | None = None) -> Tensor:
     """Whole-sequence position ids: (3, B, L) from ``get_rope_index`` per packed conversation
     (each starts at 0, with its own images' grids), or the given / 0..L-1 (B, L) ones."""
     if not family.mrope:
@@ -166,12 +166,20 @@ def _positions(model: nn.Module, family: VisionFamily, input_ids: Tensor,
                 grid = grids.get(modality)
                 if grid is None:
                     continue
-                # a run of placeholder tokens is one image: count the runs in this stretch
-                runs = int(((kinds[0] == code).int().diff(prepend=kinds.new_zeros(1)) == 1).sum())
-                kw[f"{modality}_grid_thw"] = grid[seen[modality]:seen[modality] + runs]
-                seen[modality] += runs
-            if not any(int(g.size(0)) for g in kw.values()):
-                kw = {}
+                # this conversation's items: as many as its placeholder tokens take (a video
+                # may be several runs, one per frame, between timestamps: Qwen3-VL)
+                want, first = int((kinds == code).sum()), seen[modality]
+                sizes = (grid.prod(-1) // family.merge).tolist()
+                while want > 0 and seen[modality] < len(sizes):
+                    want -= sizes[seen[modality]]
+                    seen[modality] += 1
+                if want != 0:
+                    raise ValueError(f"the {modality} tokens of a packed conversation do not "
+                                     f"match whole {modality}s of {modality}_grid_thw")
+                if seen[modality] > first:
+                    kw[f"{modality}_grid_thw"] = grid[first:seen[modality]]
+                    if modality == "video" and second_per_grid_ts is not None:
+                        kw["second_per_grid_ts"] = second_per_grid_ts[first:seen[modality]]
             if kw:
                 pos, _ = base.get_rope_index(ids, mm_token_type_ids=kinds, **kw)
             else:
@@ -187,15 +195,17 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
                           video_grid_thw: Tensor | None = None,
                           document_ids: Tensor | None = None,
                           position_ids: Tensor | None = None,
+                          second_per_grid_ts: Tensor | None = None,
                           ring_degree: int | None = None) -> dict:
     """This rank's shard of a vision-language step, in ``method``'s layout. Pure: no
     collectives; every rank holds the whole step's ids and pixel values and computes its own.
 
     input_ids, target_ids (shifted, -100 ignored), document_ids (packed conversations, one id
     per conversation): (B, L) of the whole step; pixel values and grids as the model's
-    processor gives them. Returns ``local_input_ids``, ``local_position_ids`` ((3, B, S) for
-    multimodal RoPE, else (B, S)), ``local_target_ids``, ``local_document_ids`` (None when
-    not packed) and ``vision`` (a VisionShard for ``causal_lm_loss(..., vision=)``).
+    processor gives them (``second_per_grid_ts``: Qwen2.5-VL's seconds per video grid step).
+    Returns ``local_input_ids``, ``local_position_ids`` ((3, B, S) for multimodal RoPE, else
+    (B, S)), ``local_target_ids``, ``local_document_ids`` (None when not packed) and
+    ``vision`` (a VisionShard for ``causal_lm_loss(..., vision=)``).
     """
     family = describe(model)
     values = {"image": pixel_values, "video": pixel_values_videos}
@@ -206,7 +216,8 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
         if family.grids and (values[modality] is None) != (grids[modality] is None):
             raise ValueError(f"pass {modality} pixel values together with their "
                              f"{modality}_grid_thw")
-    positions = _positions(model, family, input_ids, document_ids, grids, position_ids)
+    positions = _positions(model, family, input_ids, document_ids, grids, position_ids,
+                           second_per_grid_ts)
     index = torch.arange(input_ids.size(1), device=input_ids.device).unsqueeze(0)
     local_index = shard_sequence(index, method, rank, world_size, ring_degree=ring_degree)[0]
     cut = lambda t, dim=1: shard_sequence(t, method, rank, world_size, dim,  # noqa: E731

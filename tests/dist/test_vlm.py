@@ -53,3 +53,11 @@ def test_gemma3_images_refused(dist2):
     """Gemma 3's image tokens attend bidirectionally inside each image: refused with images."""
     for said in dist2.run(refusal, "gemma3"):
         assert said.startswith("ValueError") and "bidirectionally" in said, said
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_vlm_video_2_ranks(dist2, family):
+    """A video of two frames across the middle of the sequence (Qwen2.5-VL with its seconds
+    per grid step), beside images."""
+    _assert(dist2.run(check_vlm, family, ["zigzag_ring_attn", "ulysses_attn", "ring_attn"], 1,
+                      False, (True,), True))

@@ -77,18 +77,27 @@ def tiny_vlm(family: str, seed: int = 0):
     return cls._from_config(config, attn_implementation="sdpa").float()
 
 
-def make_step(family: str, batch: int = 1, seed: int = 1) -> dict:
+def make_step(family: str, batch: int = 1, seed: int = 1, video: bool = False) -> dict:
     """A whole step: ids (B, LENGTH) with images at STARTS (row-major over the batch: the
     batch's rows share them out), targets with -100 on the images and a few others, pixel
-    values for every image."""
+    values for every image. ``video`` (Qwen): the third item (across 24) is a video of two
+    frames of 2x4 patches (4 tokens) instead of an image."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, 89, (batch, LENGTH), generator=gen)
     targets = torch.randint(3, 89, (batch, LENGTH), generator=gen)
     targets[:, :3] = -100
     step: dict = {}
+    kinds = [IMAGE] * len(STARTS)
     if family.startswith("qwen"):
         grids = [torch.tensor(g) for g in GRIDS]
         tokens = [int(g.prod()) // 4 for g in grids]
+        if video:
+            kinds[2] = VIDEO
+            step["video_grid_thw"] = torch.tensor([[2, 2, 4]])
+            step["pixel_values_videos"] = torch.randn(16, 3 * 2 * 2, generator=gen)
+            if family == "qwen2_5_vl":
+                step["second_per_grid_ts"] = torch.tensor([0.5])
+            grids = grids[:2] + grids[3:]
         step["image_grid_thw"] = torch.stack(grids)
         step["pixel_values"] = torch.randn(int(step["image_grid_thw"].prod(-1).sum()), 3 * 2 * 2,
                                            generator=gen)
@@ -97,17 +106,25 @@ def make_step(family: str, batch: int = 1, seed: int = 1) -> dict:
         step["pixel_values"] = torch.randn(len(STARTS), 3, 4, 4, generator=gen)
     rows = [b for b in range(batch) for _ in range(len(STARTS) // batch)]
     rows += [batch - 1] * (len(STARTS) - len(rows))
-    for b, start, n in zip(rows, STARTS, tokens):
-        ids[b, start:start + n] = IMAGE
+    for b, start, n, kind in zip(rows, STARTS, tokens, kinds):
+        ids[b, start:start + n] = kind
         targets[b, start - 1:start + n] = -100
+        if kind == VIDEO and family == "qwen3_vl":
+            # Qwen3-VL's frames are separate runs, between timestamp text: 22-23 | 24 | 25-26
+            ids[b, start + 2] = 7
+            ids[b, start + 3:start + 5] = VIDEO
+            targets[b, start + 4] = -100
     step["input_ids"], step["target_ids"] = ids, targets
     return step
 
 
 def _mm_kwargs(model, step: dict) -> dict:
-    kw = {k: step[k] for k in ("pixel_values", "image_grid_thw") if k in step}
+    keys = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+            "second_per_grid_ts")
+    kw = {k: step[k] for k in keys if k in step}
     if "image_grid_thw" in step:
-        kw["mm_token_type_ids"] = (step["input_ids"] == IMAGE).int()
+        ids = step["input_ids"]
+        kw["mm_token_type_ids"] = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
     return kw
 
 
@@ -175,12 +192,12 @@ def vision_grad_norm(model) -> float:
 
 
 def check_vlm(family: str, methods: list[str], batch: int = 1, packed: bool = False,
-              chunked_options=(True, False)) -> dict:
+              chunked_options=(True, False), video: bool = False) -> dict:
     """{f"{method} chunked={c}": (loss rel error, grad rel error, vision grad, images encoded
     here)} for each method."""
     rank, world = dist.get_rank(), dist.get_world_size()
     base = tiny_vlm(family)
-    step = make_step(family, batch)
+    step = make_step(family, batch, video=video)
     documents = None
     if packed:  # two conversations, the second starting inside the second image's run
         documents = torch.zeros_like(step["input_ids"])
@@ -199,6 +216,9 @@ def check_vlm(family: str, methods: list[str], batch: int = 1, packed: bool = Fa
             local = prepare_vision_inputs(
                 model, method, step["input_ids"], step["target_ids"], rank, world,
                 pixel_values=step["pixel_values"], image_grid_thw=step.get("image_grid_thw"),
+                pixel_values_videos=step.get("pixel_values_videos"),
+                video_grid_thw=step.get("video_grid_thw"),
+                second_per_grid_ts=step.get("second_per_grid_ts"),
                 document_ids=documents, ring_degree=ring_degree)
             loss = ec.causal_lm_loss(model, local["local_input_ids"], local["local_position_ids"],
                                      local["local_target_ids"], chunked=chunked,
