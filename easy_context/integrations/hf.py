@@ -377,6 +377,11 @@ def apply_sequence_parallel(model: nn.Module, method: str, group=None,
         setattr(decoder, _RANDOM_HOOK_ATTR, decoder.register_forward_pre_hook(
             _refuse_training_randomness(randomness), with_kwargs=True))
     model.set_attn_implementation(_text_only(model, hf_attention_name(m.name)))
+    from . import vision
+
+    if vision.is_vision_language(model):  # images go through prepare_vision_inputs
+        sharded = world > 1 and m.layout != "whole"
+        vision.guard_own_forward(model, lambda: sharded and active())
     return model
 
 

@@ -344,3 +344,29 @@ def vision_language_loss(model: nn.Module, head: nn.Linear | None, input_ids: Te
                                      num_items_in_batch=num_items_in_batch, stats=token_stats)
     return logits_cross_entropy(head(hidden), target_ids, group=group,
                                 num_items_in_batch=num_items_in_batch, stats=token_stats)
+
+
+_GUARD_ATTR = "_easy_context_vision_guard"
+PIXEL_KWARGS = ("pixel_values", "pixel_values_videos")
+
+
+def guard_own_forward(model: nn.Module, active) -> None:
+    """Refuse images given to the model's own forward while its decoder runs a sharding
+    method (``active()``): that forward would put every image's features into one shard's
+    placeholder tokens (or fail on the count) and number positions from the shard. Installed
+    by apply_sequence_parallel; applying again replaces it."""
+    old = getattr(model, _GUARD_ATTR, None)
+    if old is not None:
+        old.remove()
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        given = [k for k in PIXEL_KWARGS if kwargs.get(k) is not None]
+        if given and active():
+            raise ValueError(
+                f"{type(module).__name__} got {', '.join(given)} in its own forward under "
+                "sequence parallelism, which would run on a shard as if it were the whole "
+                "sequence; cut the step with easy_context.prepare_vision_inputs and compute the "
+                "loss with easy_context.causal_lm_loss(..., vision=local['vision'])")
+        return None
+
+    setattr(model, _GUARD_ATTR, model.register_forward_pre_hook(hook, with_kwargs=True))

@@ -12,7 +12,7 @@ import pytest
 
 import easy_context as ec
 
-from .vlm_cases import check_vlm, refusal
+from .vlm_cases import check_vlm, own_forward_with_images, refusal
 
 TOL = 1e-5
 METHODS = sorted(ec.METHODS)
@@ -61,3 +61,11 @@ def test_vlm_video_2_ranks(dist2, family):
     per grid step), beside images."""
     _assert(dist2.run(check_vlm, family, ["zigzag_ring_attn", "ulysses_attn", "ring_attn"], 1,
                       False, (True,), True))
+
+
+def test_own_forward_with_images_refused(dist2):
+    """The model's own forward, handed a shard and every image, would scatter the images
+    into the wrong tokens: a refusal that names the way that works."""
+    for family in ("qwen2_5_vl", "llava"):
+        for said in dist2.run(own_forward_with_images, family, "zigzag_ring_attn"):
+            assert said.startswith("ValueError") and "prepare_vision_inputs" in said, said

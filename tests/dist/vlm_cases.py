@@ -244,3 +244,17 @@ def refusal(family: str, method: str = "zigzag_ring_attn") -> str:
     except ValueError as e:
         return f"ValueError: {e}"
     return "prepared"
+
+
+def own_forward_with_images(family: str, method: str) -> str:
+    """What the model's own forward says when handed this rank's shard and every image
+    after apply_sequence_parallel."""
+    model = tiny_vlm(family)
+    ec.apply_sequence_parallel(model, method)
+    step = make_step(family)
+    local = ec.shard_sequence(step["input_ids"], method, dist.get_rank(), dist.get_world_size())
+    try:
+        model(input_ids=local, **_mm_kwargs(model, step))
+    except Exception as e:  # noqa: BLE001  (the test tells a refusal from a raw error)
+        return f"{type(e).__name__}: {e}"
+    return "ran"
