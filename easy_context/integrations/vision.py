@@ -8,9 +8,10 @@ embeddings. Under sequence parallelism each rank holds a shard of the token sequ
   the model's own ``get_rope_index`` on the whole step (integer work, on every rank, per
   packed conversation), then cut in the method's layout like the tokens.
 - **Images are encoded where their tokens are**: each rank runs the vision tower on the
-  images whose placeholder tokens overlap its shard, and nothing else; an image that
-  straddles a shard boundary is encoded by every rank that holds part of it (the cost: that
-  image's tower work once more per extra rank). Each rank scatters only its own rows of the
+  images, and the video frames (a Qwen tower attends within each temporal grid step), whose
+  placeholder tokens overlap its shard, and nothing else; an image or frame that straddles a
+  shard boundary is encoded by every rank that holds part of it (the cost: that item's tower
+  work once more per extra rank). Each rank scatters only its own rows of the
   features into its own shard's embeddings, so no rank builds the whole sequence's
   embeddings.
 - **Gradients**: each rank's vision-tower gradient is its tokens' share; summed over the
@@ -108,7 +109,7 @@ class LocalMedia:
     grid_thw: Tensor | None    # (n_encoded, 3) their grids (families with grids)
     token_mask: Tensor         # (B, S_local) bool: this rank's placeholder tokens
     rows: Tensor               # (n_local_tokens,) feature row of each, in token_mask order
-    encoded: tuple[int, ...]   # global indices of the encoded images, in order
+    encoded: tuple[int, ...]   # global indices of the encoded items (images, video frames)
 
 
 @dataclass
@@ -233,6 +234,12 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
                 raise ValueError(f"input_ids hold {total} {modality} tokens and no "
                                  f"{modality} pixel values came")
             continue
+        if grid is not None and family.grids:
+            # Qwen's towers attend within each temporal grid step (cu_seqlens per frame), so
+            # a video of T steps encodes as T one-step items, feature for feature: a rank
+            # encodes only the frames its tokens hold, never the whole video
+            grid = grid.repeat_interleave(grid[:, 0], dim=0)
+            grid[:, 0] = 1
         count = grid.size(0) if grid is not None else values_m.size(0)
         per_item = _tokens_per_item(family, grid, count, total, modality)
         if sum(per_item) != total:
