@@ -292,6 +292,16 @@ def _features(model: nn.Module, family: VisionFamily, media: LocalMedia):
     return features, deep
 
 
+def tower_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters outside the decoder and the output head: the vision tower and its
+    projector (whatever the family names them)."""
+    inside = {id(p) for p in decoder_of(model).parameters()}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None:
+        inside |= {id(p) for p in head.parameters()}
+    return [p for p in model.parameters() if id(p) not in inside and p.requires_grad]
+
+
 def vision_embeddings(model: nn.Module, input_ids: Tensor, vision: VisionShard
                       ) -> tuple[Tensor, dict]:
     """This rank's input embeddings (B, S_local, H), its image and video tokens replaced by
@@ -310,6 +320,10 @@ def vision_embeddings(model: nn.Module, input_ids: Tensor, vision: VisionShard
         visual_mask = visual_mask | media.token_mask
         if deep is not None:
             deep_parts.append((media.token_mask, [d[media.rows].to(embeds.dtype) for d in deep]))
+    if not any(media.encoded for media in vision.media):
+        # no image token here: still give the tower a (zero) gradient, so that DDP's and
+        # FSDP's reductions see the same parameters with gradients on every rank
+        embeds = embeds + sum(p.view(-1)[:1].sum() for p in tower_parameters(model)) * 0.0
     extra = {}
     if family.deepstack and deep_parts:
         # one (n_visual_local, H) per deepstack layer, in the order of the joint visual mask

@@ -50,3 +50,28 @@ def test_qwen_towers_encode_each_temporal_step_alone(family):
     for a, b in zip(getattr(whole, "deepstack_features", None) or [],
                     getattr(steps, "deepstack_features", None) or []):
         assert torch.equal(torch.cat(list(a)), torch.cat(list(b)))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])
+def test_a_rank_without_images_gives_the_tower_zero_gradients(family):
+    """A shard with no image token still gives every tower parameter a gradient (zeros), so
+    that DDP's and FSDP's reductions see the same parameters on every rank."""
+    from easy_context.integrations.vision import tower_parameters, vision_embeddings
+
+    model = tiny_vlm(family)
+    step = make_step(family)
+    ids = step["input_ids"].clone()
+    ids[:, 22:] = 5                          # the first two images only: none in 24-47
+    n = int((ids == 90).sum())
+    pixels = (step["pixel_values"][:24] if family == "qwen2_5_vl"  # the first two images
+              else step["pixel_values"][:2])
+    grid = {"image_grid_thw": step["image_grid_thw"][:2]} if family == "qwen2_5_vl" else {}
+    assert n == (10 if family == "qwen2_5_vl" else 8)
+    local = prepare_vision_inputs(model, "ring_attn", ids, step["target_ids"], 1, 2,
+                                  pixel_values=pixels, **grid)
+    assert not any(m.encoded for m in local["vision"].media)
+    embeds, _ = vision_embeddings(model, local["local_input_ids"], local["vision"])
+    embeds.sum().backward()
+    tower = tower_parameters(model)
+    assert tower and all(p.grad is not None and not p.grad.any() for p in tower)
+    assert not any(p is model.get_input_embeddings().weight for p in tower)
