@@ -14,6 +14,7 @@ _EXPORTS = {
     "apply_seq_parallel_monkey_patch": "compat",
     "prepare_dataloader": "compat",
     "prepare_seq_parallel_inputs": "compat",
+    "prepare_vision_inputs": "integrations.vision",
     "apply_sequence_parallel": "integrations.hf",
     "causal_lm_loss": "integrations.hf",
     "check_model_supported": "integrations.hf",

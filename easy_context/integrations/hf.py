@@ -382,8 +382,24 @@ def apply_sequence_parallel(model: nn.Module, method: str, group=None,
     if randomness:
         setattr(decoder, _RANDOM_HOOK_ATTR, decoder.register_forward_pre_hook(
             _refuse_training_randomness(randomness), with_kwargs=True))
-    model.set_attn_implementation(hf_attention_name(m.name))
+    model.set_attn_implementation(_text_only(model, hf_attention_name(m.name)))
+    from . import vision
+
+    if vision.is_vision_language(model):  # images go through prepare_vision_inputs
+        sharded = world > 1 and m.layout != "whole"
+        vision.guard_own_forward(model, lambda: sharded and active())
     return model
+
+
+def _text_only(model: nn.Module, name: str) -> str | dict:
+    """``name`` for ``set_attn_implementation``, aimed at the text decoder alone where the
+    config nests it (vision-language models): a vision tower attends within each image, on
+    the rank that encodes it (integrations/vision.py), with its own attention."""
+    config = model.config
+    for key in getattr(config, "sub_configs", {}) or {}:
+        if getattr(config, key, None) is text_config(config) and text_config(config) is not config:
+            return {key: name}
+    return name
 
 
 # ``logits_scaling`` divides the logits in Granite (and MiniCPM3, before its head) but
@@ -465,7 +481,8 @@ def plain_lm_head(model: nn.Module) -> nn.Linear | None:
 def causal_lm_loss(model: nn.Module, input_ids: Tensor, position_ids: Tensor, target_ids: Tensor,
                    group: dist.ProcessGroup | None = None, document_ids: Tensor | None = None,
                    num_items_in_batch: Tensor | int | None = None, chunked: bool | None = None,
-                   chunk_size: int | None = None, token_stats: Tensor | None = None) -> Tensor:
+                   chunk_size: int | None = None, token_stats: Tensor | None = None,
+                   vision=None) -> Tensor:
     """The exact global token-mean loss of a causal LM on this rank's shard.
 
     input_ids, position_ids, target_ids (and document_ids): this rank's (B, S_local) shards,
@@ -482,6 +499,10 @@ def causal_lm_loss(model: nn.Module, input_ids: Tensor, position_ids: Tensor, ta
 
     ``token_stats``, a (3,) float64 tensor, gets this rank's (entropy sum, top-1 hits, valid
     targets) added, from the same logits chunks (easy_context.memory.loss.lse_).
+
+    ``vision`` (a vision-language step: ``prepare_vision_inputs(...)["vision"]``) puts this
+    rank's image and video features into its embeddings (integrations/vision.py); position_ids
+    are then the (3, B, S_local) multimodal ones where the model uses those.
     """
     from ..memory.loss import chunked_cross_entropy, default_chunk_size, logits_cross_entropy
 
@@ -493,6 +514,12 @@ def causal_lm_loss(model: nn.Module, input_ids: Tensor, position_ids: Tensor, ta
                          "decoder's last hidden state (another head, or a transform between "
                          "them); use chunked=False")
     extra = {} if document_ids is None else {"document_ids": document_ids}
+    if vision is not None:
+        from .vision import vision_language_loss
+
+        return vision_language_loss(model, head, input_ids, position_ids, target_ids, vision,
+                                    extra, chunked, chunk_size, group, num_items_in_batch,
+                                    token_stats)
     if chunked:
         if chunk_size is None:
             chunk_size = default_chunk_size(head.out_features, head.weight.device)

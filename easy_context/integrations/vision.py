@@ -1,0 +1,393 @@
+"""Vision-language models under sequence parallelism: a vision tower beside the decoder.
+
+A vision-language model (Qwen2.5-VL, Qwen3-VL, LLaVA-style: a vision tower and a projector
+feeding a plain decoder) turns each image (or video) into a run of placeholder tokens'
+embeddings. Under sequence parallelism each rank holds a shard of the token sequence, so:
+
+- **Positions** come from the whole sequence: multimodal RoPE's (3, B, L) position ids are
+  the model's own ``get_rope_index`` on the whole step (integer work, on every rank, per
+  packed conversation), then cut in the method's layout like the tokens.
+- **Images are encoded where their tokens are**: each rank runs the vision tower on the
+  images, and the video frames (a Qwen tower attends within each temporal grid step), whose
+  placeholder tokens overlap its shard, and nothing else; an image or frame that straddles a
+  shard boundary is encoded by every rank that holds part of it (the cost: that item's tower
+  work once more per extra rank). Each rank scatters only its own rows of the
+  features into its own shard's embeddings, so no rank builds the whole sequence's
+  embeddings.
+- **Gradients**: each rank's vision-tower gradient is its tokens' share; summed over the
+  sequence-parallel group (as every replicated parameter's gradient is) it is the
+  single-process gradient, a straddling image included (its rows are disjoint per rank).
+
+What a family needs is read from the model (a ``VisionFamily``): the placeholder token ids,
+whether the tower takes grids (``image_grid_thw``: Qwen), whether positions are multimodal
+(``get_rope_index``), whether the decoder takes deepstack features (Qwen3-VL: the tower's
+intermediate features added to the image tokens' hidden states in the first layers, cut here
+the same way as the embeddings). Models that attend bidirectionally inside an image (Gemma 3:
+``token_type_ids``) are refused with images: the methods' masks are causal.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..sequence_parallel import shard_sequence
+from ..utils.decoder import decoder_of
+
+Tensor = torch.Tensor
+
+MODALITIES = ("image", "video")
+
+
+@dataclass(frozen=True)
+class VisionFamily:
+    """What sequence parallelism needs to know of a vision-language model, read from it."""
+
+    token_ids: dict[str, int]  # modality -> its placeholder token id
+    grids: bool        # the tower takes (T, H, W) grids per image (Qwen); else fixed-size images
+    merge: int         # patches merged into one token (Qwen's spatial_merge_size ** 2)
+    mrope: bool        # positions are (3, B, L) from the base model's get_rope_index
+    deepstack: bool    # the decoder takes deepstack_visual_embeds (Qwen3-VL)
+
+
+def is_vision_language(model: nn.Module) -> bool:
+    """Whether ``model`` has a vision tower feeding its decoder (``get_image_features``)."""
+    return callable(getattr(model, "get_image_features", None))
+
+
+def _base(model: nn.Module) -> nn.Module:
+    return getattr(model, "base_model", model)
+
+
+def describe(model: nn.Module) -> VisionFamily:
+    """The ``VisionFamily`` of ``model``, or a ValueError saying why it cannot run
+    sequence-parallel with images."""
+    name = type(model).__name__
+    if not is_vision_language(model):
+        raise ValueError(f"{name} has no vision tower (get_image_features)")
+    config = model.config
+    if "token_type_ids" in inspect.signature(model.forward).parameters:
+        # Gemma 3 (and PaliGemma-style models): image tokens attend to each other both ways
+        # inside each image; the methods' kernels take causal masks and documents only.
+        raise ValueError(f"{name} lets image tokens attend to each other bidirectionally "
+                         "(token_type_ids), which the sequence-parallel kernels do not take "
+                         "yet; train it sequence-parallel on text only (no pixel_values), or "
+                         "without sequence parallelism")
+    token_ids = {}
+    for modality in MODALITIES:
+        value = getattr(config, f"{modality}_token_id", None)
+        if value is None:
+            value = getattr(config, f"{modality}_token_index", None)
+        if value is not None:
+            token_ids[modality] = int(value)
+    if "image" not in token_ids:
+        raise ValueError(f"{name}'s config names no image_token_id")
+    grids = "image_grid_thw" in inspect.signature(model.get_image_features).parameters
+    vision_config = getattr(config, "vision_config", None)
+    merge = int(getattr(vision_config, "spatial_merge_size", 1) or 1) ** 2 if grids else 1
+    mrope = callable(getattr(_base(model), "get_rope_index", None))
+    if mrope and not grids:
+        raise ValueError(f"{name} computes multimodal positions without image grids; "
+                         "sequence parallelism does not know how to cut them")
+    deepstack = "deepstack_visual_embeds" in inspect.signature(
+        decoder_of(model).forward).parameters
+    if not grids:
+        token_ids.pop("video", None)  # fixed-size towers here take images only
+    return VisionFamily(token_ids, grids, merge, mrope, deepstack)
+
+
+@dataclass
+class LocalMedia:
+    """One modality's share of a step on this rank: the images (or videos) it encodes and
+    where their features go in its shard."""
+
+    modality: str
+    pixel_values: Tensor       # the rows of pixel values of the encoded images only
+    grid_thw: Tensor | None    # (n_encoded, 3) their grids (families with grids)
+    token_mask: Tensor         # (B, S_local) bool: this rank's placeholder tokens
+    rows: Tensor               # (n_local_tokens,) feature row of each, in token_mask order
+    encoded: tuple[int, ...]   # global indices of the encoded items (images, video frames)
+
+
+@dataclass
+class VisionShard:
+    """Everything of a step's images one rank needs (``prepare_vision_inputs``)."""
+
+    media: list[LocalMedia] = field(default_factory=list)
+
+
+def _tokens_per_item(family: VisionFamily, grid: Tensor | None, count: int, total: int,
+                     modality: str) -> list[int]:
+    """Placeholder tokens per image: from its grid, or the total split evenly (fixed-size
+    towers give every image as many tokens)."""
+    if grid is not None:
+        return (grid.prod(-1) // family.merge).tolist()
+    if count == 0 or total % count:
+        raise ValueError(f"{total} {modality} tokens do not split evenly over {count} "
+                         f"{modality}s")
+    return [total // count] * count
+
+
+def _pixel_rows(pixel_values: Tensor, grid: Tensor | None) -> list[int]:
+    """Rows of ``pixel_values`` per image: its patches (grids), or one image per row."""
+    return grid.prod(-1).tolist() if grid is not None else [1] * pixel_values.size(0)
+
+
+def _positions(model: nn.Module, family: VisionFamily, input_ids: Tensor,
+               document_ids: Tensor | None, grids: dict[str, Tensor | None],
+               position_ids: Tensor | None, second_per_grid_ts: Tensor | None = None) -> Tensor:
+    """Whole-sequence position ids: (3, B, L) from ``get_rope_index`` per packed conversation
+    (each starts at 0, with its own images' grids), or the given / 0..L-1 (B, L) ones."""
+    if not family.mrope:
+        if position_ids is not None:
+            return position_ids.expand_as(input_ids)
+        return torch.arange(input_ids.size(1), device=input_ids.device).expand_as(input_ids)
+    if position_ids is not None:
+        raise ValueError("position_ids are computed from the whole sequence by the model's own "
+                         "get_rope_index (multimodal RoPE); pass document_ids for packed "
+                         "conversations instead of position_ids")
+    base = _base(model)
+    types = torch.zeros_like(input_ids, dtype=torch.int)
+    for code, modality in enumerate(MODALITIES, start=1):
+        if modality in family.token_ids:
+            types[input_ids == family.token_ids[modality]] = code
+    out = torch.zeros(3, *input_ids.shape, dtype=torch.long, device=input_ids.device)
+    seen = {m: 0 for m in MODALITIES}  # images consumed so far, in sequence order
+    for b in range(input_ids.size(0)):
+        docs = document_ids[b] if document_ids is not None else torch.zeros_like(input_ids[b])
+        change = torch.nonzero(docs[1:] != docs[:-1]).flatten().tolist()
+        bounds = [0] + [c + 1 for c in change] + [input_ids.size(1)]
+        for start, stop in zip(bounds, bounds[1:]):
+            ids, kinds = input_ids[b:b + 1, start:stop], types[b:b + 1, start:stop]
+            kw = {}
+            for code, modality in enumerate(MODALITIES, start=1):
+                grid = grids.get(modality)
+                if grid is None:
+                    continue
+                # this conversation's items: as many as its placeholder tokens take (a video
+                # may be several runs, one per frame, between timestamps: Qwen3-VL)
+                want, first = int((kinds == code).sum()), seen[modality]
+                sizes = (grid.prod(-1) // family.merge).tolist()
+                while want > 0 and seen[modality] < len(sizes):
+                    want -= sizes[seen[modality]]
+                    seen[modality] += 1
+                if want != 0:
+                    raise ValueError(f"the {modality} tokens of a packed conversation do not "
+                                     f"match whole {modality}s of {modality}_grid_thw")
+                if seen[modality] > first:
+                    kw[f"{modality}_grid_thw"] = grid[first:seen[modality]]
+                    if modality == "video" and second_per_grid_ts is not None:
+                        kw["second_per_grid_ts"] = second_per_grid_ts[first:seen[modality]]
+            if kw:
+                pos, _ = base.get_rope_index(ids, mm_token_type_ids=kinds, **kw)
+            else:
+                pos = torch.arange(stop - start, device=ids.device).view(1, 1, -1).expand(3, 1, -1)
+            out[:, b, start:stop] = pos[:, 0]
+    return out
+
+
+def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, target_ids: Tensor,
+                          rank: int, world_size: int, *, pixel_values: Tensor | None = None,
+                          image_grid_thw: Tensor | None = None,
+                          pixel_values_videos: Tensor | None = None,
+                          video_grid_thw: Tensor | None = None,
+                          document_ids: Tensor | None = None,
+                          position_ids: Tensor | None = None,
+                          second_per_grid_ts: Tensor | None = None,
+                          ring_degree: int | None = None) -> dict:
+    """This rank's shard of a vision-language step, in ``method``'s layout. Pure: no
+    collectives; every rank holds the whole step's ids and pixel values and computes its own.
+
+    input_ids, target_ids (shifted, -100 ignored), document_ids (packed conversations, one id
+    per conversation): (B, L) of the whole step; pixel values and grids as the model's
+    processor gives them (``second_per_grid_ts``: Qwen2.5-VL's seconds per video grid step).
+    Returns ``local_input_ids``, ``local_position_ids`` ((3, B, S) for multimodal RoPE, else
+    (B, S)), ``local_target_ids``, ``local_document_ids`` (None when not packed) and
+    ``vision`` (a VisionShard for ``causal_lm_loss(..., vision=)``).
+    """
+    family = describe(model)
+    values = {"image": pixel_values, "video": pixel_values_videos}
+    grids = {"image": image_grid_thw, "video": video_grid_thw}
+    for modality in MODALITIES:
+        if values[modality] is not None and modality not in family.token_ids:
+            raise ValueError(f"{type(model).__name__} takes no {modality}s")
+        if family.grids and (values[modality] is None) != (grids[modality] is None):
+            raise ValueError(f"pass {modality} pixel values together with their "
+                             f"{modality}_grid_thw")
+    positions = _positions(model, family, input_ids, document_ids, grids, position_ids,
+                           second_per_grid_ts)
+    index = torch.arange(input_ids.size(1), device=input_ids.device).unsqueeze(0)
+    local_index = shard_sequence(index, method, rank, world_size, ring_degree=ring_degree)[0]
+    cut = lambda t, dim=1: shard_sequence(t, method, rank, world_size, dim,  # noqa: E731
+                                          ring_degree=ring_degree)
+    local_ids = cut(input_ids)
+    shard = VisionShard()
+    for modality, token_id in family.token_ids.items():
+        mask = input_ids == token_id                     # (B, L) the whole step's placeholders
+        values_m, grid = values[modality], grids[modality]
+        total = int(mask.sum())
+        if values_m is None:
+            if total:
+                raise ValueError(f"input_ids hold {total} {modality} tokens and no "
+                                 f"{modality} pixel values came")
+            continue
+        if grid is not None and family.grids:
+            # Qwen's towers attend within each temporal grid step (cu_seqlens per frame), so
+            # a video of T steps encodes as T one-step items, feature for feature: a rank
+            # encodes only the frames its tokens hold, never the whole video
+            grid = grid.repeat_interleave(grid[:, 0], dim=0)
+            grid[:, 0] = 1
+        count = grid.size(0) if grid is not None else values_m.size(0)
+        per_item = _tokens_per_item(family, grid, count, total, modality)
+        if sum(per_item) != total:
+            raise ValueError(f"{modality} tokens ({total}) and features "
+                             f"({sum(per_item)}) do not match")
+        # feature row of every placeholder, in the model's order (row-major over (B, L))
+        row = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
+        row[mask] = torch.arange(total, device=mask.device)
+        local_mask = mask[:, local_index]                # (B, S_local)
+        local_rows = row[:, local_index][local_mask]     # global feature rows held here
+        item_start = torch.tensor([0] + per_item, device=mask.device).cumsum(0)
+        item_of = torch.searchsorted(item_start[1:], local_rows, right=True)
+        encoded = sorted(set(item_of.tolist()))
+        # rows in the features of the encoded items only (concatenated in encoded order)
+        offsets = torch.zeros(count, dtype=torch.long, device=mask.device)
+        run = 0
+        for i in encoded:
+            offsets[i] = run - item_start[i]
+            run += per_item[i]
+        rows = local_rows + offsets[item_of]
+        pixel_start = [0]
+        for n in _pixel_rows(values_m, grid):
+            pixel_start.append(pixel_start[-1] + n)
+        picked = [values_m[pixel_start[i]:pixel_start[i + 1]] for i in encoded]
+        shard.media.append(LocalMedia(
+            modality=modality,
+            pixel_values=torch.cat(picked) if picked else values_m[:0],
+            grid_thw=grid[encoded] if grid is not None else None,
+            token_mask=local_mask, rows=rows, encoded=tuple(encoded)))
+    return {"local_input_ids": local_ids,
+            "local_position_ids": cut(positions, positions.dim() - 1),
+            "local_target_ids": cut(target_ids),
+            "local_document_ids": None if document_ids is None else cut(document_ids),
+            "vision": shard}
+
+
+def _features(model: nn.Module, family: VisionFamily, media: LocalMedia):
+    """(features (n_rows, H), [deepstack features (n_rows, H)] or None) of the encoded items."""
+    if family.grids:
+        get = model.get_image_features if media.modality == "image" else model.get_video_features
+        out = get(media.pixel_values, media.grid_thw, return_dict=True)
+    else:
+        out = model.get_image_features(pixel_values=media.pixel_values, return_dict=True)
+    pooled = out.pooler_output
+    features = torch.cat(list(pooled), dim=0) if isinstance(pooled, (list, tuple)) else pooled
+    features = features.reshape(-1, features.size(-1))
+    deep = getattr(out, "deepstack_features", None) if family.deepstack else None
+    if deep is not None:
+        deep = [torch.cat(list(d), dim=0) if isinstance(d, (list, tuple)) else d for d in deep]
+    return features, deep
+
+
+def tower_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters outside the decoder and the output head: the vision tower and its
+    projector (whatever the family names them)."""
+    inside = {id(p) for p in decoder_of(model).parameters()}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None:
+        inside |= {id(p) for p in head.parameters()}
+    return [p for p in model.parameters() if id(p) not in inside and p.requires_grad]
+
+
+def vision_embeddings(model: nn.Module, input_ids: Tensor, vision: VisionShard
+                      ) -> tuple[Tensor, dict]:
+    """This rank's input embeddings (B, S_local, H), its image and video tokens replaced by
+    their features, and the decoder's extra keyword arguments (deepstack)."""
+    family = describe(model)
+    embeds = model.get_input_embeddings()(input_ids)
+    visual_mask = torch.zeros_like(input_ids, dtype=torch.bool)
+    deep_parts: list[tuple[Tensor, list[Tensor]]] = []
+    for media in vision.media:
+        if not media.encoded:
+            continue
+        features, deep = _features(model, family, media)
+        features = features.to(embeds.dtype)
+        mine = features[media.rows]                      # (n_local_tokens, H) in mask order
+        embeds = embeds.masked_scatter(media.token_mask.unsqueeze(-1), mine)
+        visual_mask = visual_mask | media.token_mask
+        if deep is not None:
+            deep_parts.append((media.token_mask, [d[media.rows].to(embeds.dtype) for d in deep]))
+    if not any(media.encoded for media in vision.media):
+        # no image token here: still give the tower a (zero) gradient, so that DDP's and
+        # FSDP's reductions see the same parameters with gradients on every rank
+        embeds = embeds + sum(p.view(-1)[:1].sum() for p in tower_parameters(model)) * 0.0
+    extra = {}
+    if family.deepstack and deep_parts:
+        # one (n_visual_local, H) per deepstack layer, in the order of the joint visual mask
+        layers = len(deep_parts[0][1])
+        joint = []
+        for layer in range(layers):
+            rows = embeds.new_zeros(int(visual_mask.sum()), embeds.size(-1))
+            for mask, deep in deep_parts:
+                rows = rows.masked_scatter(mask[visual_mask].unsqueeze(-1), deep[layer])
+            joint.append(rows)
+        extra = {"visual_pos_masks": visual_mask, "deepstack_visual_embeds": joint}
+    return embeds, extra
+
+
+def vision_language_loss(model: nn.Module, head: nn.Linear | None, input_ids: Tensor,
+                         position_ids: Tensor, target_ids: Tensor, vision: VisionShard,
+                         extra: dict, chunked: bool, chunk_size: int | None, group,
+                         num_items_in_batch, token_stats: Tensor | None) -> Tensor:
+    """causal_lm_loss for a vision-language step: this rank's embeddings with its images'
+    features, the decoder on them, then the head (chunked or whole logits)."""
+    from ..memory.loss import chunked_cross_entropy, default_chunk_size, logits_cross_entropy
+    from ..memory.maxlen import max_length_settings
+
+    if head is None:
+        raise ValueError(f"{type(model).__name__}'s logits are not a plain linear layer of the "
+                         "decoder's last hidden state; sequence parallelism with images needs "
+                         "one (its loss runs the decoder and the head itself)")
+    if max_length_settings(model) is not None:
+        raise ValueError("max-length mode does not take images yet; train the "
+                         "vision-language model without max_length")
+    embeds, more = vision_embeddings(model, input_ids, vision)
+    hidden = decoder_of(model)(inputs_embeds=embeds, position_ids=position_ids, use_cache=False,
+                               **extra, **more).last_hidden_state
+    if chunked:
+        if chunk_size is None:
+            chunk_size = default_chunk_size(head.out_features, head.weight.device)
+        return chunked_cross_entropy(hidden, head.weight, target_ids, head.bias,
+                                     chunk_size=chunk_size, group=group,
+                                     num_items_in_batch=num_items_in_batch, stats=token_stats)
+    return logits_cross_entropy(head(hidden), target_ids, group=group,
+                                num_items_in_batch=num_items_in_batch, stats=token_stats)
+
+
+_GUARD_ATTR = "_easy_context_vision_guard"
+PIXEL_KWARGS = ("pixel_values", "pixel_values_videos")
+
+
+def guard_own_forward(model: nn.Module, active) -> None:
+    """Refuse images given to the model's own forward while its decoder runs a sharding
+    method (``active()``): that forward would put every image's features into one shard's
+    placeholder tokens (or fail on the count) and number positions from the shard. Installed
+    by apply_sequence_parallel; applying again replaces it."""
+    old = getattr(model, _GUARD_ATTR, None)
+    if old is not None:
+        old.remove()
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        given = [k for k in PIXEL_KWARGS if kwargs.get(k) is not None]
+        if given and active():
+            raise ValueError(
+                f"{type(module).__name__} got {', '.join(given)} in its own forward under "
+                "sequence parallelism, which would run on a shard as if it were the whole "
+                "sequence; cut the step with easy_context.prepare_vision_inputs and compute the "
+                "loss with easy_context.causal_lm_loss(..., vision=local['vision'])")
+        return None
+
+    setattr(model, _GUARD_ATTR, model.register_forward_pre_hook(hook, with_kwargs=True))

@@ -1,0 +1,71 @@
+"""Sequence-parallel training of vision-language models equals one process (fp32).
+
+Tiny Qwen2.5-VL (multimodal RoPE), Qwen3-VL (multimodal RoPE and deepstack features) and
+LLaVA (a CLIP tower and a projector before a Llama decoder), with images straddling shard
+boundaries, a batch of two rows, and packed conversations: for every method at 2 ranks (and
+at 4 ranks for some), the loss within 1e-5 relative of the model's own forward on the whole
+step, and every parameter's gradient, vision tower included, summed over ranks, within 1e-5
+relative (integrations/vision.py says where images are encoded).
+"""
+
+import pytest
+
+import easy_context as ec
+
+from .vlm_cases import check_vlm, own_forward_with_images, refusal
+
+TOL = 1e-5
+METHODS = sorted(ec.METHODS)
+
+
+def _assert(reports, straddles: bool = True):
+    bad = [f"rank {r} {case}: loss {le:.1e}, grads {ge:.1e}, vision grad {vg:.1e}"
+           for r, rep in enumerate(reports) for case, (le, ge, vg, _) in rep.items()
+           if not (le <= TOL and ge <= TOL and vg > 0)]
+    assert not bad, "\n".join(bad)
+    if straddles:  # some image was encoded by more than one rank (and none by every rank)
+        encoded = [sum(n for *_, n in rep.values()) // len(rep) for rep in reports]
+        assert 5 < sum(encoded), encoded
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava"])
+def test_vlm_every_method_2_ranks(dist2, family):
+    _assert(dist2.run(check_vlm, family, METHODS))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava"])
+def test_vlm_packed_conversations_2_ranks(dist2, family):
+    methods = sorted(n for n, m in ec.METHODS.items() if m.documents)
+    _assert(dist2.run(check_vlm, family, methods, 1, True, (True,)))
+
+
+def test_vlm_batch_of_two_rows_2_ranks(dist2):
+    _assert(dist2.run(check_vlm, "qwen2_5_vl", ["zigzag_ring_attn", "ulysses_attn"], 2, False,
+                      (True,)))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava"])
+def test_vlm_every_method_4_ranks(dist4, family):
+    _assert(dist4.run(check_vlm, family, METHODS, 1, False, (True,)))
+
+
+def test_gemma3_images_refused(dist2):
+    """Gemma 3's image tokens attend bidirectionally inside each image: refused with images."""
+    for said in dist2.run(refusal, "gemma3"):
+        assert said.startswith("ValueError") and "bidirectionally" in said, said
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_vlm_video_2_ranks(dist2, family):
+    """A video of two frames across the middle of the sequence (Qwen2.5-VL with its seconds
+    per grid step), beside images."""
+    _assert(dist2.run(check_vlm, family, ["zigzag_ring_attn", "ulysses_attn", "ring_attn"], 1,
+                      False, (True,), True))
+
+
+def test_own_forward_with_images_refused(dist2):
+    """The model's own forward, handed a shard and every image, would scatter the images
+    into the wrong tokens: a refusal that names the way that works."""
+    for family in ("qwen2_5_vl", "llava"):
+        for said in dist2.run(own_forward_with_images, family, "zigzag_ring_attn"):
+            assert said.startswith("ValueError") and "prepare_vision_inputs" in said, said
