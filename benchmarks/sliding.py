@@ -5,7 +5,7 @@ plain ring attention on 2 gloo ranks (one thread each), the sliding layer (trans
 ``sliding_window=1024``) run in alternation with the global one in the same ranks on the same
 inputs, round-robin (benchmarks/attention.py's protocol and rows: ``<method>@window=1024``
 has ``time_ratio_vs_global``). The single process (2 threads) runs beside them. Added here:
-what each layer sends per rank (easy_context.parallel.traffic.window_traffic, the figures the
+what each layer sends per rank (easy_context.parallel.window_traffic, the figures the
 ring engine's transfers follow, checked element for element in
 tests/dist/test_attention_variants.py) and the target: the sliding layer under 0.35x the
 global layer's time for zigzag.
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import attention, common  # noqa: E402
 from easy_context.parallel.method import AttentionDims  # noqa: E402
-from easy_context.parallel.traffic import window_traffic  # noqa: E402
+from easy_context.parallel.window_traffic import window_traffic  # noqa: E402
 
 # What the figures measure: a results file older than the last change to these is stale.
 MEASURES = ["easy_context/parallel", "easy_context/attention"]

@@ -30,16 +30,17 @@ from ..parallel.settings import SequenceParallelSettings, module_settings, store
 from ..sequence_parallel import sequence_parallel_attention
 from ..utils.decoder import decoder_of, text_config
 from . import whole_sequence as ws
+from .hf_recurrent import KV_CACHE_KWARG  # noqa: F401 - generate reads it from here
 from .hf_recurrent import RUNS as RECURRENT_RUNS, recurrent_layer_types, route_recurrent_layers
 
 Tensor = torch.Tensor
 
 
-# The keyword argument under which easy_context.generate hands its sharded KV cache to the
-# model (transformers passes it through the layers); the attention function then lets the
-# cache run the call: ``cache.attend(layer_idx, q, k, v, causal=, softmax_scale=,
-# sliding_window=, chunk_size=, softcap=, sinks=)`` with (B, S, H, D) tensors.
-KV_CACHE_KWARG = "sharded_kv_cache"
+# KV_CACHE_KWARG (defined beside the recurrent kernels, which read it too): the keyword
+# argument under which easy_context.generate hands its sharded KV cache to the model
+# (transformers passes it through the layers); the attention function then lets the cache run
+# the call: ``cache.attend(layer_idx, q, k, v, causal=, softmax_scale=, sliding_window=,
+# chunk_size=, softcap=, sinks=)`` with (B, S, H, D) tensors.
 
 
 def hf_attention_name(method: str) -> str:

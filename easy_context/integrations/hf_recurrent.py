@@ -46,6 +46,8 @@ _ORIGINAL = "_easy_context_original_forward"
 _DOCUMENTS = "_easy_context_document_ids"  # what the layer's caller got (_record_documents)
 _RECORDED = "_easy_context_recorded_layers"  # on a caller: the layers it records ids for
 _REPLAYS = "_easy_context_replays_documents"  # marks a checkpoint function wrapped to replay
+# the keyword under which generate hands its sharded cache down to the kernels (hf.py's)
+KV_CACHE_KWARG = "sharded_kv_cache"
 _DECODING = "_easy_context_decoding"  # set on a layer while generate's decode step runs it
 
 # Gated DeltaNet (Qwen3-Next): the functions its forward calls, by the name transformers
@@ -125,8 +127,6 @@ def _documents(layer: nn.Module, document_ids: Tensor | None) -> Tensor | None:
 
 def _generation(kwargs: dict):
     """generate's cache, taken out of the kernel's keyword arguments (None: not generating)."""
-    from .hf import KV_CACHE_KWARG  # hf.py imports this module
-
     return kwargs.pop(KV_CACHE_KWARG, None)
 
 

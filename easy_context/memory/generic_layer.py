@@ -45,6 +45,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..attention.saving import recording, replaying
 from .fused_layer import _grad, head_chunks, tiles
+from .layer_check import state_carrying_layers
 
 Tensor = torch.Tensor
 
@@ -80,9 +81,7 @@ def static_mismatch(layer: nn.Module, config) -> str | None:
         return (f"max-length mode tiles a decoder layer's MLP child ({', '.join(MLP_NAMES)}); "
                 f"{name} has {sorted(n for n, _ in layer.named_children())}. Train this model "
                 "without --mlp-tile/--head-chunk")
-    from ..integrations.hf_recurrent import stateful_layers
-
-    stateful = stateful_layers(layer)
+    stateful = state_carrying_layers(layer)
     if stateful:
         return (f"max-length mode: {name} holds {stateful[0]}, which carries a state along the "
                 "sequence; max-length mode runs attention layers only. Train this model "

@@ -164,3 +164,14 @@ def fused_layer_mismatch(layer: nn.Module, config) -> str | None:
                     "changes the decoder layer's computation, which the fused layer does not "
                     "reproduce; train this model without --mlp-tile/--head-chunk")
     return None
+
+
+def state_carrying_layers(module: nn.Module) -> list[str]:
+    """The classes of ``module``'s sub-modules that carry a state along the sequence (a
+    hybrid's recurrent mixers and convolutions): modules with a layer index, not attention,
+    that list kernel functions (as integrations.hf_recurrent.stateful_layers finds them;
+    memory sits below integrations). Max-length mode must never take one for attention or for
+    a per-token part."""
+    return sorted({type(m).__name__ for m in module.modules()
+                   if not hasattr(m, "is_causal") and isinstance(getattr(m, "layer_idx", None), int)
+                   and isinstance(m.__dict__.get("_kernel_funcs"), dict) and m._kernel_funcs})

@@ -54,7 +54,7 @@ from . import fused_layer, generic_layer, recomputed
 from ..utils.decoder import decoder_of
 from .fused_layer import FusedLayer, LayerSpec, Run, head_chunks
 from .generic_layer import GenericLayer, GenericRun
-from .layer_check import fused_layer_mismatch
+from .layer_check import fused_layer_mismatch, state_carrying_layers
 from .offload import DeviceStorage, LayerStorage
 
 KINDS = ("none", "full", "offload", "attention")
@@ -164,14 +164,9 @@ def probe_mismatch(model: nn.Module, layer: nn.Module, spec: LayerSpec) -> str |
 
 
 def recurrent_reason(model: nn.Module) -> str | None:
-    """Why max-length mode can run none of ``model``'s paths: its layers that carry state along the
-    sequence (a hybrid's recurrent mixers and convolutions), or None. The fused layer computes
-    attention and per-token parts; it must never take such a layer for either. Found as
-    integrations.hf_recurrent.stateful_layers finds them (memory sits below integrations):
-    modules with a layer index, not attention, that list kernel functions."""
-    found = sorted({type(m).__name__ for m in model.modules()
-                    if not hasattr(m, "is_causal") and isinstance(getattr(m, "layer_idx", None), int)
-                    and isinstance(m.__dict__.get("_kernel_funcs"), dict) and m._kernel_funcs})
+    """Why max-length mode can run none of ``model``'s paths: its layers that carry state
+    along the sequence (layer_check.state_carrying_layers), or None."""
+    found = state_carrying_layers(model)
     if not found:
         return None
     return (f"{type(model).__name__} has layers that carry state along the sequence "
@@ -190,6 +185,9 @@ def path_for(layer: nn.Module, model: nn.Module | None = None, path: str = "auto
     whole model) lets the fused path's numerical probe run; ``path`` forces one of the two."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    reason = recurrent_reason(layer)  # a hybrid's mixer is neither attention nor per-token
+    if reason:
+        return reason
     config = _text_config(model) if model is not None else _layer_config(layer)
     if getattr(config, "output_router_logits", False):
         # on both paths the MoE block runs once per sequence tile, and in forward without

@@ -110,7 +110,7 @@ def base_name(name: str) -> str:
 def inject_lora(model: nn.Module, lora) -> dict[str, nn.Module]:
     """Put ``lora`` (a peft LoraConfig) into ``model`` in place, freeze every other parameter,
     and return the modules that got an adapter."""
-    from .engines.fsdp import decoder_layers
+    from .weights import decoder_layers
 
     peft = require_peft()
     with warnings.catch_warnings():

@@ -106,7 +106,7 @@ class NF4Linear(nn.Module):
 def quantized_linears(model: nn.Module) -> dict[str, nn.Module]:
     """The linear layers of the decoder layers that are not adapters, by name: what a 4-bit
     base quantizes (a LoRA module's ``base_layer``, or a linear module without an adapter)."""
-    from .engines.fsdp import decoder_layers
+    from .weights import decoder_layers
 
     inside = {id(m) for layer in decoder_layers(model) for m in layer.modules()}
     return {name: m for name, m in model.named_modules()

@@ -169,3 +169,13 @@ class Pretrained:
         """The folder's safetensors; None for a hub name."""
         folder = local_folder(self.path)
         return None if folder is None else SafetensorsFolder(folder)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks named in the model's ``_no_split_modules`` (its decoder layers)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} "
+                         "(no _no_split_modules): FSDP needs them to shard layer by layer")
+    return layers

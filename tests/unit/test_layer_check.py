@@ -42,7 +42,7 @@ def test_llama_shaped_layers_are_accepted(model_type, overrides):
 # generic: the layer's own forward runs them (max-length mode's generic path);
 # refused: what the generic path cannot redo either (dropout drawn again in the recompute, a
 # Mamba mixer carrying a state along the sequence)
-REFUSED_TOO = {"seed_oss": "dropout", "falcon_h1": "carries a state along the sequence"}
+REFUSED_TOO = {"seed_oss": "dropout", "falcon_h1": "carry state along the sequence"}
 
 
 @pytest.mark.parametrize("model_type,overrides,named", [

@@ -38,19 +38,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, Shard
 
 from ...integrations.hf import CausalLMLoss
-from ..weights import Pretrained, SafetensorsFolder, checkpoint_names, has_meta_parameters
+from ..weights import (Pretrained, SafetensorsFolder, checkpoint_names, decoder_layers,  # noqa: F401
+                       has_meta_parameters)
 
 log = logging.getLogger(__name__)
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks named in the model's ``_no_split_modules`` (its decoder layers)."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
-        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} "
-                         "(no _no_split_modules): FSDP needs them to shard layer by layer")
-    return layers
 
 
 def shard_rows(param: torch.Tensor) -> tuple[int, int]:
