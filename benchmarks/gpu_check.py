@@ -25,6 +25,11 @@ Sections (each item records its error instead of stopping the run):
 5. generate (gpu_check_generate.py): easy_context.generate's tokens against transformers'
    greedy generate for every method (tiny llama, gemma2, gpt_oss, fp32), and a 2-layer
    Llama-3-8B-shaped model with a 32K prompt: prefill and decode time, cache and peak memory.
+6. record (gpu_check_record.py): a full-depth Llama-3-8B-shaped model (32 layers, random
+   weights built on the device) fine-tuned with LoRA in max-length mode at the longest length
+   the planner gives for this device and this machine's host memory (or, when that step
+   would not end before --record-until-s, the longest that would): its time and its peak
+   against the plan.
 Writes benchmarks/results/gpu_check.json (with --cpu: gpu_check_cpu.json). Imports nothing
 that the lent GPU machine lacks (no datasets, deepspeed or flash-attn needed).
 """
@@ -212,10 +217,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu", action="store_true", help="run on the CPU (CI: with --tiny)")
     p.add_argument("--tiny", action="store_true", help="small shapes: the same code in seconds")
-    p.add_argument("--sections", default="kernels,methods,attention,train,engine,generate",
-                   help="comma-separated: kernels, methods, attention, train, engine, generate")
+    p.add_argument("--sections", default="kernels,methods,attention,train,engine,generate,record",
+                   help="comma-separated: kernels, methods, attention, train, engine, generate, "
+                        "record")
     p.add_argument("--budget-s", type=float, default=450,
                    help="stop starting training lengths after this many seconds")
+    p.add_argument("--record-until-s", type=float, default=470,
+                   help="the record step (last) is sized to end before this many seconds")
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
     device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda:0")
@@ -317,6 +325,22 @@ def main(argv=None) -> int:
         t0 = time.time()
         report["sections"]["generate"] = gpu_check_generate.run(device, args.tiny, log)
         report["seconds"]["generate"] = round(time.time() - t0, 1)
+        save()
+    if "record" in sections:
+        from benchmarks import gpu_check_record
+
+        t0 = time.time()
+        left = args.record_until_s - (t0 - t_start)
+        ours = report["sections"].get("attention", {}).get("easy_context", {})
+        if left < 60 and not args.tiny:
+            report["sections"]["record"] = {"skipped": f"{left:.0f} s left of --record-until-s"}
+        else:
+            try:
+                report["sections"]["record"] = gpu_check_record.run(
+                    device, args.tiny, log, left, ours.get("tflops_per_s"))
+            except Exception as e:  # noqa: BLE001 - an OOM is a finding, not a crash
+                report["sections"]["record"] = {"failed": f"{type(e).__name__}: {e}"[:800]}
+        report["seconds"]["record"] = round(time.time() - t0, 1)
     save()
     print(json.dumps({"elapsed_s": report["elapsed_s"], "seconds": report["seconds"],
                       "output": str(output)}))

@@ -117,6 +117,13 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
     speed = gen["speed"]
     assert speed["tokens_agree"] == speed["new_tokens"], speed
     assert speed["easy_context"]["cache_bytes"] > 0, speed
+    # record: the planner's longest LoRA setup for a full-depth model (4 layers tiny), one step
+    # run at a capped length, its peak beside the plan's total
+    record = data["sections"]["record"]
+    assert "failed" not in record and "skipped" not in record, record
+    assert record["planned_length"] >= record["L"] > 0 and record["loss_finite"], record
+    assert record["trainable_parameters"] > 0 and record["planned_total_bytes"] > 0, record
+    assert record["setup"]["checkpointing"] in ("attention", "full", "offload"), record
 
 
 def test_maxlen_benchmark_runs_and_ratios(monkeypatch):
