@@ -1,7 +1,8 @@
 """Hybrid models (recurrent and attention layers) sequence-parallel against one process: a
 tiny Qwen3-Next (gated DeltaNet + attention) and the families of HYBRIDS (Qwen3.5, OLMo
-hybrid, Kimi Linear, LFM2/LFM3, Granite 4, Bamba, Nemotron-H, Falcon-H1, Zamba2, Jamba), one training step's loss
-and every parameter gradient (summed over ranks), packed documents too. Run on each rank.
+hybrid, Kimi Linear, LFM2/LFM3, Granite 4, Bamba, Nemotron-H, Falcon-H1, Zamba2, Jamba), one
+training step's loss and every parameter gradient (summed over ranks), packed documents too.
+Run on each rank.
 
 The reference runs in float64 (transformers' delta-rule kernel computes in float32 inside
 whatever the dtype). The decays are set mild (A in [0.14, 1.6], dt_bias 0): with the default
