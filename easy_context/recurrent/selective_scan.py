@@ -21,9 +21,9 @@ state,
     y_t += silu(z_t) sum_n exp(A_dn cum_td) h_in,dn C_tn,
 
 so ``basis`` is [cum, C, silu(z)] per row, (B, L, D + N (+ D)): a zero row reads nothing
-(a later document inside a piece, scan.piece_map). The read materialises (B, L, D, N) for
-the rows that read a state, and b for every piece, as transformers' torch path does for the
-whole sequence (with mamba-ssm, that is memory its fused kernel does not spend).
+(a later document inside a piece, scan.piece_map). The read and b need exp(A x) per row,
+channel and state entry: computed in blocks of ROWS rows, each recomputed in backward, so that
+(ROWS, D, N) at a time is held, not the (L, D, N) transformers' torch path holds.
 
 ``kernel`` is any function with the signature of transformers' ``mamba_selective_scan`` (and
 mamba-ssm's ``selective_scan_fn``): ``kernel(u, delta, A, B, C, D=, z=, delta_bias=,
@@ -38,10 +38,25 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .scan import Recurrence, Tokens, scan
 
 Tensor = torch.Tensor
+ROWS = 256  # rows per block of the (rows, D, N) decays below (recomputed in backward)
+
+
+def _by_rows(fn: Callable, length: int, rows: list[Tensor], *shared: Tensor) -> list[Tensor]:
+    """fn(*row blocks of ``rows`` (dim 1), *shared) for blocks of ROWS rows, each recomputed in
+    backward (checkpointed): the (rows, D, N) decays never outlive their block."""
+    out = []
+    for lo in range(0, length, ROWS):
+        block = [r[:, lo:lo + ROWS] for r in rows]
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (*block, *shared)):
+            out.append(checkpoint(fn, *block, *shared, use_reentrant=False))
+        else:
+            out.append(fn(*block, *shared))
+    return out
 
 
 def _channels_last(t: Tensor | None) -> Tensor | None:
@@ -61,8 +76,14 @@ def _final(options: dict, t: Tokens, dt: Tensor) -> Tensor:
     rest_t = dt_{t+1} + ... + dt_L summed from the end (no difference of large sums)."""
     rest = dt.flip(1).cumsum(1).flip(1)[:, 1:]  # (B, L-1, D)
     rest = torch.cat([rest, torch.zeros_like(dt[:, :1])], 1)
-    decay = torch.exp(options["A"].float() * rest[..., None])  # (B, L, D, N)
-    return torch.einsum("bldn,bld,bln->bdn", decay, dt * t["u"].float(), t["B"].float())
+    parts = _by_rows(_final_rows, dt.size(1), [rest, dt * t["u"].float(), t["B"].float()],
+                     options["A"])
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
+
+
+def _final_rows(rest: Tensor, dtu: Tensor, b: Tensor, A: Tensor) -> Tensor:
+    decay = torch.exp(A.float() * rest[..., None])  # (B, rows, D, N)
+    return torch.einsum("bldn,bld,bln->bdn", decay, dtu, b)
 
 
 def _output(kernel: Callable, options: dict, t: Tokens) -> Tensor:
@@ -96,9 +117,13 @@ def _carry(a: Tensor, s: Tensor) -> Tensor:
 def _read(A: Tensor, gated: bool, basis: Tensor, s: Tensor) -> Tensor:
     d, n = A.shape
     cum, c = basis[..., :d], basis[..., d:d + n]  # (B, L, D), (B, L, N)
-    decay = torch.exp(A.float() * cum[..., None])  # (B, L, D, N)
-    y = torch.einsum("bldn,bdn,bln->bld", decay, s, c)
+    y = torch.cat(_by_rows(_read_rows, basis.size(1), [cum, c], s, A), 1)
     return y * basis[..., d + n:] if gated else y
+
+
+def _read_rows(cum: Tensor, c: Tensor, s: Tensor, A: Tensor) -> Tensor:
+    decay = torch.exp(A.float() * cum[..., None])  # (B, rows, D, N)
+    return torch.einsum("bldn,bdn,bln->bld", decay, s, c)
 
 
 def selective_scan_recurrence(kernel: Callable, A: Tensor, D: Tensor | None = None,

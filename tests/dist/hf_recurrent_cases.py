@@ -1,7 +1,8 @@
 """Hybrid models (recurrent and attention layers) sequence-parallel against one process: a
 tiny Qwen3-Next (gated DeltaNet + attention) and the families of HYBRIDS (Qwen3.5, OLMo
-hybrid, Kimi Linear, LFM2/LFM3, Granite 4, Bamba, Nemotron-H, Falcon-H1, Zamba2, Jamba), one training step's loss
-and every parameter gradient (summed over ranks), packed documents too. Run on each rank.
+hybrid, Kimi Linear, LFM2/LFM3, Granite 4, Bamba, Nemotron-H, Falcon-H1, Zamba2, Jamba), one
+training step's loss and every parameter gradient (summed over ranks), packed documents too.
+Run on each rank.
 
 The reference runs in float64 (transformers' delta-rule kernel computes in float32 inside
 whatever the dtype). The decays are set mild (A in [0.14, 1.6], dt_bias 0): with the default
@@ -210,9 +211,9 @@ HYBRIDS = {
         mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=8, n_groups=2, conv_kernel=4,
         chunk_size=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
         moe_shared_expert_intermediate_size=16)),
-    # Jamba: Mamba-1 (selective scan, a (d_inner, N) decay) on layers 0 and 2, attention on 1
-    # and 3, MoE on the odd layers; conv kernel 4 against pieces of 2
-    "jamba": ("jamba", dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1,
+    # Jamba: Mamba-1 (selective scan, a (d_inner, N) decay) on layer 0, attention and MoE on
+    # layer 1; conv kernel 4 against pieces of 2
+    "jamba": ("jamba", dict(num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1,
                             expert_layer_period=2, expert_layer_offset=1, num_experts=4,
                             num_experts_per_tok=2, mamba_d_state=4, mamba_d_conv=4,
                             mamba_expand=2, mamba_dt_rank=4)),

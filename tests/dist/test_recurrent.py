@@ -1,8 +1,8 @@
-"""Recurrent layers (gated delta rule, Mamba-2 scan, Mamba-1 selective scan, causal conv) over sequence shards at 1, 2
-and 4 ranks: output and every input's gradient within 1e-5 (fp32, relative to the
-reference's max) of transformers' torch kernel run in one process on the whole sequence (on
-each document separately when packed), for the contiguous, zigzag and usp layouts, with
-pieces shorter than the conv kernel and than a kernel chunk, and longer than a chunk.
+"""Recurrent layers (gated delta rule and KDA, Mamba-2 scan, Mamba-1 selective scan, causal conv)
+over sequence shards at 1, 2 and 4 ranks: output and every input's gradient within 1e-5 (fp32,
+relative to the reference's max) of transformers' torch kernel run in one process on the whole
+sequence (on each document separately when packed), for the contiguous, zigzag and usp layouts,
+with pieces shorter than the conv kernel and than a kernel chunk, and longer than a chunk.
 """
 
 import pytest

@@ -282,3 +282,22 @@ def test_bf16_through_the_cuda_signatures(make):
         maps[p][0].dtype) for p, s in zip(order, states)], 1)
     ref = rec.run(tokens)[0]
     assert out.dtype == ref.dtype and _rel(out.float(), ref.float()) <= 3e-2
+
+
+def test_selective_scan_blocks_of_rows_change_nothing(monkeypatch):
+    # b and the read are computed ROWS rows at a time, each block recomputed in backward:
+    # blocks of 4 rows (37 rows: 10 blocks, the last of 1) against one block, values and grads
+    from easy_context.recurrent import selective_scan as ss
+
+    def run(rows):
+        monkeypatch.setattr(ss, "ROWS", rows)
+        rec, t = _selective()
+        t = {k: x.clone().requires_grad_() for k, x in t.items()}
+        _, basis, b, a = rec.extended(t)
+        s = torch.randn(b.shape, generator=torch.Generator().manual_seed(2))
+        total = (b * 1.3).sum() + rec.read(basis, s).square().sum() + a.sum()
+        total.backward()
+        return [b, rec.read(basis, s)] + [t[k].grad for k in sorted(t)]
+
+    for x, ref in zip(run(4), run(1000)):
+        assert _rel(x, ref) <= TOL
