@@ -10,7 +10,10 @@ layer's settings (group, method's layout, ring degree; parallel/settings.py) and
 the CPU; flash-linear-attention / causal-conv1d where transformers picks them).
 
 Every kernel function such a layer lists is either routed or made to raise, so no kernel ever
-runs on a shard as if it were the whole sequence.
+runs on a shard as if it were the whole sequence. A layer class is routed only when its kernel
+functions are exactly a known set *and* it is one of the classes checked against one process
+(``VERIFIED``): a forward can mix tokens outside its kernel functions, which no attribute
+shows, so each new family is added with its test.
 
 easy_context.generate passes its cache (``sharded_kv_cache``, as attention gets it) through
 the layers to these functions: at the prefill they also keep each prompt's final recurrent
@@ -18,10 +21,8 @@ state and last convolution inputs in its transformers cache (generation/recurren
 with the pad slots after each prompt made to leave the state unchanged; at each decode step
 (one token, the same on every rank) they run transformers' own single-step path on that cache
 (``causal_conv1d_forward`` with the cache, the single-step gated delta rule, Mamba-2's
-``mamba2_scan_forward`` with the cache), the single-step kernels let through for that call only. A layer class is routed only when its kernel
-functions are exactly a known set *and* it is one of the classes checked against one process
-(``VERIFIED``): a forward can mix tokens outside its kernel functions, which no attribute
-shows, so each new family is added with its test.
+``mamba2_scan_forward`` with the cache), the single-step kernels let through for that call
+only.
 """
 
 from __future__ import annotations
@@ -158,7 +159,8 @@ def _delta_rule(name: str, layer: nn.Module, originals: dict[str, Callable]):
         document_ids = _documents(layer, document_ids)
         if initial_state is not None or output_final_state:
             raise ValueError(f"{settings.method}: recurrent layers run sequence-parallel without "
-                             "a cache (training, loss evaluation): pass use_cache=False")
+                             "a cache (training, loss evaluation): pass use_cache=False, and "
+                             "generate with easy_context.generate (which carries their state)")
         kwargs.pop("use_cache", None)
         gen = _generation(kwargs)
         if gen is not None and gen.decoding:  # one token: transformers' single-step rule
@@ -192,7 +194,8 @@ def _conv(layer: nn.Module, originals: dict[str, Callable]):
         document_ids = _documents(layer, document_ids)
         if cache is not None:
             raise ValueError(f"{settings.method}: recurrent layers run sequence-parallel without "
-                             "a cache (training, loss evaluation): pass use_cache=False")
+                             "a cache (training, loss evaluation): pass use_cache=False, and "
+                             "generate with easy_context.generate (which carries their state)")
         if kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
             raise ValueError("sequence-parallel recurrent layers take packed documents as "
                              "document_ids (one id per token)")
@@ -225,7 +228,8 @@ def _mamba2_scan(layer: nn.Module, originals: dict[str, Callable]):
         document_ids = _documents(layer, document_ids)
         if cache is not None:
             raise ValueError(f"{settings.method}: recurrent layers run sequence-parallel without "
-                             "a cache (training, loss evaluation): pass use_cache=False")
+                             "a cache (training, loss evaluation): pass use_cache=False, and "
+                             "generate with easy_context.generate (which carries their state)")
         gen = _generation(kwargs)
         if gen is not None and gen.decoding:  # transformers' own cached step on the state
             gen.recurrent.state(module.layer_idx)  # never from a zero state
@@ -293,7 +297,7 @@ def _refuse(layer: nn.Module, name: str, original: Callable):
         settings = module_settings(layer)
         raise ValueError(f"{settings.method}: {type(layer).__name__} called {name}, which does not "
                          "run sequence-parallel (a cached decoding step); run without a cache "
-                         "(use_cache=False), or generate in one process")
+                         "(use_cache=False), or generate with easy_context.generate")
 
     return forward
 

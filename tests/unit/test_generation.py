@@ -314,3 +314,18 @@ def test_recurrent_layers_not_switched_are_refused():
     with pytest.raises(ValueError, match="recurrent layers .*Qwen3NextGatedDeltaNet.* are not "
                                          "switched"):
         ec.generate(model, torch.randint(3, 50, (1, 12)), max_new_tokens=4)
+
+
+def test_single_step_kernels_run_only_inside_generate():
+    """generate lets a routed layer's single-step kernels run inside its decode calls only:
+    afterwards the model given a transformers cache still refuses (its recurrent layers
+    would decode a shard's state as the whole sequence's)."""
+    from tests.dist.hf_recurrent_cases import tiny_qwen3_next
+
+    model = tiny_qwen3_next().eval()
+    ids = torch.randint(3, 50, (1, 8))
+    ec.generate(model, ids, method="zigzag_ring_attn", max_new_tokens=3)
+    layer = next(m for m in model.modules() if type(m).__name__ == "Qwen3NextGatedDeltaNet")
+    assert not any(k.endswith("_decoding") for k in layer.__dict__)
+    with pytest.raises(ValueError, match="use_cache=False"):
+        model(input_ids=ids, position_ids=torch.arange(8)[None], use_cache=True)
