@@ -12,8 +12,8 @@ one fits when its peak is within the device budget and what it keeps in host mem
 Longest context: the setup whose longest fitting length is the largest; among setups within
 2% of it, the fastest by the order below (so attention-saving checkpointing whenever it fits
 there as well as full or offloaded checkpoints do, other settings equal). For a given length:
-the fastest setup that fits. Each plan says what each checkpointing choice would cost (plan/recompute.py: memory
-kept against the share of the step's FLOPs recomputed).
+the fastest setup that fits. Each plan says what each checkpointing choice would cost
+(plan/recompute.py: memory kept against the share of the step's FLOPs recomputed).
 Speed order (a ranking from what each setting costs per step, not a measured time): no
 offload, then optimizer offload, then parameter offload (every step moves them through the
 host link); attention-saving checkpointing, then full, then offloaded, then nested (each one

@@ -183,9 +183,10 @@ class MemoryEstimate:
                          f"{self.state_communication_per_layer / GIB:10.4f} GiB   [each of "
                          f"{self.recurrent_layers} recurrent layers; holds "
                          f"{self.state_bytes_per_layer / 2**20:.1f} MiB of gathered states]")
+            states = self.recurrent_layers * self.state_communication_per_layer
             lines.append(f"  {'sent per step, all layers':24s} "
                          f"{self.communication_per_step / GIB:10.2f} GiB   [state exchange "
-                         f"{self.recurrent_layers * self.state_communication_per_layer / max(self.communication_per_step, 1):.1%}]")
+                         f"{states / max(self.communication_per_step, 1):.1%}]")
         return "\n".join(lines)
 
 
@@ -283,15 +284,31 @@ def _extended_values(shape: ModelShape, world_size: int) -> int:
     return r.value_width + (r.heads * r.key_width if world_size > 1 else 0)
 
 
+# What the chunked gated delta rule (transformers' torch kernel, float32 inside) saves per
+# token and value head beyond its inputs and output, in float32 elements: CHUNK_MATRICES
+# chunk-wide rows (the in-chunk attention and decay matrices) and HEAD_VECTORS d-wide ones per
+# (d_k + d_v) (normalized, scaled and decayed copies of q, k, v); fitted to saved-tensor bytes
+# measured on tiny Qwen3-Next layers (d 16 / 32, 4 / 8 value heads, 1K / 2K tokens: within 1%).
+# flash-linear-attention's kernels recompute these: there this is an upper bound.
+DELTA_CHUNK, CHUNK_MATRICES, HEAD_VECTORS = 64, 5.25, 6
+
+
 def recurrent_saved_per_token(shape: ModelShape, a: int, world_size: int) -> int:
     """Bytes per local token one recurrent mixer saves for backward: its input projection's
     output, the causal conv's input, output and activation (3 x channels), the kernel's values
     in and out (with the scan's identity block), the gated norm's fp32 input, its output and
-    the gated product (out_proj's input)."""
+    the gated product (out_proj's input); for the gated delta rule also its chunked kernel's
+    intermediates (above)."""
     r = shape.recurrent
     d = r.dims()
     norm = r.inner * (4 + 2 * a) if r.gated_norm else r.inner * a
-    return a * (r.projection + 3 * d.conv_channels + 2 * _extended_values(shape, world_size)) + norm
+    ext = _extended_values(shape, world_size)
+    kernel = 0
+    if r.kind == "gated_delta_net":
+        dv = ext // r.heads
+        kernel = int(4 * r.heads * (CHUNK_MATRICES * DELTA_CHUNK
+                                    + HEAD_VECTORS * (r.key_width + dv)))
+    return a * (r.projection + 3 * d.conv_channels + 2 * ext) + norm + kernel
 
 
 def recurrent_transient_per_token(shape: ModelShape, a: int, world_size: int) -> int:
