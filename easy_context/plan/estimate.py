@@ -491,6 +491,11 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
     workspace = kernel_workspace(device, a, kernel, deterministic, sms)
     loss = loss_bytes(model_shape, s, a, _chunk_rows(loss_chunk, model_shape, device))
     fused = mlp_tile is not None or heads_per_chunk is not None
+    if fused and not model_shape.fusable:
+        raise ValueError(f"{model_shape.name}: max-length mode's fused layers (--mlp-tile, "
+                         "--head-chunk) are planned for layers of attention and a dense MLP; "
+                         "this model has recurrent, expert, MLA or MLP-only layers: plan it "
+                         "untiled")
     if fused:
         from .fused import fused_terms
 

@@ -154,3 +154,19 @@ def test_growth_matches_the_measured_benchmark():
             measured = d["growth"][method]["growth_mb_per_rank"] * 2**20
         assert abs(planned - measured) <= 0.10 * measured, (method, planned / 2**20,
                                                              measured / 2**20)
+
+
+def test_auto_does_not_tile_layers_the_fused_layer_does_not_run():
+    """Max-length mode's fused layers run attention + a dense MLP: --auto plans a hybrid
+    untiled (it used to offer MLP tiles for recurrent layers), and asking for tiles says why."""
+    from easy_context.plan.auto import plan_for_length, plan_longest
+    from easy_context.plan.estimate import GIB
+
+    qwen = shape_from_config(AutoConfig.for_model("qwen3_next"), "Qwen3-Next", check=False)
+    assert not qwen.fusable and load_shape("Llama-3-8B").fusable
+    longest = plan_longest(qwen, 8, 80 * GIB, host_bytes=256 * GIB, granularity=65536)
+    half = plan_for_length(qwen, longest.seq_len // 2, 8, 80 * GIB, host_bytes=256 * GIB)
+    for plan in (longest, half):
+        assert plan.setup is not None and not plan.setup.fused, plan.setup
+    with pytest.raises(ValueError, match="plan it untiled"):
+        estimate_memory(qwen, 65536, 8, "zigzag_ring_attn", mlp_tile=1024)
