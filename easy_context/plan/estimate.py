@@ -284,16 +284,20 @@ def _extended_values(shape: ModelShape, world_size: int) -> int:
     return r.value_width + (r.heads * r.key_width if world_size > 1 else 0)
 
 
-# What the chunked gated delta rule (transformers' torch kernel, float32 inside) saves per
-# token and value head beyond its inputs and output, in float32 elements: CHUNK_MATRICES
-# chunk-wide rows (the in-chunk attention and decay matrices) and HEAD_VECTORS d-wide ones per
-# (d_k + d_v) (normalized, scaled and decayed copies of q, k, v); fitted to saved-tensor bytes
-# measured on tiny Qwen3-Next layers (d 16 / 32, 4 / 8 value heads, 1K / 2K tokens: within 1%).
-# flash-linear-attention's kernels recompute these: there this is an upper bound.
+# What the chunked gated delta rule saves per token and value head beyond its inputs and
+# output, in float32 elements: chunk-wide rows (in-chunk attention and decay matrices) and
+# rows per (d_k + d_v) (normalized, scaled and decayed copies of q, k, v).
+# - CPU (transformers' torch kernel, float32 inside): CHUNK_MATRICES and HEAD_VECTORS, fitted
+#   to saved-tensor bytes measured on tiny Qwen3-Next layers (d 16 / 32, 4 / 8 value heads,
+#   1K / 2K tokens: within 1%);
+# - GPU (flash-linear-attention's kernel, not measured here): it keeps its inputs and the
+#   in-chunk matrix A (one chunk-wide row) and recomputes the rest in backward.
 DELTA_CHUNK, CHUNK_MATRICES, HEAD_VECTORS = 64, 5.25, 6
+GPU_CHUNK_MATRICES, GPU_HEAD_VECTORS = 1, 0
 
 
-def recurrent_saved_per_token(shape: ModelShape, a: int, world_size: int) -> int:
+def recurrent_saved_per_token(shape: ModelShape, a: int, world_size: int,
+                              device: str = "gpu") -> int:
     """Bytes per local token one recurrent mixer saves for backward: its input projection's
     output, the causal conv's input, output and activation (3 x channels), the kernel's values
     in and out (with the scan's identity block), the gated norm's fp32 input, its output and
@@ -306,8 +310,9 @@ def recurrent_saved_per_token(shape: ModelShape, a: int, world_size: int) -> int
     kernel = 0
     if r.kind == "gated_delta_net":
         dv = ext // r.heads
-        kernel = int(4 * r.heads * (CHUNK_MATRICES * DELTA_CHUNK
-                                    + HEAD_VECTORS * (r.key_width + dv)))
+        rows, vectors = ((CHUNK_MATRICES, HEAD_VECTORS) if device == "cpu"
+                         else (GPU_CHUNK_MATRICES, GPU_HEAD_VECTORS))
+        kernel = int(4 * r.heads * (rows * DELTA_CHUNK + vectors * (r.key_width + dv)))
     return a * (r.projection + 3 * d.conv_channels + 2 * ext) + norm + kernel
 
 
@@ -355,7 +360,8 @@ def state_communication_per_layer(shape: ModelShape, s: int, a: int, method: str
 
 
 def activations(shape: ModelShape, s: int, a: int, method: str, world_size: int,
-                checkpointing: str, ring_degree: int | None = None) -> tuple[int, int, int, int]:
+                checkpointing: str, ring_degree: int | None = None,
+                device: str = "gpu") -> tuple[int, int, int, int]:
     """(stored on device, MLP-half and attention-half working sets, host) bytes, s tokens.
 
     - none: every layer's saved tensors stay until its backward; the working sets are the
@@ -384,7 +390,7 @@ def activations(shape: ModelShape, s: int, a: int, method: str, world_size: int,
     residual = 2 * shape.hidden * a
     rec = rec_tr = states = 0
     if shape.recurrent_layers:
-        rec = recurrent_saved_per_token(shape, a, world_size)
+        rec = recurrent_saved_per_token(shape, a, world_size, device)
         rec_tr = recurrent_transient_per_token(shape, a, world_size)
         states = state_bytes(shape, s, method, world_size, ring_degree)
     moe_mlp = moe_tr = 0
@@ -510,7 +516,7 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
         buffers, call_workspace = ft.buffers, ft.workspace
     else:
         stored, mlp_w, attn_w, act_host = activations(model_shape, s, a, method, world_size,
-                                                      checkpointing, ring_degree)
+                                                      checkpointing, ring_degree, device)
         buffers = attention_buffers(model_shape, s, a, method, world_size, ring_degree, device,
                                     workspace)
         call_workspace = attention_workspace(model_shape, s, a, method, world_size,
