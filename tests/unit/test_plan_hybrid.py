@@ -177,13 +177,17 @@ def test_auto_does_not_tile_layers_the_fused_layer_does_not_run():
 def test_gpu_delta_rule_kernel_keeps_its_chunk_matrix_only():
     """On a GPU the planner counts flash-linear-attention's saved set (inputs and one
     chunk-wide float32 row per value head, its A); on a CPU transformers' torch kernel's."""
-    from easy_context.plan.estimate import DELTA_CHUNK, recurrent_saved_per_token
+    from easy_context.plan.estimate import recurrent_saved_per_token
 
     shape = shape_from_config(AutoConfig.for_model("qwen3_next"), "Qwen3-Next", check=False)
     cpu, gpu = (recurrent_saved_per_token(shape, 2, 8, device=d) for d in ("cpu", "gpu"))
-    r = shape.recurrent
-    plain = recurrent_saved_per_token(shape, 2, 8, device="gpu") - 4 * r.heads * DELTA_CHUNK
-    assert gpu == plain + 4 * 32 * 64 and cpu > 4 * gpu
+    # projections (2*16*128 + 2*32*128 + 2*32), conv in/out/act (3 x 8192 channels), values in
+    # and out with the identity block (2 x 32 x (128 + 128)) in bf16; the gated norm
+    # (4096 x (4 + 2 x 2)); the kernel's A: 32 heads x 64 float32
+    base = 2 * (12352 + 3 * 8192 + 2 * 8192) + 4096 * 8
+    assert gpu == base + 4 * 32 * 64
+    # the torch kernel's: 5.25 chunk rows and 6 x (d_k + widened d_v) per head, float32
+    assert cpu == base + int(4 * 32 * (5.25 * 64 + 6 * (128 + 256)))
     est = {d: estimate_memory(shape, 262144, 8, "zigzag_ring_attn", engine="fsdp",
                               checkpointing="none", device=d).stored_activations
            for d in ("cpu", "gpu")}
