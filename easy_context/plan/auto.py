@@ -12,8 +12,8 @@ one fits when its peak is within the device budget and what it keeps in host mem
 Longest context: the setup whose longest fitting length is the largest; among setups within
 2% of it, the fastest by the order below (so attention-saving checkpointing whenever it fits
 there as well as full or offloaded checkpoints do, other settings equal). For a given length:
-the fastest setup that fits. Each plan says what each checkpointing choice would cost (plan/recompute.py: memory
-kept against the share of the step's FLOPs recomputed).
+the fastest setup that fits. Each plan says what each checkpointing choice would cost
+(plan/recompute.py: memory kept against the share of the step's FLOPs recomputed).
 Speed order (a ranking from what each setting costs per step, not a measured time): no
 offload, then optimizer offload, then parameter offload (every step moves them through the
 host link); attention-saving checkpointing, then full, then offloaded, then nested (each one
@@ -166,9 +166,9 @@ def fastest_tiling(shape: ModelShape, seq_len: int, devices: int, setup: Setup,
     (None, estimate of the most frugal one) when nothing fits. A LoRA setup is never tiled:
     max-length mode's fused layers compute with the base weights and skip the adapters
     (train refuses --mlp-tile with --lora-rank)."""
-    if allow_untiled or setup.lora is not None:
+    if allow_untiled or setup.lora is not None or not shape.fusable:
         ok, est = _fits(shape, seq_len, devices, setup, device_bytes, host_bytes, dtype)
-        if ok or setup.lora is not None:
+        if ok or setup.lora is not None or not shape.fusable:  # never tiled (shapes.fusable)
             return (setup if ok else None), est
     s = seq_len // devices
     tiles = [tile] if tile else sorted({min(t, s) for t in TILES}, reverse=True)
@@ -215,7 +215,8 @@ def plan_longest(shape: ModelShape, devices: int, device_bytes: int,
         frugal = [base] + [replace(base, mlp_tile=1024, heads_per_chunk=c, keep_every=k)
                            for c in chunk_choices(shape, base, devices)[-1:] for k in KEEP_EVERY
                            if k == 1 or (base.checkpointing != "attention" and k <= shape.layers)
-                           if base.lora is None]  # LoRA: untiled only (fastest_tiling)
+                           if base.lora is None and shape.fusable]  # untiled only: LoRA
+        # (fastest_tiling), models whose layers the fused layer does not run (shapes.fusable)
         for setup in frugal:
             length, _ = max_sequence_length(shape, devices, device_bytes, setup.method,
                                             setup.ring_degree, granularity, limit=1 << 31,

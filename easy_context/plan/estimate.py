@@ -183,9 +183,10 @@ class MemoryEstimate:
                          f"{self.state_communication_per_layer / GIB:10.4f} GiB   [each of "
                          f"{self.recurrent_layers} recurrent layers; holds "
                          f"{self.state_bytes_per_layer / 2**20:.1f} MiB of gathered states]")
+            states = self.recurrent_layers * self.state_communication_per_layer
             lines.append(f"  {'sent per step, all layers':24s} "
                          f"{self.communication_per_step / GIB:10.2f} GiB   [state exchange "
-                         f"{self.recurrent_layers * self.state_communication_per_layer / max(self.communication_per_step, 1):.1%}]")
+                         f"{states / max(self.communication_per_step, 1):.1%}]")
         return "\n".join(lines)
 
 
@@ -283,15 +284,36 @@ def _extended_values(shape: ModelShape, world_size: int) -> int:
     return r.value_width + (r.heads * r.key_width if world_size > 1 else 0)
 
 
-def recurrent_saved_per_token(shape: ModelShape, a: int, world_size: int) -> int:
+# What the chunked gated delta rule saves per token and value head beyond its inputs and
+# output, in float32 elements: chunk-wide rows (in-chunk attention and decay matrices) and
+# rows per (d_k + d_v) (normalized, scaled and decayed copies of q, k, v).
+# - CPU (transformers' torch kernel, float32 inside): CHUNK_MATRICES and HEAD_VECTORS, fitted
+#   to saved-tensor bytes measured on tiny Qwen3-Next layers (d 16 / 32, 4 / 8 value heads,
+#   1K / 2K tokens: within 1%);
+# - GPU (flash-linear-attention's kernel, not measured here): it keeps its inputs and the
+#   in-chunk matrix A (one chunk-wide row) and recomputes the rest in backward.
+DELTA_CHUNK, CHUNK_MATRICES, HEAD_VECTORS = 64, 5.25, 6
+GPU_CHUNK_MATRICES, GPU_HEAD_VECTORS = 1, 0
+
+
+def recurrent_saved_per_token(shape: ModelShape, a: int, world_size: int,
+                              device: str = "gpu") -> int:
     """Bytes per local token one recurrent mixer saves for backward: its input projection's
     output, the causal conv's input, output and activation (3 x channels), the kernel's values
     in and out (with the scan's identity block), the gated norm's fp32 input, its output and
-    the gated product (out_proj's input)."""
+    the gated product (out_proj's input); for the gated delta rule also its chunked kernel's
+    intermediates (above)."""
     r = shape.recurrent
     d = r.dims()
     norm = r.inner * (4 + 2 * a) if r.gated_norm else r.inner * a
-    return a * (r.projection + 3 * d.conv_channels + 2 * _extended_values(shape, world_size)) + norm
+    ext = _extended_values(shape, world_size)
+    kernel = 0
+    if r.kind == "gated_delta_net":
+        dv = ext // r.heads
+        rows, vectors = ((CHUNK_MATRICES, HEAD_VECTORS) if device == "cpu"
+                         else (GPU_CHUNK_MATRICES, GPU_HEAD_VECTORS))
+        kernel = int(4 * r.heads * (rows * DELTA_CHUNK + vectors * (r.key_width + dv)))
+    return a * (r.projection + 3 * d.conv_channels + 2 * ext) + norm + kernel
 
 
 def recurrent_transient_per_token(shape: ModelShape, a: int, world_size: int) -> int:
@@ -338,7 +360,8 @@ def state_communication_per_layer(shape: ModelShape, s: int, a: int, method: str
 
 
 def activations(shape: ModelShape, s: int, a: int, method: str, world_size: int,
-                checkpointing: str, ring_degree: int | None = None) -> tuple[int, int, int, int]:
+                checkpointing: str, ring_degree: int | None = None,
+                device: str = "gpu") -> tuple[int, int, int, int]:
     """(stored on device, MLP-half and attention-half working sets, host) bytes, s tokens.
 
     - none: every layer's saved tensors stay until its backward; the working sets are the
@@ -367,7 +390,7 @@ def activations(shape: ModelShape, s: int, a: int, method: str, world_size: int,
     residual = 2 * shape.hidden * a
     rec = rec_tr = states = 0
     if shape.recurrent_layers:
-        rec = recurrent_saved_per_token(shape, a, world_size)
+        rec = recurrent_saved_per_token(shape, a, world_size, device)
         rec_tr = recurrent_transient_per_token(shape, a, world_size)
         states = state_bytes(shape, s, method, world_size, ring_degree)
     moe_mlp = moe_tr = 0
@@ -474,6 +497,11 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
     workspace = kernel_workspace(device, a, kernel, deterministic, sms)
     loss = loss_bytes(model_shape, s, a, _chunk_rows(loss_chunk, model_shape, device))
     fused = mlp_tile is not None or heads_per_chunk is not None
+    if fused and not model_shape.fusable:
+        raise ValueError(f"{model_shape.name}: max-length mode's fused layers (--mlp-tile, "
+                         "--head-chunk) are planned for layers of attention and a dense MLP; "
+                         "this model has recurrent, expert, MLA or MLP-only layers: plan it "
+                         "untiled")
     if fused:
         from .fused import fused_terms
 
@@ -488,7 +516,7 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
         buffers, call_workspace = ft.buffers, ft.workspace
     else:
         stored, mlp_w, attn_w, act_host = activations(model_shape, s, a, method, world_size,
-                                                      checkpointing, ring_degree)
+                                                      checkpointing, ring_degree, device)
         buffers = attention_buffers(model_shape, s, a, method, world_size, ring_degree, device,
                                     workspace)
         call_workspace = attention_workspace(model_shape, s, a, method, world_size,

@@ -71,6 +71,15 @@ class ModelShape:
         return sum(n for k, n in self.layer_counts() if what(k))
 
     @property
+    def fusable(self) -> bool:
+        """Whether max-length mode's fused layers (plan/fused.py: attention, then a dense gated
+        MLP, in every layer) describe this model: not for recurrent layers, experts, MLA or
+        MLP-only layers, which the fused layer does not run."""
+        return self.kv_lora_rank is None and self.gated_mlp and all(
+            k.attention is not None and not k.recurrent and k.mlp == "dense"
+            for k, _ in self.layer_counts())
+
+    @property
     def attention_layers(self) -> int:
         return self.count(lambda k: k.attention is not None)
 

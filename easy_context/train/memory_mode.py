@@ -131,8 +131,8 @@ def apply_memory_mode(model, config: TrainConfig, sp: int, device: torch.device)
         why = unsupported_reason(model)
         try:
             shape = shape_from_config(model.config, name=str(config.model))
-        except (AttributeError, TypeError) as e:
-            why = why or f"the planner cannot read its config ({e})"
+        except (AttributeError, TypeError, ValueError) as e:  # ValueError: the planner refuses
+            why = why or f"the planner cannot plan it ({e})"
         if why:
             if tile == chunk == "auto" and config.keep_every == 1:
                 log.info("max-length mode off: %s", why)

@@ -101,3 +101,17 @@ def test_cli_refuses_with_the_reason(tmp_path, capsys):
     assert "easy-context plan: error:" in err and "the planner counts" in err
     _config("gemma3_text", FAMILIES["gemma3_text"][0]).save_pretrained(tmp_path / "g")
     assert load_shape(str(tmp_path / "g")).window == 8
+
+
+def test_training_with_auto_tiles_falls_back_untiled_for_a_refused_family():
+    """`train`'s default --mlp-tile/--head-chunk auto asks the planner; a family it refuses
+    (here an ungated MLP) trains untiled instead of stopping the run."""
+    import torch
+
+    from easy_context.train.config import TrainConfig
+    from easy_context.train.memory_mode import apply_memory_mode
+
+    config = AutoConfig.for_model("gpt_neox", **{**TINY, "intermediate_size": 128})
+    model = AutoModelForCausalLM.from_config(config)
+    train = TrainConfig(model="gpt_neox-tiny", dataset="d", mlp_tile="auto", head_chunk="auto")
+    assert apply_memory_mode(model, train, 1, torch.device("cpu")) is False

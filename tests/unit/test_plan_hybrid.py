@@ -83,3 +83,112 @@ def test_cli_plans_a_hybrid_config(tmp_path, capsys):
     assert "state exchange per layer" in out and "each of 1 recurrent layers" in out
     shape = load_shape(str(tmp_path))
     assert shape.recurrent_layers == 1 and shape.attention_layers == 1
+
+
+def _saved_bytes_per_token(module, run, length: int) -> float:
+    """Bytes of the distinct tensors autograd saves while ``module`` runs forward, per token."""
+    import torch
+
+    seen, total, on = set(), [0], [False]
+
+    def pack(t):
+        key = (t.untyped_storage().data_ptr(), t.dtype)
+        if on[0] and key not in seen:
+            seen.add(key)
+            total[0] += t.untyped_storage().nbytes()
+        return t
+
+    hooks = [module.register_forward_pre_hook(lambda *a: on.__setitem__(0, True)),
+             module.register_forward_hook(lambda *a: on.__setitem__(0, False))]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return total[0] / length
+
+
+@pytest.mark.parametrize("over", [{}, dict(linear_key_head_dim=32, linear_value_head_dim=32),
+                                  dict(linear_num_value_heads=8, linear_num_key_heads=4)])
+def test_delta_rule_layer_saves_what_the_planner_counts(over):
+    """A gated DeltaNet layer's saved tensors (transformers' torch kernel, one process),
+    measured with saved-tensor hooks, within 2% of the planner's bytes per token on a CPU
+    (a GPU's flash-linear-attention kernel keeps less: not measured here)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.hybrid import CONFIG
+    from easy_context.plan.estimate import recurrent_saved_per_token
+
+    config = AutoConfig.for_model("qwen3_next", **{**CONFIG, **over})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float()
+    ids = torch.randint(0, config.vocab_size, (1, 512))
+    measured = _saved_bytes_per_token(model.model.layers[0].linear_attn,
+                                      lambda: model.model(input_ids=ids, use_cache=False), 512)
+    planned = recurrent_saved_per_token(shape_from_config(config, "q", check=False), 4, 1,
+                                        device="cpu")
+    assert abs(planned - measured) <= 0.02 * measured, (planned, measured)
+
+
+def test_growth_matches_the_measured_benchmark():
+    """benchmarks/results/hybrid.json measured each rank's peak rise at 16K and 32K tokens;
+    the planner's growth between them (same model, fp32, no checkpointing, full-logits loss)
+    is within 10% of the measured growth, one process and 2 ranks."""
+    import json
+    from pathlib import Path
+
+    from benchmarks.hybrid import CONFIG
+
+    d = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+                    / "hybrid.json").read_text())
+    shape = shape_from_config(AutoConfig.for_model("qwen3_next", **CONFIG), "bench", check=False)
+    kw = dict(engine="replicated", checkpointing="none", dtype="fp32", device="cpu",
+              loss_chunk=None)
+    for method, world in (("local", 1), ("zigzag_ring_attn", 2), ("ulysses_attn", 2)):
+        est = {L: estimate_memory(shape, L, world, method, **kw).total for L in (16384, 32768)}
+        planned = est[32768] - est[16384]
+        if method == "local":
+            measured = (d["runs"]["local"]["32768"]["peak_rise_bytes"]
+                        - d["runs"]["local"]["16384"]["peak_rise_bytes"])
+        else:
+            measured = d["growth"][method]["growth_mb_per_rank"] * 2**20
+        assert abs(planned - measured) <= 0.10 * measured, (method, planned / 2**20,
+                                                             measured / 2**20)
+
+
+def test_auto_does_not_tile_layers_the_fused_layer_does_not_run():
+    """Max-length mode's fused layers run attention + a dense MLP: --auto plans a hybrid
+    untiled (it used to offer MLP tiles for recurrent layers), and asking for tiles says why."""
+    from easy_context.plan.auto import plan_for_length, plan_longest
+    from easy_context.plan.estimate import GIB
+
+    qwen = shape_from_config(AutoConfig.for_model("qwen3_next"), "Qwen3-Next", check=False)
+    assert not qwen.fusable and load_shape("Llama-3-8B").fusable
+    longest = plan_longest(qwen, 8, 80 * GIB, host_bytes=256 * GIB, granularity=65536)
+    half = plan_for_length(qwen, longest.seq_len // 2, 8, 80 * GIB, host_bytes=256 * GIB)
+    for plan in (longest, half):
+        assert plan.setup is not None and not plan.setup.fused, plan.setup
+    with pytest.raises(ValueError, match="plan it untiled"):
+        estimate_memory(qwen, 65536, 8, "zigzag_ring_attn", mlp_tile=1024)
+
+
+def test_gpu_delta_rule_kernel_keeps_its_chunk_matrix_only():
+    """On a GPU the planner counts flash-linear-attention's saved set (inputs and one
+    chunk-wide float32 row per value head, its A); on a CPU transformers' torch kernel's."""
+    from easy_context.plan.estimate import recurrent_saved_per_token
+
+    shape = shape_from_config(AutoConfig.for_model("qwen3_next"), "Qwen3-Next", check=False)
+    cpu, gpu = (recurrent_saved_per_token(shape, 2, 8, device=d) for d in ("cpu", "gpu"))
+    # projections (2*16*128 + 2*32*128 + 2*32), conv in/out/act (3 x 8192 channels), values in
+    # and out with the identity block (2 x 32 x (128 + 128)) in bf16; the gated norm
+    # (4096 x (4 + 2 x 2)); the kernel's A: 32 heads x 64 float32
+    base = 2 * (12352 + 3 * 8192 + 2 * 8192) + 4096 * 8
+    assert gpu == base + 4 * 32 * 64
+    # the torch kernel's: 5.25 chunk rows and 6 x (d_k + widened d_v) per head, float32
+    assert cpu == base + int(4 * 32 * (5.25 * 64 + 6 * (128 + 256)))
+    est = {d: estimate_memory(shape, 262144, 8, "zigzag_ring_attn", engine="fsdp",
+                              checkpointing="none", device=d).stored_activations
+           for d in ("cpu", "gpu")}
+    assert est["gpu"] < est["cpu"]
