@@ -55,8 +55,7 @@ class Setup:
     keep_every: int = 1
     deterministic: bool = False  # --deterministic: counted in the kernel workspace, not searched
     # --lora-rank / --lora-targets / --lora-4bit: given, not searched; every candidate carries
-    # them into its estimate and its train flags (max-length mode does not run adapters, so a
-    # LoRA setup is never tiled: see _bases and fastest_tiling)
+    # them into its estimate and its train flags
     lora: LoRASpec | None = None
 
     @property
@@ -163,12 +162,12 @@ def fastest_tiling(shape: ModelShape, seq_len: int, devices: int, setup: Setup,
                    keep_every: int | None = None) -> tuple[Setup | None, MemoryEstimate | None]:
     """``setup`` untiled if it fits, else with the fastest (tile, chunk, keep_every) that fits
     (``tile``, ``chunk``, ``keep_every``: fixed values instead of searched ones);
-    (None, estimate of the most frugal one) when nothing fits. A LoRA setup is never tiled:
-    max-length mode's fused layers compute with the base weights and skip the adapters
-    (train refuses --mlp-tile with --lora-rank)."""
-    if allow_untiled or setup.lora is not None or not shape.fusable:
+    (None, estimate of the most frugal one) when nothing fits. A LoRA setup is tiled like
+    any other (its layers take max-length mode's generic path, which runs the adapters; the
+    fused layer's terms plan it, with LoRA's own changes: plan/lora.py)."""
+    if allow_untiled or not shape.fusable:
         ok, est = _fits(shape, seq_len, devices, setup, device_bytes, host_bytes, dtype)
-        if ok or setup.lora is not None or not shape.fusable:  # never tiled (shapes.fusable)
+        if ok or not shape.fusable:  # never tiled (shapes.fusable)
             return (setup if ok else None), est
     s = seq_len // devices
     tiles = [tile] if tile else sorted({min(t, s) for t in TILES}, reverse=True)
@@ -215,8 +214,8 @@ def plan_longest(shape: ModelShape, devices: int, device_bytes: int,
         frugal = [base] + [replace(base, mlp_tile=1024, heads_per_chunk=c, keep_every=k)
                            for c in chunk_choices(shape, base, devices)[-1:] for k in KEEP_EVERY
                            if k == 1 or (base.checkpointing != "attention" and k <= shape.layers)
-                           if base.lora is None and shape.fusable]  # untiled only: LoRA
-        # (fastest_tiling), models whose layers the fused layer does not run (shapes.fusable)
+                           if shape.fusable]  # untiled only: models whose layers the
+        # fused layer's terms do not describe (shapes.fusable)
         for setup in frugal:
             length, _ = max_sequence_length(shape, devices, device_bytes, setup.method,
                                             setup.ring_degree, granularity, limit=1 << 31,

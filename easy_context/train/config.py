@@ -165,10 +165,11 @@ class TrainConfig:
             raise ValueError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
         elif self.auto_memory:
             # max-length mode runs the adapters (a layer whose projections carry them takes
-            # the generic path, which calls the model's own modules), but the planner behind
-            # --auto-memory does not count LoRA runs: force --mlp-tile/--head-chunk instead
-            raise ValueError("--auto-memory does not plan LoRA runs; drop it and give "
-                             "--mlp-tile/--head-chunk for max-length mode, or drop --lora-rank")
+            # the generic path, which calls the model's own modules), but --auto-memory's
+            # resolution is not tested with LoRA: the flags plan --auto prints are
+            raise ValueError("--auto-memory does not plan LoRA runs; drop it and give the "
+                             "flags `easy-context plan --auto --lora-rank R` prints "
+                             "(--mlp-tile/--head-chunk for max-length mode), or drop --lora-rank")
         if self.lora_4bit and self.engine != "fsdp":
             raise ValueError("--lora-4bit needs --engine fsdp: ZeRO-3 would partition the 4-bit "
                              "weights, whose layout does not survive it")

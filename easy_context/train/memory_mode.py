@@ -115,11 +115,12 @@ def apply_memory_mode(model, config: TrainConfig, sp: int, device: torch.device)
 
     tile, chunk = parse_tiling(config.mlp_tile), parse_tiling(config.head_chunk, "head_chunk")
     if config.lora_rank and "auto" in (tile, chunk):
-        # the planner does not count LoRA runs: auto keeps the untiled layers; forced tiles
-        # run the adapters (their layers take max-length mode's generic path)
+        # auto keeps a LoRA run's layers untiled (not tested with the planner's LoRA tiles);
+        # forced tiles run the adapters (their layers take max-length mode's generic path)
         if config.keep_every > 1:
             raise ValueError("--keep-every with --lora-rank needs --mlp-tile and --head-chunk "
-                             "as numbers or off (the planner does not plan LoRA runs)")
+                             "as numbers or off (`easy-context plan --auto --lora-rank R` "
+                             "prints them)")
         return False
     if tile is None and chunk is None:
         if config.keep_every > 1:
