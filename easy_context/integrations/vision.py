@@ -85,7 +85,17 @@ def describe(model: nn.Module) -> VisionFamily:
             token_ids[modality] = int(value)
     if "image" not in token_ids:
         raise ValueError(f"{name}'s config names no image_token_id")
-    grids = "image_grid_thw" in inspect.signature(model.get_image_features).parameters
+    params = inspect.signature(model.get_image_features).parameters
+    grids = "image_grid_thw" in params
+    required = [n for n, p in params.items() if p.default is inspect.Parameter.empty
+                and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and n != "pixel_values"]
+    if required:
+        # LLaVA-NeXT / OneVision, Mistral 3: any-resolution tiling by image_sizes, whose
+        # features per image come out of the tower's own packing (unpadding, newlines)
+        raise ValueError(f"{name}'s vision tower needs {', '.join(required)} (images tiled "
+                         "at any resolution), which sequence parallelism does not cut per "
+                         "image yet; train it with images of one fixed size, or without "
+                         "sequence parallelism")
     vision_config = getattr(config, "vision_config", None)
     merge = int(getattr(vision_config, "spatial_merge_size", 1) or 1) ** 2 if grids else 1
     mrope = callable(getattr(_base(model), "get_rope_index", None))
@@ -240,6 +250,10 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
             # encodes only the frames its tokens hold, never the whole video
             grid = grid.repeat_interleave(grid[:, 0], dim=0)
             grid[:, 0] = 1
+        if grid is None and values_m.dim() != 4:
+            raise ValueError(f"{type(model).__name__}'s pixel values are "
+                             f"{tuple(values_m.shape)}; sequence parallelism takes one image "
+                             "(or tile) per row, (N, C, H, W)")
         count = grid.size(0) if grid is not None else values_m.size(0)
         per_item = _tokens_per_item(family, grid, count, total, modality)
         if sum(per_item) != total:
