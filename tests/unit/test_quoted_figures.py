@@ -669,3 +669,24 @@ def test_loss_chunks_table():
     worst = max(r["max_rel_error_to_rows_130_product"] for r in d["rows"])
     assert f"agree within {worst:.1e} relative" in page and worst < 1e-5
     assert f"rounds at commit {d['machine']['git_commit']}" in page
+
+
+def test_vlm_video_figures():
+    """docs/guides/vision-language.md's long-video table and ratios are vlm_video.json's."""
+    data = _results("vlm_video.json")
+    (one,), sp = data["runs"][0]["ranks"], data["runs"][1]["ranks"]
+    page = (REPO / "docs" / "guides" / "vision-language.md").read_text()
+    start = page.index("| | step peak above the start (MB) |")
+    rows = page[start:].split("\n\n")[0].splitlines()[2:]
+    want = [one, *sp]
+    assert len(rows) == len(want) == 3
+    for line, r in zip(rows, want):
+        cells = [c.strip() for c in line.strip("|").split("|")][1:]
+        assert cells == [f"{r['step_peak_mb']:.0f}", f"{r['step_cpu_s']:.1f}",
+                         f"{r['step_s']:.1f}", str(r["frames_encoded"]), f"{r['loss']:.6f}"], line
+    text = _text("docs/guides/vision-language.md")
+    summary = data["summary"]
+    assert (f"peaks at {summary['peak_ratio_sp2_over_one']:.2f}x the one process's memory and "
+            f"does {summary['step_cpu_s_ratio_sp2_over_one']:.2f}x its work") in text
+    assert summary["loss_rel_diff"] == 0.0 and "the same to the last digit" in text
+    assert f"{data['tokens']:,} tokens" in text and f"video of {one['video_steps']}" in text
