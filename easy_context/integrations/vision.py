@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..attention.documents import document_ids_from_positions, is_packed
 from ..sequence_parallel import shard_sequence
 from ..utils.decoder import decoder_of
 
@@ -154,7 +155,14 @@ def _positions(model: nn.Module, family: VisionFamily, input_ids: Tensor,
     if not family.mrope:
         if position_ids is not None:
             return position_ids.expand_as(input_ids)
-        return torch.arange(input_ids.size(1), device=input_ids.device).expand_as(input_ids)
+        if document_ids is None:
+            return torch.arange(input_ids.size(1), device=input_ids.device).expand_as(input_ids)
+        # each packed conversation from 0, as when it runs alone
+        starts = torch.ones_like(document_ids, dtype=torch.bool)
+        starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+        index = torch.arange(input_ids.size(1), device=input_ids.device).expand_as(input_ids)
+        first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+        return index - first
     if position_ids is not None:
         raise ValueError("position_ids are computed from the whole sequence by the model's own "
                          "get_rope_index (multimodal RoPE); pass document_ids for packed "
@@ -212,7 +220,8 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
     collectives; every rank holds the whole step's ids and pixel values and computes its own.
 
     input_ids, target_ids (shifted, -100 ignored), document_ids (packed conversations, one id
-    per conversation): (B, L) of the whole step; pixel values and grids as the model's
+    per conversation; for models without multimodal RoPE, position_ids that restart at each
+    conversation say the same): (B, L) of the whole step; pixel values and grids as the model's
     processor gives them (``second_per_grid_ts``: Qwen2.5-VL's seconds per video grid step).
     Returns ``local_input_ids``, ``local_position_ids`` ((3, B, S) for multimodal RoPE, else
     (B, S)), ``local_target_ids``, ``local_document_ids`` (None when not packed) and
@@ -227,6 +236,11 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
         if family.grids and (values[modality] is None) != (grids[modality] is None):
             raise ValueError(f"pass {modality} pixel values together with their "
                              f"{modality}_grid_thw")
+    if document_ids is None and position_ids is not None and not family.mrope:
+        # packed by restarting positions (padding-free collators), as prepare_seq_parallel_inputs
+        position_ids = position_ids.expand_as(input_ids)
+        if is_packed(position_ids):
+            document_ids = document_ids_from_positions(position_ids)
     positions = _positions(model, family, input_ids, document_ids, grids, position_ids,
                            second_per_grid_ts)
     index = torch.arange(input_ids.size(1), device=input_ids.device).unsqueeze(0)

@@ -44,6 +44,14 @@ def test_vlm_packed_conversations_2_ranks(dist2, family):
     _assert(dist2.run(check_vlm, family, methods, 1, True, (True,)))
 
 
+@pytest.mark.parametrize("family", ["llava", "internvl"])
+def test_vlm_packed_by_positions_2_ranks(dist2, family):
+    """Conversations packed by restarting position_ids alone, as padding-free collators give
+    them (models without multimodal RoPE): attention stays inside each."""
+    methods = sorted(n for n, m in ec.METHODS.items() if m.documents)
+    _assert(dist2.run(check_vlm, family, methods, 1, True, (True,), False, True))
+
+
 def test_vlm_batch_of_two_rows_2_ranks(dist2):
     _assert(dist2.run(check_vlm, "qwen2_5_vl", ["zigzag_ring_attn", "ulysses_attn"], 2, False,
                       (True,)))

@@ -226,17 +226,22 @@ def vision_grad_norm(model) -> float:
 
 
 def check_vlm(family: str, methods: list[str], batch: int = 1, packed: bool = False,
-              chunked_options=(True, False), video: bool = False) -> dict:
+              chunked_options=(True, False), video: bool = False,
+              packed_by_positions: bool = False) -> dict:
     """{f"{method} chunked={c}": (loss rel error, grad rel error, vision grad, images encoded
     here)} for each method."""
     rank, world = dist.get_rank(), dist.get_world_size()
     base = tiny_vlm(family)
     step = make_step(family, batch, video=video)
     documents = None
+    positions = None
     if packed:  # two conversations, the second starting inside the second image's run
         documents = torch.zeros_like(step["input_ids"])
         documents[:, 20:] = 1
         step["target_ids"][:, 19] = -100
+        if packed_by_positions:  # said by restarting positions alone (padding-free collators)
+            index = torch.arange(LENGTH).expand_as(documents)
+            positions = torch.where(documents == 1, index - 20, index)
     ref = copy.deepcopy(base)
     ref_loss = reference_loss(ref, step, documents)
     ref_loss.backward()
@@ -253,7 +258,8 @@ def check_vlm(family: str, methods: list[str], batch: int = 1, packed: bool = Fa
                 pixel_values_videos=step.get("pixel_values_videos"),
                 video_grid_thw=step.get("video_grid_thw"),
                 second_per_grid_ts=step.get("second_per_grid_ts"),
-                document_ids=documents, ring_degree=ring_degree)
+                document_ids=None if packed_by_positions else documents,
+                position_ids=positions, ring_degree=ring_degree)
             loss = ec.causal_lm_loss(model, local["local_input_ids"], local["local_position_ids"],
                                      local["local_target_ids"], chunked=chunked,
                                      document_ids=local["local_document_ids"],

@@ -94,3 +94,17 @@ def test_pixel_values_of_more_than_one_image_per_row_refused():
     with pytest.raises(ValueError, match=r"one image \(or tile\) per row"):
         prepare_vision_inputs(model, "ring_attn", step["input_ids"], step["target_ids"], 0, 2,
                               pixel_values=step["pixel_values"][None])
+
+
+def test_packed_conversations_number_their_positions_from_zero():
+    """Without multimodal RoPE, each packed conversation's positions start at 0, as when it
+    runs alone (a decoder with learned absolute positions needs it; RoPE would not tell)."""
+    model = tiny_vlm("llava")
+    step = make_step("llava")
+    documents = torch.zeros_like(step["input_ids"])
+    documents[:, 20:] = 1
+    local = prepare_vision_inputs(model, "ring_attn", step["input_ids"], step["target_ids"],
+                                  0, 1, pixel_values=step["pixel_values"],
+                                  document_ids=documents)
+    want = torch.cat([torch.arange(20), torch.arange(28)])[None]
+    assert torch.equal(local["local_position_ids"], want)
