@@ -687,6 +687,7 @@ def test_vlm_video_figures():
     text = _text("docs/guides/vision-language.md")
     summary = data["summary"]
     assert (f"peaks at {summary['peak_ratio_sp2_over_one']:.2f}x the one process's memory and "
-            f"does {summary['step_cpu_s_ratio_sp2_over_one']:.2f}x its work") in text
+            f"does {summary['step_cpu_s_ratio_sp2_over_one']:.2f}x its work (CPU time), in "
+            f"{summary['step_s_ratio_sp2_over_one']:.2f}x its wall time") in text
     assert summary["loss_rel_diff"] == 0.0 and "the same to the last digit" in text
     assert f"{data['tokens']:,} tokens" in text and f"video of {one['video_steps']}" in text
