@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..attention.documents import document_ids_from_positions, is_packed
 from ..sequence_parallel import shard_sequence
 from ..utils.decoder import decoder_of
 
@@ -85,7 +86,17 @@ def describe(model: nn.Module) -> VisionFamily:
             token_ids[modality] = int(value)
     if "image" not in token_ids:
         raise ValueError(f"{name}'s config names no image_token_id")
-    grids = "image_grid_thw" in inspect.signature(model.get_image_features).parameters
+    params = inspect.signature(model.get_image_features).parameters
+    grids = "image_grid_thw" in params
+    required = [n for n, p in params.items() if p.default is inspect.Parameter.empty
+                and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and n != "pixel_values"]
+    if required:
+        # LLaVA-NeXT / OneVision, Mistral 3: any-resolution tiling by image_sizes, whose
+        # features per image come out of the tower's own packing (unpadding, newlines)
+        raise ValueError(f"{name}'s vision tower needs {', '.join(required)} (images tiled "
+                         "at any resolution), which sequence parallelism does not cut per "
+                         "image yet; train it with images of one fixed size, or without "
+                         "sequence parallelism")
     vision_config = getattr(config, "vision_config", None)
     merge = int(getattr(vision_config, "spatial_merge_size", 1) or 1) ** 2 if grids else 1
     mrope = callable(getattr(_base(model), "get_rope_index", None))
@@ -144,7 +155,14 @@ def _positions(model: nn.Module, family: VisionFamily, input_ids: Tensor,
     if not family.mrope:
         if position_ids is not None:
             return position_ids.expand_as(input_ids)
-        return torch.arange(input_ids.size(1), device=input_ids.device).expand_as(input_ids)
+        if document_ids is None:
+            return torch.arange(input_ids.size(1), device=input_ids.device).expand_as(input_ids)
+        # each packed conversation from 0, as when it runs alone
+        starts = torch.ones_like(document_ids, dtype=torch.bool)
+        starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+        index = torch.arange(input_ids.size(1), device=input_ids.device).expand_as(input_ids)
+        first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+        return index - first
     if position_ids is not None:
         raise ValueError("position_ids are computed from the whole sequence by the model's own "
                          "get_rope_index (multimodal RoPE); pass document_ids for packed "
@@ -202,7 +220,8 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
     collectives; every rank holds the whole step's ids and pixel values and computes its own.
 
     input_ids, target_ids (shifted, -100 ignored), document_ids (packed conversations, one id
-    per conversation): (B, L) of the whole step; pixel values and grids as the model's
+    per conversation; for models without multimodal RoPE, position_ids that restart at each
+    conversation say the same): (B, L) of the whole step; pixel values and grids as the model's
     processor gives them (``second_per_grid_ts``: Qwen2.5-VL's seconds per video grid step).
     Returns ``local_input_ids``, ``local_position_ids`` ((3, B, S) for multimodal RoPE, else
     (B, S)), ``local_target_ids``, ``local_document_ids`` (None when not packed) and
@@ -217,6 +236,11 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
         if family.grids and (values[modality] is None) != (grids[modality] is None):
             raise ValueError(f"pass {modality} pixel values together with their "
                              f"{modality}_grid_thw")
+    if document_ids is None and position_ids is not None and not family.mrope:
+        # packed by restarting positions (padding-free collators), as prepare_seq_parallel_inputs
+        position_ids = position_ids.expand_as(input_ids)
+        if is_packed(position_ids):
+            document_ids = document_ids_from_positions(position_ids)
     positions = _positions(model, family, input_ids, document_ids, grids, position_ids,
                            second_per_grid_ts)
     index = torch.arange(input_ids.size(1), device=input_ids.device).unsqueeze(0)
@@ -240,6 +264,10 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
             # encodes only the frames its tokens hold, never the whole video
             grid = grid.repeat_interleave(grid[:, 0], dim=0)
             grid[:, 0] = 1
+        if grid is None and values_m.dim() != 4:
+            raise ValueError(f"{type(model).__name__}'s pixel values are "
+                             f"{tuple(values_m.shape)}; sequence parallelism takes one image "
+                             "(or tile) per row, (N, C, H, W)")
         count = grid.size(0) if grid is not None else values_m.size(0)
         per_item = _tokens_per_item(family, grid, count, total, modality)
         if sum(per_item) != total:

@@ -1,11 +1,13 @@
 """Sequence-parallel training of vision-language models equals one process (fp32).
 
-Tiny Qwen2.5-VL (multimodal RoPE), Qwen3-VL (multimodal RoPE and deepstack features) and
-LLaVA (a CLIP tower and a projector before a Llama decoder), with images straddling shard
-boundaries, a batch of two rows, and packed conversations: for every method at 2 ranks (and
-at 4 ranks for some), the loss within 1e-5 relative of the model's own forward on the whole
-step, and every parameter's gradient, vision tower included, summed over ranks, within 1e-5
-relative (integrations/vision.py says where images are encoded).
+Tiny Qwen2.5-VL (multimodal RoPE), Qwen3-VL (multimodal RoPE and deepstack features),
+Qwen3.5 (its text layers gated DeltaNet and attention), LLaVA (a CLIP tower and a projector
+before a Llama decoder) and InternVL (tiles, pixel shuffle, a Qwen2 decoder), with images
+straddling shard boundaries, a video, a batch of two rows, and packed conversations: for
+every method at 2 ranks (and at 4 ranks for some), the loss within 1e-5 relative of the
+model's own forward on the whole step, and every parameter's gradient, vision tower
+included, summed over ranks, within 1e-5 relative (integrations/vision.py says where images
+are encoded).
 """
 
 import pytest
@@ -28,15 +30,26 @@ def _assert(reports, straddles: bool = True):
         assert 5 < sum(encoded), encoded
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava"])
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava", "internvl"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_vlm_every_method_2_ranks(dist2, family):
     _assert(dist2.run(check_vlm, family, METHODS))
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_vlm_packed_conversations_2_ranks(dist2, family):
     methods = sorted(n for n, m in ec.METHODS.items() if m.documents)
     _assert(dist2.run(check_vlm, family, methods, 1, True, (True,)))
+
+
+@pytest.mark.parametrize("family", ["llava", "internvl"])
+def test_vlm_packed_by_positions_2_ranks(dist2, family):
+    """Conversations packed by restarting position_ids alone, as padding-free collators give
+    them (models without multimodal RoPE): attention stays inside each."""
+    methods = sorted(n for n, m in ec.METHODS.items() if m.documents)
+    _assert(dist2.run(check_vlm, family, methods, 1, True, (True,), False, True))
 
 
 def test_vlm_batch_of_two_rows_2_ranks(dist2):

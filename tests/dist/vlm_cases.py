@@ -64,6 +64,32 @@ def tiny_vlm(family: str, seed: int = 0):
             image_token_id=IMAGE, vision_feature_layer=-1,
             vision_feature_select_strategy="default")
         cls = tf.LlavaForConditionalGeneration
+    elif family == "qwen3_5":  # gated DeltaNet and attention layers, multimodal RoPE
+        config = tf.Qwen3_5Config(
+            text_config={**TEXT, "rope_parameters": {**MROPE, "mrope_interleaved": True},
+                         "layer_types": ["linear_attention", "full_attention"],
+                         "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                         "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                         "linear_conv_kernel_dim": 4},
+            vision_config={**QWEN_VISION, "num_position_embeddings": 64},
+            **SPECIAL)
+        cls = tf.Qwen3_5ForConditionalGeneration
+    elif family == "internvl":  # 8x8 images, 2x2 patches, pixel shuffle 0.5: 4 tokens each
+        config = tf.InternVLConfig(
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=4, image_size=[8, 8], patch_size=[2, 2]),
+            text_config={**TEXT, "model_type": "qwen2"}, image_token_id=IMAGE,
+            downsample_ratio=0.5, vision_feature_layer=-1)
+        cls = tf.InternVLForConditionalGeneration
+    elif family == "llava_next":  # any-resolution tiling (image_sizes): refused with images
+        config = tf.LlavaNextConfig(
+            text_config={**TEXT, "model_type": "llama"},
+            vision_config=dict(model_type="clip_vision_model", hidden_size=32,
+                               intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=4, image_size=4, patch_size=2,
+                               projection_dim=32),
+            image_token_id=IMAGE, image_grid_pinpoints=[[4, 4]], vision_feature_layer=-1)
+        cls = tf.LlavaNextForConditionalGeneration
     elif family == "gemma3":
         config = tf.Gemma3Config(
             text_config={**TEXT, "final_logit_softcapping": None},
@@ -74,7 +100,14 @@ def tiny_vlm(family: str, seed: int = 0):
     else:
         raise ValueError(family)
     torch.manual_seed(seed)
-    return cls._from_config(config, attn_implementation="sdpa").float()
+    model = cls._from_config(config, attn_implementation="sdpa").float()
+    with torch.no_grad():  # Qwen3.5's gated DeltaNet: mild decays, as hf_recurrent_cases.py
+        for m in model.modules():  # says why (the default's A_log/dt_bias grads cancel to ~0)
+            if isinstance(getattr(m, "A_log", None), torch.Tensor) and \
+                    isinstance(getattr(m, "dt_bias", None), torch.Tensor):
+                m.A_log.copy_(torch.linspace(-2, 0.5, m.A_log.numel()).view_as(m.A_log))
+                m.dt_bias.zero_()
+    return model
 
 
 def make_step(family: str, batch: int = 1, seed: int = 1, video: bool = False) -> dict:
@@ -103,7 +136,8 @@ def make_step(family: str, batch: int = 1, seed: int = 1, video: bool = False) -
                                            generator=gen)
     else:  # fixed-size images of 2x2 patches: 4 tokens each
         tokens = [4] * len(STARTS)
-        step["pixel_values"] = torch.randn(len(STARTS), 3, 4, 4, generator=gen)
+        side = 8 if family == "internvl" else 4
+        step["pixel_values"] = torch.randn(len(STARTS), 3, side, side, generator=gen)
     rows = [b for b in range(batch) for _ in range(len(STARTS) // batch)]
     rows += [batch - 1] * (len(STARTS) - len(rows))
     for b, start, n, kind in zip(rows, STARTS, tokens, kinds):
@@ -192,17 +226,22 @@ def vision_grad_norm(model) -> float:
 
 
 def check_vlm(family: str, methods: list[str], batch: int = 1, packed: bool = False,
-              chunked_options=(True, False), video: bool = False) -> dict:
+              chunked_options=(True, False), video: bool = False,
+              packed_by_positions: bool = False) -> dict:
     """{f"{method} chunked={c}": (loss rel error, grad rel error, vision grad, images encoded
     here)} for each method."""
     rank, world = dist.get_rank(), dist.get_world_size()
     base = tiny_vlm(family)
     step = make_step(family, batch, video=video)
     documents = None
+    positions = None
     if packed:  # two conversations, the second starting inside the second image's run
         documents = torch.zeros_like(step["input_ids"])
         documents[:, 20:] = 1
         step["target_ids"][:, 19] = -100
+        if packed_by_positions:  # said by restarting positions alone (padding-free collators)
+            index = torch.arange(LENGTH).expand_as(documents)
+            positions = torch.where(documents == 1, index - 20, index)
     ref = copy.deepcopy(base)
     ref_loss = reference_loss(ref, step, documents)
     ref_loss.backward()
@@ -219,7 +258,8 @@ def check_vlm(family: str, methods: list[str], batch: int = 1, packed: bool = Fa
                 pixel_values_videos=step.get("pixel_values_videos"),
                 video_grid_thw=step.get("video_grid_thw"),
                 second_per_grid_ts=step.get("second_per_grid_ts"),
-                document_ids=documents, ring_degree=ring_degree)
+                document_ids=None if packed_by_positions else documents,
+                position_ids=positions, ring_degree=ring_degree)
             loss = ec.causal_lm_loss(model, local["local_input_ids"], local["local_position_ids"],
                                      local["local_target_ids"], chunked=chunked,
                                      document_ids=local["local_document_ids"],

@@ -690,3 +690,25 @@ def test_hybrid_table():
     passed = all(t["result"] == "PASS" for t in d["targets"])
     assert ("Every target passes" in page) == passed
     assert f"The run took {d['total_s']:.0f} s" in page
+
+
+def test_vlm_video_figures():
+    """docs/guides/vision-language.md's long-video table and ratios are vlm_video.json's."""
+    data = _results("vlm_video.json")
+    (one,), sp = data["runs"][0]["ranks"], data["runs"][1]["ranks"]
+    page = (REPO / "docs" / "guides" / "vision-language.md").read_text()
+    start = page.index("| | step peak above the start (MB) |")
+    rows = page[start:].split("\n\n")[0].splitlines()[2:]
+    want = [one, *sp]
+    assert len(rows) == len(want) == 3
+    for line, r in zip(rows, want):
+        cells = [c.strip() for c in line.strip("|").split("|")][1:]
+        assert cells == [f"{r['step_peak_mb']:.0f}", f"{r['step_cpu_s']:.1f}",
+                         f"{r['step_s']:.1f}", str(r["frames_encoded"]), f"{r['loss']:.6f}"], line
+    text = _text("docs/guides/vision-language.md")
+    summary = data["summary"]
+    assert (f"peaks at {summary['peak_ratio_sp2_over_one']:.2f}x the one process's memory and "
+            f"does {summary['step_cpu_s_ratio_sp2_over_one']:.2f}x its work (CPU time), in "
+            f"{summary['step_s_ratio_sp2_over_one']:.2f}x its wall time") in text
+    assert summary["loss_rel_diff"] == 0.0 and "the same to the last digit" in text
+    assert f"{data['tokens']:,} tokens" in text and f"video of {one['video_steps']}" in text

@@ -75,3 +75,36 @@ def test_a_rank_without_images_gives_the_tower_zero_gradients(family):
     tower = tower_parameters(model)
     assert tower and all(p.grad is not None and not p.grad.any() for p in tower)
     assert not any(p is model.get_input_embeddings().weight for p in tower)
+
+
+def test_any_resolution_tiling_refused():
+    """LLaVA-NeXT's tower needs image_sizes (tiles packed per image by the tower itself):
+    refused up front, naming what to change."""
+    from easy_context.integrations.vision import describe
+
+    with pytest.raises(ValueError, match="needs image_sizes .*images of one fixed size"):
+        describe(tiny_vlm("llava_next"))
+
+
+def test_pixel_values_of_more_than_one_image_per_row_refused():
+    """(B, N, C, H, W) pixel values (several images per row, Idefics-style) are refused: the
+    images are cut one per row."""
+    model = tiny_vlm("llava")
+    step = make_step("llava")
+    with pytest.raises(ValueError, match=r"one image \(or tile\) per row"):
+        prepare_vision_inputs(model, "ring_attn", step["input_ids"], step["target_ids"], 0, 2,
+                              pixel_values=step["pixel_values"][None])
+
+
+def test_packed_conversations_number_their_positions_from_zero():
+    """Without multimodal RoPE, each packed conversation's positions start at 0, as when it
+    runs alone (a decoder with learned absolute positions needs it; RoPE would not tell)."""
+    model = tiny_vlm("llava")
+    step = make_step("llava")
+    documents = torch.zeros_like(step["input_ids"])
+    documents[:, 20:] = 1
+    local = prepare_vision_inputs(model, "ring_attn", step["input_ids"], step["target_ids"],
+                                  0, 1, pixel_values=step["pixel_values"],
+                                  document_ids=documents)
+    want = torch.cat([torch.arange(20), torch.arange(28)])[None]
+    assert torch.equal(local["local_position_ids"], want)
