@@ -57,6 +57,18 @@ def test_every_method_equals_one_process(dist2):
         assert frozen_with_grad == [], (method, frozen_with_grad)
 
 
+@pytest.mark.parametrize("hybrid", ["qwen3_next", "granite_hybrid", "lfm2"])
+def test_hybrid_adapters_equal_one_process(dist2, hybrid):
+    # adapters on the recurrent layers' projections (gated DeltaNet's in_proj_qkvz/ba and
+    # out_proj, Mamba-2's in_proj/out_proj, the short conv's): every gradient as one process
+    methods = ["zigzag_ring_attn", "ulysses_attn", "usp_attn"]
+    report = dist2.run(check_lora_methods, methods, hybrid)[0]
+    assert set(report) == set(methods)
+    for method, (loss_err, grad_err, frozen_with_grad) in report.items():
+        assert loss_err <= TOL and grad_err <= TOL, (method, loss_err, grad_err)
+        assert frozen_with_grad == [], (method, frozen_with_grad)
+
+
 @pytest.fixture(scope="module")
 def one_process(dist1, workdir) -> dict:
     return dist1.run(engine_step_gradients, workdir)[0]
