@@ -25,6 +25,17 @@ def tiny_model_dir(folder: Path, family: str = "llama", seed: int = 0,
     return Path(folder)
 
 
+def tiny_hybrid_dir(folder: Path, family: str, seed: int = 0, **overrides) -> Path:
+    """A tiny hybrid (tests/dist/hf_recurrent_cases.py HYBRIDS: recurrent and attention layers,
+    mild decays) with TINY's vocabulary, saved with save_pretrained."""
+    from tests.dist.hf_recurrent_cases import tiny_hybrid
+
+    model = tiny_hybrid(family, seed, vocab_size=TINY["vocab_size"], tie_word_embeddings=False,
+                        **overrides)
+    model.save_pretrained(folder, safe_serialization=True)
+    return Path(folder)
+
+
 def tiny_model_with_tokenizer(folder: Path, seed: int = 0) -> Path:
     """A small Llama (2 layers, hidden 64, GQA 4/2, RoPE up to 8K positions) saved with a
     512-token byte-level BPE trained on synthetic text and the special tokens' ids in its

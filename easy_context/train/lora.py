@@ -161,11 +161,16 @@ def add_lora(model: nn.Module, pretrained: Pretrained, config: TrainConfig,
     lora = peft_config(config)
     with context or contextlib.nullcontext():
         modules = inject_lora(model, lora)
+    load_full = _load_full_with_adapters(pretrained, lora, config.seed)
     if config.lora_4bit:
-        from .qlora import quantize_base
+        from .qlora import quantize_base, quantized_weight_names
 
         quantized = quantize_base(model, pretrained.folder(), device, base_name)
         log.info("QLoRA: %d weights of the decoder layers in 4-bit NF4 on every rank", quantized)
+        # the 4-bit weights are no parameters of the model (filled just now): the full model
+        # that rank 0 loads when only transformers can map the checkpoint (Qwen3-Next's
+        # conversion mapping) must not hold them, or loading its state dict fails on them
+        load_full = _without(load_full, quantized_weight_names(model))
     trainable = sum(_numel(p) for n, p in model.named_parameters() if is_adapter(n))
     total = sum(_numel(p) for p in model.parameters())
     log.info("LoRA rank %d, alpha %g on %d modules (%s): %d trainable parameters of %d (%.3f%%)",
@@ -174,8 +179,21 @@ def add_lora(model: nn.Module, pretrained: Pretrained, config: TrainConfig,
              100 * trainable / total)
     shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in model.named_parameters()
               if is_adapter(n)}
-    return model, LoRAPretrained(pretrained.path, _load_full_with_adapters(pretrained, lora, config.seed),
-                                 base=pretrained, adapter_shapes=shapes, seed=config.seed)
+    return model, LoRAPretrained(pretrained.path, load_full, base=pretrained,
+                                 adapter_shapes=shapes, seed=config.seed)
+
+
+def _without(load_full, names: set[str]):
+    """``load_full`` whose model lacks the parameters ``names``."""
+
+    def load() -> nn.Module:
+        model = load_full()
+        for name in names:
+            owner, _, leaf = name.rpartition(".")
+            delattr(model.get_submodule(owner), leaf)
+        return model
+
+    return load
 
 
 def _numel(p: torch.Tensor) -> int:

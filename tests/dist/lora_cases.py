@@ -21,10 +21,16 @@ from .hf_cases import make_batch, reference_loss, sharded_loss, tiny_model
 RANK = 4
 
 
-def lora_model(seed: int = 0):
-    """The tiny Llama of hf_cases with adapters on every linear module of its decoder layers,
-    B drawn at random so that the gradients of A are not zero."""
-    model = tiny_model("llama", seed)
+def lora_model(seed: int = 0, hybrid: str | None = None):
+    """The tiny Llama of hf_cases (or the tiny ``hybrid`` of hf_recurrent_cases.HYBRIDS) with
+    adapters on every linear module of its decoder layers (a hybrid's recurrent layers'
+    projections too), B drawn at random so that the gradients of A are not zero."""
+    if hybrid is None:
+        model = tiny_model("llama", seed)
+    else:
+        from .hf_recurrent_cases import tiny_hybrid
+
+        model = tiny_hybrid(hybrid, seed)
     inject_lora(model, peft_config(TrainConfig(model="tiny", dataset="-", lora_rank=RANK)))
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -50,11 +56,12 @@ def _adapter_errors(sp_model, ref_model) -> tuple[float, list[str]]:
     return worst, frozen_with_grad
 
 
-def check_lora_methods(methods: list[str]) -> dict[str, tuple[float, float, list[str]]]:
+def check_lora_methods(methods: list[str], hybrid: str | None = None
+                       ) -> dict[str, tuple[float, float, list[str]]]:
     """For each method: (loss relative error, adapter gradient relative error, frozen
     parameters with a gradient), the LoRA model on this rank's shard against one process."""
     world = dist.get_world_size()
-    base = lora_model()
+    base = lora_model(hybrid=hybrid)
     inputs, positions, targets = make_batch(2 * world * 5, base.config.vocab_size)
     ref = copy.deepcopy(base)
     ref_loss = reference_loss(ref, inputs, positions, targets)

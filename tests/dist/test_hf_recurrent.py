@@ -80,9 +80,11 @@ def test_lfm2_4_ranks(dist4):
                                                    "usp_attn"], 1))
 
 
-def test_falcon_h1_chunked_loss_2_ranks(dist2):
-    # the chunked loss scales the logits by lm_head_multiplier, as Falcon-H1's forward does
-    _assert_small(dist2.run(check_hybrid, "falcon_h1", ["zigzag_ring_attn"], 2, True))
+@pytest.mark.parametrize("family", ["falcon_h1", "qwen3_next", "granite_hybrid", "lfm2"])
+def test_chunked_loss_2_ranks(dist2, family):
+    # the chunked loss (the decoder's last hidden state, the head chunk by chunk); for
+    # Falcon-H1 it scales the logits by lm_head_multiplier, as Falcon-H1's forward does
+    _assert_small(dist2.run(check_hybrid, family, ["zigzag_ring_attn", "ulysses_attn"], 2, True))
 
 
 @pytest.mark.parametrize("family", ["jamba", "kimi_linear"])

@@ -4,6 +4,7 @@ Same tiny llama, same data, zigzag_ring_attn over both ranks, fp32, full activat
 checkpointing: the per-step losses (and gradient norms) of --engine deepspeed equal those of
 --engine fsdp, with and without optimizer offload, with gradient accumulation, and across a
 checkpoint + resume. The exported model loads with from_pretrained and equals FSDP's export.
+Hybrid models (Qwen3-Next; Granite 4 with LoRA) follow FSDP in one process.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-from tests.train_fixtures import tiny_dataset_dir, tiny_model_dir  # noqa: E402
+from tests.train_fixtures import tiny_dataset_dir, tiny_hybrid_dir, tiny_model_dir  # noqa: E402
 
 SEQ = 64
 
@@ -96,3 +97,61 @@ def test_offload_optimizer_with_accumulation_and_resume(dist2, workdir):
                         resume=True, **accum)[0]
     assert resumed[-1]["step"] == 3
     assert resumed[-1]["loss"] == pytest.approx(got[-1]["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("family,options", [
+    ("qwen3_next", {}),
+    pytest.param("granite_hybrid", dict(lora_rank=4), marks=pytest.mark.slow)])
+def test_hybrid_models_equal_one_process(dist1, dist2, workdir, tmp_path, family, options):
+    """Hybrids under ZeRO-3 (the old code failed to build them: transformers' weight init
+    copied whole A_log tensors into zero.Init's empty partitions) on 2 ranks follow FSDP in
+    one process; LoRA on the Mamba-2 layers' projections too."""
+    if "lora_rank" in options:
+        pytest.importorskip("peft")
+    model = str(tiny_hybrid_dir(tmp_path / "model", family))
+    ref = dist1.run(ds_train, workdir, f"ref_{family}", model=model, engine="fsdp", **options)[0]
+    got = dist2.run(ds_train, workdir, f"ds_{family}", model=model, engine="deepspeed",
+                    **options)[0]
+    _assert_same_losses(got, ref)
+
+
+DS_BUILD_TWICE = """
+import os, sys
+import torch
+import torch.distributed as dist
+from easy_context.train.config import TrainConfig
+from easy_context.train.engines.deepspeed import zero_init
+from easy_context.train.model import build_empty_model
+from transformers import AutoConfig, AutoModelForCausalLM
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+config = TrainConfig(model=sys.argv[1], dataset="-", engine="deepspeed", mixed_precision="fp32")
+build_empty_model(config, lambda mc: zero_init(config, mc, torch.device("cpu")),
+                  buffers_outside=True)
+# a model built afterwards in the same process (a second run, an evaluation)
+later = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[1]))
+print("KERNEL_FUNCS", sorted(later.model.layers[0].linear_attn.__dict__.get("_kernel_funcs", {})))
+dist.destroy_process_group()
+"""
+
+
+def test_models_built_after_zero_init_keep_their_kernel_functions(tmp_path):
+    """zero.Init puts back, on exit, the __init__ a module class had when it was made inside
+    it: kernels' use_kernelized_func (which gives each recurrent layer its kernel functions)
+    was undone when the modeling code was first imported inside zero.Init, and every model
+    built later in the process was refused as unroutable. A fresh process: the import is
+    the build's own."""
+    import socket
+    import subprocess
+    import sys
+
+    model = tiny_hybrid_dir(tmp_path / "model", "qwen3_next")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    run = subprocess.run([sys.executable, "-c", DS_BUILD_TWICE, str(model), port],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "KERNEL_FUNCS ['causal_conv1d_fn'" in run.stdout and "chunk_gated_delta_rule" in \
+        run.stdout, run.stdout[-2000:]

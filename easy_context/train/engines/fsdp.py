@@ -136,12 +136,7 @@ class FSDPEngine:
                     "memory on rank 0)", pretrained.path)
         full = {}
         if dist.get_rank() == 0:
-            from ..qlora import quantized_weight_names
-
-            # --lora-4bit: the 4-bit weights were filled as the model was built
-            quantized = quantized_weight_names(self.model)
-            full = {f"model.{k}": v for k, v in pretrained.load_full().state_dict().items()
-                    if k not in quantized}
+            full = {f"model.{k}": v for k, v in pretrained.load_full().state_dict().items()}
         set_model_state_dict(self.loss_module, full, options=StateDictOptions(
             full_state_dict=True, broadcast_from_rank0=True))
 
