@@ -143,3 +143,10 @@ def test_a_layer_that_computes_something_else_is_refused_by_the_probe():
     with pytest.raises(ValueError, match="differ by"):
         apply_max_length(model, 4, 2, path="fused")
     assert _paths(model) == ["fused", "generic"]  # the generic path runs that forward
+
+
+def test_layers_handed_state_the_generic_path_cannot_recompute_are_refused():
+    """Gemma 4's layers take per-layer inputs (and share K/V between layers): the generic
+    path would recompute them without that state, so it refuses, naming the argument."""
+    reason = unsupported_reason(_model("gemma4_text", pad_token_id=0))
+    assert reason is not None and "per_layer_input" in reason, reason
