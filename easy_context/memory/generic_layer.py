@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -86,6 +87,11 @@ def static_mismatch(layer: nn.Module, config) -> str | None:
         return (f"max-length mode: {name} holds {stateful[0]}, which carries a state along the "
                 "sequence; max-length mode runs attention layers only. Train this model "
                 "without --mlp-tile/--head-chunk")
+    odd = unknown_arguments(layer)
+    if odd:
+        return (f"max-length mode: {name}'s forward takes {odd[0]}, which the generic path "
+                "does not know how to keep and recompute (e.g. state shared between layers); "
+                "train this model without --mlp-tile/--head-chunk")
     drop = [n for n, m in layer.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
     drop += [f"{n + '.' if n else ''}{a}" for n, m in layer.named_modules()
              for a, v in vars(m).items() if "dropout" in a and isinstance(v, (int, float))
@@ -100,6 +106,27 @@ def static_mismatch(layer: nn.Module, config) -> str | None:
                     "counts tokens over the whole sequence, which MLP tiles do not see; "
                     "train this model without --mlp-tile/--head-chunk")
     return None
+
+
+# The arguments a decoder layer's forward may take besides the hidden states: the ones the
+# generic path hands on as they are (masks, positions, the RoPE tables) or drops (the cache
+# ones: a call with a cache runs the layer unchanged). Anything else (Gemma 4's per-layer
+# inputs and its KV shared between layers) is state the recompute would not reproduce.
+KNOWN_ARGUMENTS = frozenset({
+    "hidden_states", "attention_mask", "position_ids", "position_embeddings", "cache",
+    "past_key_values", "past_key_value", "use_cache", "cache_position", "output_attentions",
+    "output_router_logits", "kwargs", "args"})
+
+
+def unknown_arguments(layer: nn.Module) -> list[str]:
+    """The named parameters of the layer's own forward that the generic path does not know."""
+    forward = getattr(layer, "_ec_original_forward", layer.forward)
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return []
+    return [n for n, p in params.items() if n not in KNOWN_ARGUMENTS
+            and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
 # ------------------------------------------------------------------------- MLP tiles

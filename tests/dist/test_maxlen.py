@@ -116,8 +116,9 @@ def test_unsupported_structures_are_refused(dist2):
 # Phi-3's fused gate_up, MoE routers, LoRA adapters) with its MLP module in checkpointed
 # sequence tiles and its attention function called a chunk of heads at a time. Tiles of 3-5
 # tokens against shards of 12 and 24, one query head per chunk, offloaded inputs, the nested
-# recompute, kept attention.
-GENERIC = [(5, 1, "full", 1), (3, 2, "offload", 2), (4, 2, "attention", 1)]
+# recompute (offloaded, and on the device handing its attention to the backward that
+# follows), kept attention.
+GENERIC = [(5, 1, "full", 1), (3, 2, "offload", 2), (4, 2, "attention", 1), (6, 2, "full", 2)]
 GEMMA3_SOFTCAP = dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
 PHI3 = dict(pad_token_id=0)
 QWEN3_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)

@@ -146,11 +146,23 @@ def test_unsupported_layers_train_untiled_unless_forced(dist2, workdir):
 def test_generic_path_trains_like_untiled(dist2, workdir, lora):
     """OLMo-2's post-norm layers (which the fused layer refuses) and LoRA adapters on every
     linear layer of Llama run on max-length mode's generic path: forced tiles and one query
-    head per chunk, inputs offloaded, train like the untiled layers."""
-    kw = dict(model=f"{workdir}/olmo2") if not lora else dict(lora_rank=4)
-    name = "lora" if lora else "olmo"
+    head per chunk, inputs offloaded, train like the untiled layers. OLMo-2 keeps one layer
+    input in two: the other is regenerated with its weights gathered outside its forward
+    (FSDP2's unshard)."""
+    engine = "fsdp"
+    kw = dict(lora_rank=4) if lora else dict(model=f"{workdir}/olmo2")
+    nested = dict(keep_every=2) if not lora else {}
+    name = f"{'lora' if lora else 'olmo'}_{engine}"
     want = dist2.run(train_run, workdir, f"{name}_untiled", parallel_mode="zigzag_ring_attn",
-                     mlp_tile="off", head_chunk="off", **kw)[0]
+                     engine=engine, mlp_tile="off", head_chunk="off", **kw)[0]
     got = dist2.run(train_run, workdir, f"{name}_generic", parallel_mode="zigzag_ring_attn",
-                    mlp_tile="5", head_chunk="1", checkpointing="offload", **kw)[0]
+                    engine=engine, mlp_tile="5", head_chunk="1", checkpointing="offload",
+                    **kw, **nested)[0]
     _same(got, want)
+
+
+def test_generic_path_under_zero3_is_refused(dist2, workdir):
+    pytest.importorskip("deepspeed")
+    why = dist2.run(train_error, workdir, engine="deepspeed", lora_rank=4, mlp_tile="5",
+                    head_chunk="1")[0]
+    assert "generic path" in why and "ZeRO-3" in why and "--engine fsdp" in why, why

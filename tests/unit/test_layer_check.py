@@ -166,3 +166,10 @@ def test_recurrent_layers_are_refused_by_name(model_type, overrides, layer):
     assert "--mlp-tile/--head-chunk" in reason
     with pytest.raises(ValueError, match="carry state along the sequence"):
         apply_max_length(model, 4, 2)
+
+
+def test_layers_handed_state_the_generic_path_cannot_recompute_are_refused():
+    """Gemma 4's layers take per-layer inputs (and share K/V between layers): the generic
+    path would recompute them without that state, so it refuses, naming the argument."""
+    reason = unsupported_reason(_model("gemma4_text", pad_token_id=0))
+    assert reason is not None and "per_layer_input" in reason, reason
