@@ -43,10 +43,10 @@ def test_variants_exact(dist2, dist4, world, method, ring_degree):
 def test_a_window_sends_what_it_reads(dist2, dist4, world, method):
     """Under a window of 4 on shards of 32 rows, a ring moves only the K/V rows later steps
     read and returns only the dK/dV rows read (dist_flash: only the keys a task reads), as
-    traffic.window_traffic predicts for the busiest rank, element for element; a global
+    window_cost.window_traffic predicts for the busiest rank, element for element; a global
     layer moves whole shards; all exact."""
     from easy_context.parallel.method import AttentionDims
-    from easy_context.parallel.traffic import window_traffic
+    from easy_context.parallel.window_cost import window_traffic
 
     pool = dist2 if world == 2 else dist4
     length = 32 * world

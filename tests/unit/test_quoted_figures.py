@@ -669,3 +669,29 @@ def test_loss_chunks_table():
     worst = max(r["max_rel_error_to_rows_130_product"] for r in d["rows"])
     assert f"agree within {worst:.1e} relative" in page and worst < 1e-5
     assert f"rounds at commit {d['machine']['git_commit']}" in page
+
+
+def test_sliding_layer_table():
+    """The 1K-window table is sliding.json's rows, the bytes its traffic, and the target's
+    verdict is the file's."""
+    data = _results("sliding.json")
+    rows = {r["method"]: r for r in data["rows"]}
+    page = (REPO / "docs" / "benchmarks.md").read_text()
+    lines = page[page.index("| method | global | sliding (window 1K) |"):].split("\n\n")[0] \
+        .splitlines()[2:]
+    assert len(lines) == len(rows) // 2 == 3, lines
+    for line in lines:
+        m = line.strip("|").split("|")[0].strip()
+        g, w = rows[m], rows[f"{m}@window=1024"]
+        sent = "-"
+        if m in data["traffic"]:
+            t = data["traffic"][m]["window"]
+            sent = (f"{(t['global_forward_bytes'] + t['global_backward_bytes']) / 2**20:.1f} / "
+                    f"{(t['forward_bytes'] + t['backward_bytes']) / 2**20:.2f} MiB")
+        assert line == (f"| {m} | {g['time_ms'] / 1e3:.2f} s | {w['time_ms'] / 1e3:.2f} s | "
+                        f"{w['time_ratio_vs_global']:.3f} | {w['computed_fraction']:.4f} | "
+                        f"{sent} |"), line
+    target = data["sliding_target"]
+    text = _text("docs/benchmarks.md")
+    assert f"{target['value']:.3f}x against the 0.35x target ({target['status']})" in text
+    assert f"at commit {data['machine']['git_commit']} (`benchmarks/results/sliding.json`)" in text
