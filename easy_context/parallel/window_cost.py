@@ -27,7 +27,9 @@ def window_traffic(method: str, dims: AttentionDims, seq_len: int, world: int,
     the K/V rows the window reads and dist_flash only the keys each task reads (their queries
     and results still travel whole); allgather, ulysses and usp's Ulysses part send for a
     window layer what they send for a global one (method.comm_bytes, forward + backward,
-    reported as backward_bytes with forward_bytes None)."""
+    reported as backward_bytes with forward_bytes None). For usp with ring_degree > 1 the
+    figures are its ring's only: its Ulysses all-to-all (ulysses.py) moves the same for a
+    window layer as for a global one, on top."""
     from . import get_method
 
     m = get_method(method)

@@ -693,5 +693,11 @@ def test_sliding_layer_table():
                         f"{sent} |"), line
     target = data["sliding_target"]
     text = _text("docs/benchmarks.md")
+    zig = [rows[m]["time_ms_iters"] for m in ("zigzag_ring_attn@window=1024", "zigzag_ring_attn")]
+    rounds = " and ".join(f"{w / g:.3f}x" for w, g in zip(*zig))
+    assert f"zigzag's sliding layer took {rounds} of its global one" in text
+    cpu = data["cpu_ratio_vs_global"]
+    assert (f"is {cpu['zigzag_ring_attn']['process_cpu']:.3f} for zigzag and "
+            f"{cpu['ring_attn']['process_cpu']:.3f} for the ring") in text
     assert f"{target['value']:.3f}x against the 0.35x target ({target['status']})" in text
     assert f"at commit {data['machine']['git_commit']} (`benchmarks/results/sliding.json`)" in text
