@@ -12,8 +12,8 @@ agree on its rows.
 
 Under a window W at zigzag N = 2, each rank sends W - 1 rows of K/V instead of its whole
 shard, and in backward W - 1 rows of dK/dV partials: communication falls with the window.
-:func:`easy_context.parallel.window_traffic.window_traffic` gives the planner those figures
-for a method, layout and window.
+:func:`easy_context.parallel.window_cost.window_traffic` gives the planner those figures
+for a method, world size and window.
 """
 
 from __future__ import annotations

@@ -38,24 +38,25 @@ def test_variants_exact(dist2, dist4, world, method, ring_degree):
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("world,method", [(2, "zigzag_ring_attn"), (4, "zigzag_ring_attn"),
-                                          (4, "ring_attn"), (4, "dist_flash_attn")])
-def test_a_window_sends_what_it_reads(dist2, dist4, world, method):
+@pytest.mark.parametrize("world,method,ring_degree", [
+    (2, "zigzag_ring_attn", None), (4, "zigzag_ring_attn", None), (4, "ring_attn", None),
+    (4, "dist_flash_attn", None)])
+def test_a_window_sends_what_it_reads(dist2, dist4, world, method, ring_degree):
     """Under a window of 4 on shards of 32 rows, a ring moves only the K/V rows later steps
     read and returns only the dK/dV rows read (dist_flash: only the keys a task reads), as
-    window_traffic.window_traffic predicts for the busiest rank, element for element; a global
+    window_cost.window_traffic predicts for the busiest rank, element for element; a global
     layer moves whole shards; all exact."""
     from easy_context.parallel.method import AttentionDims
-    from easy_context.parallel.window_traffic import window_traffic
+    from easy_context.parallel.window_cost import window_traffic
 
     pool = dist2 if world == 2 else dist4
     length = 32 * world
     for window in (None, 4, 40):
-        sent = pool.run(sent_elements, method, window)
+        sent = pool.run(sent_elements, method, window, ring_degree=ring_degree)
         assert all(r["exact"] for r in sent), (window, sent)
         # elements, not bytes: one per element, one per lse entry
         plan = window_traffic(method, AttentionDims(2, 2, 8), length, world, window, a=1,
-                              lse_bytes=1)
+                              ring_degree=ring_degree, lse_bytes=1)
         assert max(r["forward"] for r in sent) == plan["forward_bytes"], (window, sent, plan)
         assert max(r["backward"] for r in sent) == plan["backward_bytes"], (window, sent, plan)
         if window is None:

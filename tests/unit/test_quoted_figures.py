@@ -712,3 +712,35 @@ def test_vlm_video_figures():
             f"{summary['step_s_ratio_sp2_over_one']:.2f}x its wall time") in text
     assert summary["loss_rel_diff"] == 0.0 and "the same to the last digit" in text
     assert f"{data['tokens']:,} tokens" in text and f"video of {one['video_steps']}" in text
+
+
+def test_sliding_layer_table():
+    """The 1K-window table is sliding.json's rows, the bytes its traffic, and the target's
+    verdict is the file's."""
+    data = _results("sliding.json")
+    rows = {r["method"]: r for r in data["rows"]}
+    page = (REPO / "docs" / "benchmarks.md").read_text()
+    lines = page[page.index("| method | global | sliding (window 1K) |"):].split("\n\n")[0] \
+        .splitlines()[2:]
+    assert len(lines) == len(rows) // 2 == 3, lines
+    for line in lines:
+        m = line.strip("|").split("|")[0].strip()
+        g, w = rows[m], rows[f"{m}@window=1024"]
+        sent = "-"
+        if m in data["traffic"]:
+            t = data["traffic"][m]["window"]
+            sent = (f"{(t['global_forward_bytes'] + t['global_backward_bytes']) / 2**20:.1f} / "
+                    f"{(t['forward_bytes'] + t['backward_bytes']) / 2**20:.2f} MiB")
+        assert line == (f"| {m} | {g['time_ms'] / 1e3:.2f} s | {w['time_ms'] / 1e3:.2f} s | "
+                        f"{w['time_ratio_vs_global']:.3f} | {w['computed_fraction']:.4f} | "
+                        f"{sent} |"), line
+    target = data["sliding_target"]
+    text = _text("docs/benchmarks.md")
+    zig = [rows[m]["time_ms_iters"] for m in ("zigzag_ring_attn@window=1024", "zigzag_ring_attn")]
+    rounds = " and ".join(f"{w / g:.3f}x" for w, g in zip(*zig))
+    assert f"zigzag's sliding layer took {rounds} of its global one" in text
+    cpu = data["cpu_ratio_vs_global"]
+    assert (f"is {cpu['zigzag_ring_attn']['process_cpu']:.3f} for zigzag and "
+            f"{cpu['ring_attn']['process_cpu']:.3f} for the ring") in text
+    assert f"{target['value']:.3f}x against the 0.35x target ({target['status']})" in text
+    assert f"at commit {data['machine']['git_commit']} (`benchmarks/results/sliding.json`)" in text

@@ -1,7 +1,10 @@
-"""What one attention layer sends per rank under a sliding window, next to a global layer:
-the figures the planner and benchmarks/sliding.py quote (the ring's plan: traffic.py;
-dist_flash's fetched key spans: dist_flash.py). Kept apart from traffic.py, which the ring
-engines import, because it reads every method's schedule."""
+"""What a sliding-window layer sends, per method, for the planner (easy_context/plan).
+
+:func:`window_traffic` walks the same plans the methods run (traffic.py for the ring
+engine, dist_flash's tasks) on plain shards of the sequence, so its figures are what the
+transfers move: tests/dist/test_attention_variants.py counts the elements handed to the
+point-to-point sends and finds them equal.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +27,9 @@ def window_traffic(method: str, dims: AttentionDims, seq_len: int, world: int,
     the K/V rows the window reads and dist_flash only the keys each task reads (their queries
     and results still travel whole); allgather, ulysses and usp's Ulysses part send for a
     window layer what they send for a global one (method.comm_bytes, forward + backward,
-    reported as backward_bytes with forward_bytes None)."""
+    reported as backward_bytes with forward_bytes None). For usp with ring_degree > 1 the
+    figures are its ring's only: its Ulysses all-to-all (ulysses.py) moves the same for a
+    window layer as for a global one, on top."""
     from . import get_method
 
     m = get_method(method)
