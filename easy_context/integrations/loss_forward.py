@@ -42,13 +42,15 @@ def install_loss_forward(model: nn.Module, settings: LossSettings) -> None:
     """Give ``model`` (a transformers causal LM, not a PEFT wrapper) a forward that, called
     with ``easy_context_targets`` (this rank's shifted targets), returns the exact
     sequence-parallel loss (``easy_context.integrations.hf.causal_lm_loss``) as ``.loss``, with
-    ``easy_context_num_items`` as its denominator when given. Installing again replaces the
-    settings."""
+    ``easy_context_num_items`` as its denominator when given, and ``easy_context_vision`` (a
+    VisionShard: this rank's images, integrations/vision.py) when the step has images.
+    Installing again replaces the settings."""
     original = getattr(model, _ORIGINAL, None) or model.forward
 
     @functools.wraps(original)  # inspect.signature (the Trainer's column filter) sees the original
     def forward(*args, easy_context_targets: Tensor | None = None,
-                easy_context_num_items: Tensor | None = None, **kwargs):
+                easy_context_num_items: Tensor | None = None, easy_context_vision=None,
+                **kwargs):
         if easy_context_targets is None:
             return original(*args, **kwargs)
         if args:
@@ -57,7 +59,8 @@ def install_loss_forward(model: nn.Module, settings: LossSettings) -> None:
             model, kwargs["input_ids"], kwargs["position_ids"], easy_context_targets,
             group=settings.group, document_ids=kwargs.get("document_ids"),
             num_items_in_batch=easy_context_num_items, chunked=settings.chunked,
-            chunk_size=settings.chunk_size, token_stats=settings.stats)
+            chunk_size=settings.chunk_size, token_stats=settings.stats,
+            vision=easy_context_vision)
         return CausalLMOutputWithPast(loss=loss)
 
     setattr(model, _ORIGINAL, original)

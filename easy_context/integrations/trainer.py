@@ -42,7 +42,9 @@ from ..mesh import ParallelMesh, build_mesh, process_group
 from ..parallel import get_method
 from .hf import apply_sequence_parallel, check_model_supported
 from .loss_forward import LossSettings, chunked_loss_possible, install_loss_forward
-from .trainer_batches import ShardedBatch, check_batch_keys, count_targets, shard_trainer_batch
+from .trainer_batches import (ShardedBatch, check_batch_keys, count_targets, has_images,
+                              shard_trainer_batch)
+from .vision import describe, is_vision_language
 
 log = logging.getLogger(__name__)
 Tensor = torch.Tensor
@@ -61,7 +63,28 @@ class SequenceParallelState:
 
     def shard(self, inputs: dict) -> ShardedBatch:
         return shard_trainer_batch(inputs, self.method, self.mesh.sp_rank, self.mesh.sp_size,
-                                   self.ring_degree, self.pad_token_id, self.pad_to_multiple)
+                                   self.ring_degree, self.pad_token_id, self.pad_to_multiple,
+                                   model=self.base_model if self.vision else None)
+
+    @property
+    def vision(self) -> bool:
+        """The model has a vision tower: batches with images are cut with it."""
+        return is_vision_language(self.base_model)
+
+    def check_batch(self, batch: dict, trainer) -> None:
+        """Refuse, before any collective, a batch that this setup cannot train exactly."""
+        if not (self.vision and has_images(batch)):
+            check_batch_keys(batch)
+            return
+        describe(self.base_model)  # the families that cannot be cut with images
+        check_batch_keys(batch, vision=True)
+        if self.max_length:
+            raise ValueError("max-length mode does not take images yet; enable sequence "
+                             "parallelism without max_length=True for a batch with images")
+        if getattr(trainer, "is_fsdp_enabled", False) or getattr(
+                trainer, "is_deepspeed_enabled", False):
+            raise ValueError("batches with images are tested under DDP only (not FSDP or "
+                             "DeepSpeed); train the vision-language model with DDP")
 
 
 def _unwrap_peft(model: nn.Module) -> nn.Module:
@@ -345,7 +368,7 @@ class SequenceParallelMixin:
         if not batches:
             return batches, None
         for batch in batches:  # before the count's all-reduce: every rank refuses together
-            check_batch_keys(batch)
+            self._easy_context.check_batch(batch, self)
         # int64 on the device (NCCL reduces device tensors only): never rounded, never cast
         count = torch.stack([count_targets(b).to(device) for b in batches]).sum()
         # each group's ranks hold the same batches: sum over the data-parallel ranks only
@@ -399,9 +422,11 @@ class SequenceParallelMixin:
         trl_metrics = hasattr(self, "_metrics")
         device = batch.input_ids.device
         state.settings.stats = torch.zeros(3, dtype=torch.float64, device=device) if trl_metrics else None
+        images = {} if batch.vision is None else {"easy_context_vision": batch.vision}
         try:
             outputs = model(**batch.model_inputs(), easy_context_targets=batch.target_ids,
-                            easy_context_num_items=num_items_in_batch if training else None)
+                            easy_context_num_items=num_items_in_batch if training else None,
+                            **images)
             stats = state.settings.stats
         finally:
             state.settings.stats = None
@@ -462,6 +487,9 @@ class SequenceParallelMixin:
         if not has_labels:  # targets that count nowhere, so the batch shards as any other
             inputs = {**inputs, "labels": torch.full_like(inputs["input_ids"], -100)}
         batch = state.shard(inputs)
+        if batch.vision is not None:
+            raise ValueError("compute_metrics (logits) with images is not supported under "
+                             "sequence parallelism; evaluate with prediction_loss_only=True")
         logits = model(**batch.model_inputs(), use_cache=False).logits
         loss = None
         if has_labels:

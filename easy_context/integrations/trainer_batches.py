@@ -42,6 +42,7 @@ class ShardedBatch:
     target_ids: Tensor
     document_ids: Tensor | None
     length: int  # the batch's sequence length before any padding to the method's multiple
+    vision: object = None  # a VisionShard (integrations/vision.py) when the batch has images
 
     def model_inputs(self) -> dict[str, Tensor]:
         extra = {} if self.document_ids is None else {"document_ids": self.document_ids}
@@ -69,15 +70,30 @@ def count_targets(batch: dict) -> Tensor:
 
 # What a batch may carry: what is sharded here, and the flash-attention and Mamba views of
 # packed documents that padding-free collators add beside position_ids (recomputed here from
-# the positions). Anything else (pixel_values, token_type_ids, ...) would be dropped.
+# the positions). Anything else (token_type_ids, image_sizes, ...) would be dropped.
 SHARDED_KEYS = frozenset({"input_ids", "labels", "shift_labels", "attention_mask", "position_ids"})
 DOCUMENT_KEYS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
                            "seq_idx"})
+# A vision-language batch (TRL's DataCollatorForVisionLanguageModeling, a processor's output):
+# what prepare_vision_inputs takes, and mm_token_type_ids, which it recomputes from the ids
+# (checked equal: shard_vision_batch).
+PIXEL_KEYS = frozenset({"pixel_values", "pixel_values_videos"})
+VISION_KEYS = PIXEL_KEYS | {"image_grid_thw", "video_grid_thw", "second_per_grid_ts",
+                            "mm_token_type_ids"}
 
 
-def check_batch_keys(batch: dict) -> None:
-    """Refuse a batch with inputs that sequence-parallel training would not pass on."""
+def has_images(batch: dict) -> bool:
+    """The batch carries pixel values (images or videos)."""
+    return any(batch.get(k) is not None for k in PIXEL_KEYS)
+
+
+def check_batch_keys(batch: dict, vision: bool = False) -> None:
+    """Refuse a batch with inputs that sequence-parallel training would not pass on.
+    ``vision``: the model is a vision-language one that can be cut with images
+    (integrations.vision.describe passed), so VISION_KEYS go through shard_vision_batch."""
     allowed = SHARDED_KEYS | (DOCUMENT_KEYS if batch.get("position_ids") is not None else set())
+    if vision:
+        allowed = allowed | VISION_KEYS
     extra = sorted(k for k, v in batch.items() if k not in allowed and v is not None)
     if extra:
         raise ValueError(
@@ -117,13 +133,20 @@ def _pad_end(t: Tensor, n: int, value: int | None) -> Tensor:
 
 def shard_trainer_batch(batch: dict, method: str, sp_rank: int, sp_size: int,
                         ring_degree: int | None = None, pad_token_id: int = 0,
-                        pad_to_multiple: bool = True) -> ShardedBatch:
+                        pad_to_multiple: bool = True, model=None) -> ShardedBatch:
     """This rank's shard of a Trainer batch (``input_ids``, ``labels`` or ``shift_labels``,
-    optional ``attention_mask`` and ``position_ids``), cut in ``method``'s layout."""
+    optional ``attention_mask`` and ``position_ids``), cut in ``method``'s layout. ``model``:
+    the (unwrapped) vision-language model, when the batch may carry images (VISION_KEYS):
+    then they are cut with it (prepare_vision_inputs) and the shard's ``vision`` is set."""
     if batch.get("input_ids") is None:
         raise ValueError("the batch has no 'input_ids' (inputs_embeds are not supported): "
                          "sequence-parallel training shards token ids")
-    check_batch_keys(batch)
+    images = model is not None and has_images(batch)
+    if images:
+        from .vision import describe
+
+        describe(model)  # what the family cannot cut with images: refused here
+    check_batch_keys(batch, vision=images)
     input_ids = batch["input_ids"]
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, sequence); got shape {tuple(input_ids.shape)}")
@@ -151,9 +174,59 @@ def shard_trainer_batch(batch: dict, method: str, sp_rank: int, sp_size: int,
         positions = _pad_end(positions, extra, None)
         if documents is not None:  # the pads join each row's last document
             documents = torch.cat([documents, documents[:, -1:].expand(B, extra)], dim=1)
+    if images:
+        return _shard_vision(batch, model, method, sp_rank, sp_size, ring_degree, input_ids,
+                             targets, positions, documents, S)
     parts = {"input_ids": input_ids, "position_ids": positions.contiguous(),
              "target_ids": targets, "document_ids": documents}
     if sp_size > 1:
         parts = shard_batch(parts, method, sp_rank, sp_size, ring_degree)
     return ShardedBatch(parts["input_ids"], parts["position_ids"], parts["target_ids"],
                         parts["document_ids"], S)
+
+
+def _shard_vision(batch: dict, model, method: str, sp_rank: int, sp_size: int,
+                  ring_degree: int | None, input_ids: Tensor, targets: Tensor, positions: Tensor,
+                  documents: Tensor | None, length: int) -> ShardedBatch:
+    """A batch with images, padded to the method's multiple: cut by prepare_vision_inputs on
+    the whole (B, S) ids, so that positions (multimodal RoPE: the model's get_rope_index, per
+    document) and which images each rank encodes come from the whole sequence."""
+    from .vision import describe, prepare_vision_inputs
+
+    family = describe(model)
+    if family.mrope:
+        if batch.get("position_ids") is not None:
+            raise ValueError("the batch carries position_ids for a model whose positions are "
+                             "multimodal (get_rope_index on the whole sequence): drop them "
+                             "from the collator (packing is not supported with images here)")
+        given = None  # from get_rope_index, restarting in each document (left padding)
+    else:
+        given = positions  # transformers' own: 0..S-1, or the collator's
+    _check_mm_token_types(batch, family)
+    local = prepare_vision_inputs(
+        model, method, input_ids, targets, sp_rank if sp_size > 1 else 0, sp_size,
+        pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
+        pixel_values_videos=batch.get("pixel_values_videos"),
+        video_grid_thw=batch.get("video_grid_thw"),
+        second_per_grid_ts=batch.get("second_per_grid_ts"), document_ids=documents,
+        position_ids=given, ring_degree=ring_degree)
+    return ShardedBatch(local["local_input_ids"], local["local_position_ids"],
+                        local["local_target_ids"], local["local_document_ids"], length,
+                        local["vision"])
+
+
+def _check_mm_token_types(batch: dict, family) -> None:
+    """Qwen processors' ``mm_token_type_ids`` (1 image, 2 video) must say what the
+    placeholder ids say: prepare_vision_inputs recomputes them from the ids."""
+    given = batch.get("mm_token_type_ids")
+    if given is None:
+        return
+    ids = batch["input_ids"]
+    expected = torch.zeros_like(ids)
+    for code, modality in enumerate(("image", "video"), start=1):
+        if modality in family.token_ids:
+            expected[ids == family.token_ids[modality]] = code
+    if given.shape != ids.shape or not bool((given.to(expected.dtype) == expected).all()):
+        raise ValueError("the batch's mm_token_type_ids do not mark exactly the image and "
+                         "video placeholder tokens of input_ids, from which sequence-parallel "
+                         "training computes positions; fix the collator's")

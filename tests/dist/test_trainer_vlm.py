@@ -1,0 +1,82 @@
+"""Vision-language models in transformers' Trainer with enable_sequence_parallel, on 2 gloo
+ranks, against the same Trainer step in one process with the model's own forward and loss.
+
+The batch has the keys of TRL's DataCollatorForVisionLanguageModeling (pixel_values, and
+image_grid_thw / mm_token_type_ids for Qwen; right padding), images straddling the shard
+boundaries. After one step, the logged loss and gradient norm within TOL (relative), and
+every parameter's gradient before the optimizer, the vision tower's included (reduced by DDP
+like every replicated parameter), within TOL relative to that tensor's largest entry (fp32;
+NaN-safe). Families the methods cannot cut with images are refused with one line.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import torch  # noqa: E402
+
+from .trainer_vlm_cases import vlm_trainer_error, vlm_trainer_step  # noqa: E402
+
+TOL = 1e-5
+
+
+def _errors(sp: dict, ref: dict) -> dict:
+    """{what: relative error}: the loss, the grad norm, and the worst gradient. A gradient
+    that is zero in exact arithmetic (the vision keys' bias: softmax ignores a shift shared
+    by all keys) is measured against 1e-3 of the largest gradient (as vlm_cases.grad_error)."""
+    grads = ref["grads"]
+    floor = 1e-3 * torch.stack([g.abs().max() for g in grads.values()]).max()
+    worst = torch.zeros(())
+    assert sorted(sp["grads"]) == sorted(grads)
+    for name, g_ref in grads.items():
+        g = sp["grads"][name]
+        scale = torch.maximum(g_ref.abs().max(), floor).clamp(min=1e-6)
+        worst = torch.maximum(worst, (g - g_ref).abs().max() / scale)
+    return {"loss": abs(sp["loss"] - ref["loss"]) / abs(ref["loss"]),
+            "grad_norm": abs(sp["grad_norm"] - ref["grad_norm"]) / abs(ref["grad_norm"]),
+            "grads": worst.item()}
+
+
+def _vision_grad(result: dict) -> float:
+    return sum(float(g.abs().sum()) for n, g in result["grads"].items()
+               if "visual" in n or "vision_tower" in n)
+
+
+@pytest.fixture(scope="module")
+def references(dist1, tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("vlm_trainer"))
+    return folder, {family: dist1.run(vlm_trainer_step, folder, family, None)[0]
+                    for family in ("qwen2_5_vl", "llava")}
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])
+@pytest.mark.parametrize("method", ["zigzag_ring_attn", "ulysses_attn"])
+def test_trainer_step_with_images_equals_one_process(references, dist2, family, method):
+    folder, refs = references
+    ref = refs[family]
+    assert torch.isfinite(torch.tensor(ref["loss"])) and _vision_grad(ref) > 0
+    for rank, result in enumerate(dist2.run(vlm_trainer_step, folder, family, method)):
+        errors = _errors(result, ref)
+        assert all(e <= TOL for e in errors.values()), (rank, errors)
+        assert _vision_grad(result) > 0
+
+
+def test_trainer_without_the_vision_path_differs(references, dist2):
+    """The scratch break that the test above must catch: the images hidden from the loss
+    (placeholder tokens embedded as text) give another loss and gradients."""
+    folder, refs = references
+    result = dist2.run(vlm_trainer_step, folder, "qwen2_5_vl", "zigzag_ring_attn", None, True)[0]
+    errors = _errors(result, refs["qwen2_5_vl"])
+    assert not all(e <= TOL for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("family, extra, message", [
+    ("gemma3", None, "bidirectionally"),
+    ("llava_next", {"image_sizes": torch.tensor([[4, 4]] * 5)}, "needs image_sizes"),
+    ("qwen2_5_vl", {"mm_token_type_ids": torch.zeros(2, 48, dtype=torch.long)},
+     "mm_token_type_ids"),
+])
+def test_trainer_images_refused_with_one_line(references, dist2, family, extra, message):
+    folder, _ = references
+    for said in dist2.run(vlm_trainer_error, folder, family, extra):
+        assert said.startswith("ValueError") and message in said and "\n" not in said, said

@@ -1,0 +1,112 @@
+"""Rank functions for vision-language models in transformers' Trainer (test_trainer_vlm.py).
+
+One optimizer step of a tiny vision-language model (vlm_cases.tiny_vlm) on one batch of the
+keys that TRL's DataCollatorForVisionLanguageModeling produces: input_ids, attention_mask
+(right padding), labels (input_ids, -100 on the padding), pixel_values, and for Qwen
+image_grid_thw and mm_token_type_ids. Images straddle the shard boundaries of the 2-rank
+layouts (12 and 36 for zigzag, 24 for contiguous shards). The gradients are read before the
+optimizer (after DDP's reduction: the vision tower's like every replicated parameter's), so
+each is compared whole, not through a weight update.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from .trainer_cases import _env_for_accelerate
+from .vlm_cases import IMAGE, VIDEO, make_step, tiny_vlm
+
+PAD_FROM = 44  # row 0 is padded from here (its images end at 16)
+
+
+def vlm_batch(family: str) -> dict:
+    """The collator's batch: two rows of 48 tokens, five images (rows 0, 0, 1, 1, 1)."""
+    step = make_step(family, batch=2)
+    ids = step["input_ids"].clone()
+    mask = torch.ones_like(ids)
+    ids[0, PAD_FROM:] = 0
+    mask[0, PAD_FROM:] = 0
+    labels = ids.clone()  # as TRL's collator: the ids, -100 on the padding
+    labels[mask == 0] = -100
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels,
+             "pixel_values": step["pixel_values"]}
+    if "image_grid_thw" in step:  # a Qwen processor's keys
+        batch["image_grid_thw"] = step["image_grid_thw"]
+        batch["mm_token_type_ids"] = (ids == IMAGE).long() + 2 * (ids == VIDEO).long()
+    return batch
+
+
+class _Batches(torch.utils.data.Dataset):
+    """One item: the collated batch (the test's collator hands it on as it is)."""
+
+    def __init__(self, batch: dict):
+        self.batch = batch
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> dict:
+        return self.batch
+
+
+def _collate(items: list[dict]) -> dict:
+    return {k: v.clone() for k, v in items[0].items()}
+
+
+def vlm_trainer_step(folder: str, family: str, method: str | None,
+                     batch: dict | None = None, break_vision: bool = False) -> dict:
+    """One Trainer step; returns the logged loss, grad norm and every parameter's gradient
+    before the optimizer. ``method=None``: the one-process reference (the model's own
+    forward and loss). ``break_vision``: a scratch break that hides the images from the
+    sequence-parallel loss (the test must then fail)."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    _env_for_accelerate()
+    model = tiny_vlm(family)
+    grads: dict = {}
+
+    class Grab(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            for name, p in kwargs["model"].named_parameters():
+                grads[name] = (p.grad.detach().clone() if p.grad is not None
+                               else torch.zeros_like(p))
+
+    args = TrainingArguments(
+        output_dir=f"{folder}/vlm-{family}-{method}", per_device_train_batch_size=1,
+        max_steps=1, learning_rate=0.1, optim="sgd", lr_scheduler_type="constant",
+        weight_decay=0.0, max_grad_norm=1e9, logging_steps=1, save_strategy="no", report_to=[],
+        use_cpu=True, seed=3, disable_tqdm=True, remove_unused_columns=False, bf16=False)
+    trainer = Trainer(model=model, args=args, data_collator=_collate, callbacks=[Grab()],
+                      train_dataset=_Batches(batch if batch is not None else vlm_batch(family)))
+    try:
+        if method is not None:
+            from easy_context import enable_sequence_parallel
+
+            enable_sequence_parallel(trainer, method)
+            if break_vision:
+                state = trainer._easy_context
+                shard = type(state).shard
+                state.shard = lambda inputs: shard(state, {
+                    k: v for k, v in inputs.items()
+                    if k not in ("pixel_values", "image_grid_thw", "mm_token_type_ids")})
+                trainer._easy_context.check_batch = lambda batch, trainer: None
+        trainer.train()
+        history = trainer.state.log_history
+        return {"loss": history[0]["loss"], "grad_norm": history[0]["grad_norm"],
+                "grads": grads}
+    finally:
+        _env_for_accelerate()
+
+
+def vlm_trainer_error(folder: str, family: str, batch_keys: dict | None = None) -> str:
+    """What one sequence-parallel Trainer step says for ``family`` (refusals), the batch
+    given extra keys ``batch_keys``."""
+    batch = vlm_batch("llava" if not family.startswith("qwen") else family)
+    batch.update(copy.deepcopy(batch_keys or {}))
+    try:
+        vlm_trainer_step(folder, family, "zigzag_ring_attn", batch=batch)
+    except ValueError as e:
+        return f"ValueError: {e}"
+    return "trained"
