@@ -80,3 +80,18 @@ def test_trainer_images_refused_with_one_line(references, dist2, family, extra, 
     folder, _ = references
     for said in dist2.run(vlm_trainer_error, folder, family, extra):
         assert said.startswith("ValueError") and message in said and "\n" not in said, said
+
+
+@pytest.mark.parametrize("method", ["zigzag_ring_attn", "ulysses_attn"])
+def test_trl_sft_vision_path_equals_one_process(dist1, dist2, tmp_path, method):
+    """TRL's SFTTrainer on a vision dataset (images and text, its own vision collator with
+    a LLaVA processor): one step at 2 ranks equals one process."""
+    pytest.importorskip("trl")
+    from .trainer_vlm_cases import vlm_sft_step
+
+    ref = dist1.run(vlm_sft_step, str(tmp_path), None)[0]
+    assert ref["collator"] == "DataCollatorForVisionLanguageModeling", ref["collator"]
+    assert _vision_grad(ref) > 0
+    for rank, result in enumerate(dist2.run(vlm_sft_step, str(tmp_path), method)):
+        errors = _errors(result, ref)
+        assert all(e <= TOL for e in errors.values()), (rank, errors)

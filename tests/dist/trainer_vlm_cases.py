@@ -110,3 +110,78 @@ def vlm_trainer_error(folder: str, family: str, batch_keys: dict | None = None) 
     except ValueError as e:
         return f"ValueError: {e}"
     return "trained"
+
+
+def _llava_processor():
+    """A LLaVA processor for vlm_cases' tiny LLaVA: the ids 3..88 as words, <image> = 90
+    (4 tokens: a 4x4 image of 2x2 patches, CLS dropped), CLIP's preprocessing at 4x4."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import CLIPImageProcessor, LlavaProcessor, PreTrainedTokenizerFast
+
+    vocab = {str(i): i for i in range(3, 89)}
+    vocab.update({"<pad>": 0, "<unk>": 1, "<eos>": 2, "<image>": IMAGE})
+    words = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>",
+                                        eos_token="<eos>", pad_token="<pad>",
+                                        extra_special_tokens={"image_token": "<image>"})
+    images = CLIPImageProcessor(size={"shortest_edge": 4}, crop_size={"height": 4, "width": 4})
+    return LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=2,
+                          vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                          image_token="<image>")
+
+
+def _sft_dataset():
+    """Two conversations as TRL's vision datasets hold them ("images", "text"): row 0 of 46
+    tokens, its images across 12, 24 and 36 (zigzag's edges at 2 ranks; 24: contiguous
+    shards'), row 1 of 30 (right-padded by the collator), an image across nothing."""
+    import datasets
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    words = lambda n: " ".join(str(x) for x in rng.integers(3, 89, n))  # noqa: E731
+    image = lambda: Image.fromarray(rng.integers(0, 255, (6, 6, 3), dtype=np.uint8))  # noqa: E731
+    rows = [{"images": [image(), image(), image()],
+             "text": f"{words(10)} <image> {words(8)} <image> {words(8)} <image> {words(8)}"},
+            {"images": [image()], "text": f"{words(5)} <image> {words(21)}"}]
+    return datasets.Dataset.from_list(rows)
+
+
+def vlm_sft_step(folder: str, method: str | None) -> dict:
+    """One step of TRL's SFTTrainer on its vision path (DataCollatorForVisionLanguageModeling
+    with a LLaVA processor) for the tiny LLaVA; gradients before the optimizer, as
+    vlm_trainer_step."""
+    from transformers import TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    _env_for_accelerate()
+    model = tiny_vlm("llava")
+    grads: dict = {}
+
+    class Grab(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            for name, p in kwargs["model"].named_parameters():
+                grads[name] = (p.grad.detach().clone() if p.grad is not None
+                               else torch.zeros_like(p))
+
+    args = SFTConfig(
+        output_dir=f"{folder}/sft-vlm-{method}", per_device_train_batch_size=2, max_steps=1,
+        learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
+        max_grad_norm=1e9, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+        seed=3, disable_tqdm=True, remove_unused_columns=False, bf16=False, max_length=None)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=_sft_dataset(),
+                         processing_class=_llava_processor(), callbacks=[Grab()])
+    try:
+        if method is not None:
+            from easy_context import enable_sequence_parallel
+
+            enable_sequence_parallel(trainer, method)
+        trainer.train()
+        history = trainer.state.log_history
+        return {"loss": history[0]["loss"], "grad_norm": history[0]["grad_norm"],
+                "grads": grads, "collator": type(trainer.data_collator).__name__}
+    finally:
+        _env_for_accelerate()
