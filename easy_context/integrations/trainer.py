@@ -468,6 +468,13 @@ class SequenceParallelMixin:
         inputs = self._prepare_inputs(inputs)
         # without labels (predict() on prompts) there is no loss, as in the Trainer's own
         has_labels = inputs.get("labels") is not None or inputs.get("shift_labels") is not None
+        if not prediction_loss_only and self._easy_context.vision and has_images(inputs):
+            # logits of a step with images would need the vision path's own logits gather
+            if self.compute_metrics is not None or not has_labels:
+                raise ValueError("logits of batches with images (compute_metrics, predict()) "
+                                 "are not gathered under sequence parallelism yet; evaluate "
+                                 "the loss only (no compute_metrics)")
+            prediction_loss_only = True  # nothing asked for the logits: the loss alone
         with torch.no_grad():
             if prediction_loss_only:
                 if not has_labels:
@@ -487,9 +494,6 @@ class SequenceParallelMixin:
         if not has_labels:  # targets that count nowhere, so the batch shards as any other
             inputs = {**inputs, "labels": torch.full_like(inputs["input_ids"], -100)}
         batch = state.shard(inputs)
-        if batch.vision is not None:
-            raise ValueError("compute_metrics (logits) with images is not supported under "
-                             "sequence parallelism; evaluate with prediction_loss_only=True")
         logits = model(**batch.model_inputs(), use_cache=False).logits
         loss = None
         if has_labels:

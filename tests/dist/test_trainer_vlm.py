@@ -3,7 +3,8 @@ ranks, against the same Trainer step in one process with the model's own forward
 
 The batch has the keys of TRL's DataCollatorForVisionLanguageModeling (pixel_values, and
 image_grid_thw / mm_token_type_ids for Qwen; right padding), images straddling the shard
-boundaries. After one step, the logged loss and gradient norm within TOL (relative), and
+boundaries. After one step, the logged loss and gradient norm, and evaluate()'s loss (no
+logits: no compute_metrics), within TOL (relative), and
 every parameter's gradient before the optimizer, the vision tower's included (reduced by DDP
 like every replicated parameter), within TOL relative to that tensor's largest entry (fp32;
 NaN-safe). Families the methods cannot cut with images are refused with one line.
@@ -32,9 +33,12 @@ def _errors(sp: dict, ref: dict) -> dict:
         g = sp["grads"][name]
         scale = torch.maximum(g_ref.abs().max(), floor).clamp(min=1e-6)
         worst = torch.maximum(worst, (g - g_ref).abs().max() / scale)
-    return {"loss": abs(sp["loss"] - ref["loss"]) / abs(ref["loss"]),
+    errors = {"loss": abs(sp["loss"] - ref["loss"]) / abs(ref["loss"]),
             "grad_norm": abs(sp["grad_norm"] - ref["grad_norm"]) / abs(ref["grad_norm"]),
             "grads": worst.item()}
+    if "eval_loss" in ref:  # after the step: the trained weights' loss, without logits
+        errors["eval_loss"] = abs(sp["eval_loss"] - ref["eval_loss"]) / abs(ref["eval_loss"])
+    return errors
 
 
 def _vision_grad(result: dict) -> float:

@@ -78,8 +78,9 @@ def vlm_trainer_step(folder: str, family: str, method: str | None,
         max_steps=1, learning_rate=0.1, optim="sgd", lr_scheduler_type="constant",
         weight_decay=0.0, max_grad_norm=1e9, logging_steps=1, save_strategy="no", report_to=[],
         use_cpu=True, seed=3, disable_tqdm=True, remove_unused_columns=False, bf16=False)
+    data = _Batches(batch if batch is not None else vlm_batch(family))
     trainer = Trainer(model=model, args=args, data_collator=_collate, callbacks=[Grab()],
-                      train_dataset=_Batches(batch if batch is not None else vlm_batch(family)))
+                      train_dataset=data, eval_dataset=data)
     try:
         if method is not None:
             from easy_context import enable_sequence_parallel
@@ -95,7 +96,7 @@ def vlm_trainer_step(folder: str, family: str, method: str | None,
         trainer.train()
         history = trainer.state.log_history
         return {"loss": history[0]["loss"], "grad_norm": history[0]["grad_norm"],
-                "grads": grads}
+                "grads": grads, "eval_loss": trainer.evaluate()["eval_loss"]}
     finally:
         _env_for_accelerate()
 
