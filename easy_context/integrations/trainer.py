@@ -42,9 +42,9 @@ from ..mesh import ParallelMesh, build_mesh, process_group
 from ..parallel import get_method
 from .hf import apply_sequence_parallel, check_model_supported
 from .loss_forward import LossSettings, chunked_loss_possible, install_loss_forward
-from .trainer_batches import (ShardedBatch, check_batch_keys, count_targets, has_images,
-                              shard_trainer_batch)
-from .vision import describe, is_vision_language
+from .trainer_batches import (ShardedBatch, check_batch_keys, check_vision_batch, count_targets,
+                              has_images, shard_trainer_batch)
+from .vision import is_vision_language
 
 log = logging.getLogger(__name__)
 Tensor = torch.Tensor
@@ -76,15 +76,17 @@ class SequenceParallelState:
         if not (self.vision and has_images(batch)):
             check_batch_keys(batch)
             return
-        describe(self.base_model)  # the families that cannot be cut with images
-        check_batch_keys(batch, vision=True)
+        check_vision_batch(batch, self.base_model)
         if self.max_length:
             raise ValueError("max-length mode does not take images yet; enable sequence "
                              "parallelism without max_length=True for a batch with images")
         if getattr(trainer, "is_fsdp_enabled", False) or getattr(
                 trainer, "is_deepspeed_enabled", False):
-            raise ValueError("batches with images are tested under DDP only (not FSDP or "
-                             "DeepSpeed); train the vision-language model with DDP")
+            # a rank whose shard holds no image does not run the tower, whose parameters
+            # these engines gather collectively when it runs: the other ranks would wait
+            raise ValueError("batches with images run under DDP only: FSDP and DeepSpeed "
+                             "ZeRO-3 gather the vision tower collectively, which a rank "
+                             "without image tokens does not run; train with DDP")
 
 
 def _unwrap_peft(model: nn.Module) -> nn.Module:

@@ -143,10 +143,9 @@ def shard_trainer_batch(batch: dict, method: str, sp_rank: int, sp_size: int,
                          "sequence-parallel training shards token ids")
     images = model is not None and has_images(batch)
     if images:
-        from .vision import describe
-
-        describe(model)  # what the family cannot cut with images: refused here
-    check_batch_keys(batch, vision=images)
+        check_vision_batch(batch, model)
+    else:
+        check_batch_keys(batch)
     input_ids = batch["input_ids"]
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, sequence); got shape {tuple(input_ids.shape)}")
@@ -193,16 +192,9 @@ def _shard_vision(batch: dict, model, method: str, sp_rank: int, sp_size: int,
     document) and which images each rank encodes come from the whole sequence."""
     from .vision import describe, prepare_vision_inputs
 
-    family = describe(model)
-    if family.mrope:
-        if batch.get("position_ids") is not None:
-            raise ValueError("the batch carries position_ids for a model whose positions are "
-                             "multimodal (get_rope_index on the whole sequence): drop them "
-                             "from the collator (packing is not supported with images here)")
-        given = None  # from get_rope_index, restarting in each document (left padding)
-    else:
-        given = positions  # transformers' own: 0..S-1, or the collator's
-    _check_mm_token_types(batch, family)
+    # multimodal RoPE: from get_rope_index, restarting in each document (left padding);
+    # else transformers' own: 0..S-1, or the collator's
+    given = None if describe(model).mrope else positions
     local = prepare_vision_inputs(
         model, method, input_ids, targets, sp_rank if sp_size > 1 else 0, sp_size,
         pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
@@ -213,6 +205,22 @@ def _shard_vision(batch: dict, model, method: str, sp_rank: int, sp_size: int,
     return ShardedBatch(local["local_input_ids"], local["local_position_ids"],
                         local["local_target_ids"], local["local_document_ids"], length,
                         local["vision"])
+
+
+def check_vision_batch(batch: dict, model) -> None:
+    """Refuse a batch with images that ``model`` cannot be trained on exactly here: what
+    integrations.vision.describe refuses (Gemma 3, towers that need image_sizes), keys that
+    are not cut, position_ids beside multimodal RoPE, mm_token_type_ids that disagree with
+    the placeholder ids. Pure (no collectives): every rank refuses together."""
+    from .vision import describe
+
+    family = describe(model)
+    check_batch_keys(batch, vision=True)
+    if family.mrope and batch.get("position_ids") is not None:
+        raise ValueError("the batch carries position_ids for a model whose positions are "
+                         "multimodal (get_rope_index on the whole sequence): drop them from "
+                         "the collator (packing is not supported with images here)")
+    _check_mm_token_types(batch, family)
 
 
 def _check_mm_token_types(batch: dict, family) -> None:

@@ -74,15 +74,18 @@ def test_trainer_without_the_vision_path_differs(references, dist2):
     assert not all(e <= TOL for e in errors.values()), errors
 
 
-@pytest.mark.parametrize("family, extra, message", [
-    ("gemma3", None, "bidirectionally"),
-    ("llava_next", {"image_sizes": torch.tensor([[4, 4]] * 5)}, "needs image_sizes"),
-    ("qwen2_5_vl", {"mm_token_type_ids": torch.zeros(2, 48, dtype=torch.long)},
+@pytest.mark.parametrize("family, extra, engine, message", [
+    ("gemma3", None, "ddp", "bidirectionally"),
+    ("llava_next", {"image_sizes": torch.tensor([[4, 4]] * 5)}, "ddp", "needs image_sizes"),
+    ("qwen2_5_vl", {"mm_token_type_ids": torch.zeros(2, 48, dtype=torch.long)}, "ddp",
      "mm_token_type_ids"),
+    ("qwen2_5_vl", {"position_ids": torch.arange(48).expand(2, 48)}, "ddp", "position_ids"),
+    ("llava", None, "fsdp2", "DDP only"),
 ])
-def test_trainer_images_refused_with_one_line(references, dist2, family, extra, message):
+def test_trainer_images_refused_with_one_line(references, dist2, family, extra, engine,
+                                              message):
     folder, _ = references
-    for said in dist2.run(vlm_trainer_error, folder, family, extra):
+    for said in dist2.run(vlm_trainer_error, folder, family, extra, engine):
         assert said.startswith("ValueError") and message in said and "\n" not in said, said
 
 

@@ -56,7 +56,8 @@ def _collate(items: list[dict]) -> dict:
 
 
 def vlm_trainer_step(folder: str, family: str, method: str | None,
-                     batch: dict | None = None, break_vision: bool = False) -> dict:
+                     batch: dict | None = None, break_vision: bool = False,
+                     engine: str = "ddp") -> dict:
     """One Trainer step; returns the logged loss, grad norm and every parameter's gradient
     before the optimizer. ``method=None``: the one-process reference (the model's own
     forward and loss). ``break_vision``: a scratch break that hides the images from the
@@ -82,6 +83,10 @@ def vlm_trainer_step(folder: str, family: str, method: str | None,
     trainer = Trainer(model=model, args=args, data_collator=_collate, callbacks=[Grab()],
                       train_dataset=data, eval_dataset=data)
     try:
+        if engine == "fsdp2":
+            from .trainer_cases import _force_fsdp2
+
+            _force_fsdp2(trainer)
         if method is not None:
             from easy_context import enable_sequence_parallel
 
@@ -101,13 +106,14 @@ def vlm_trainer_step(folder: str, family: str, method: str | None,
         _env_for_accelerate()
 
 
-def vlm_trainer_error(folder: str, family: str, batch_keys: dict | None = None) -> str:
+def vlm_trainer_error(folder: str, family: str, batch_keys: dict | None = None,
+                      engine: str = "ddp") -> str:
     """What one sequence-parallel Trainer step says for ``family`` (refusals), the batch
-    given extra keys ``batch_keys``."""
+    given extra keys ``batch_keys``, on ``engine``."""
     batch = vlm_batch("llava" if not family.startswith("qwen") else family)
     batch.update(copy.deepcopy(batch_keys or {}))
     try:
-        vlm_trainer_step(folder, family, "zigzag_ring_attn", batch=batch)
+        vlm_trainer_step(folder, family, "zigzag_ring_attn", batch=batch, engine=engine)
     except ValueError as e:
         return f"ValueError: {e}"
     return "trained"
