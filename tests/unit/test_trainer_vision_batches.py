@@ -1,0 +1,42 @@
+"""shard_trainer_batch with images (integrations/trainer_batches.py) on one process: each
+rank's shard of a Trainer batch with pixel values, as the Trainer integration cuts it."""
+
+import pytest
+import torch
+
+from easy_context.integrations.trainer_batches import shard_trainer_batch
+from easy_context.sequence_parallel import unshard_sequence
+from tests.dist.trainer_vlm_cases import vlm_batch
+from tests.dist.vlm_cases import tiny_vlm
+
+
+def test_pixel_values_refused_without_a_vision_model():
+    """A text model's integration (model=None): pixel_values are a key it does not cut."""
+    with pytest.raises(ValueError, match=r"carries \['image_grid_thw', 'mm_token_type_ids', "
+                                         r"'pixel_values'\]"):
+        shard_trainer_batch(vlm_batch("qwen2_5_vl"), "zigzag_ring_attn", 0, 2)
+
+
+def test_positions_are_the_models_own_on_the_whole_padded_batch():
+    """The batch (46 tokens, padded here to zigzag's multiple of 4: 48) cut in two: the
+    shards put back together hold the ids, and for every real token the multimodal
+    positions of the model's own get_rope_index with the attention mask."""
+    model = tiny_vlm("qwen2_5_vl")
+    batch = vlm_batch("qwen2_5_vl")
+    batch = {k: v[:, :46] if v.dim() == 2 and v.size(1) == 48 else v for k, v in batch.items()}
+    shards = [shard_trainer_batch(batch, "zigzag_ring_attn", r, 2, model=model)
+              for r in range(2)]
+    assert all(s.position_ids.shape == (3, 2, 24) and s.vision is not None for s in shards)
+    assert all(s.length == 46 for s in shards)
+    ids = unshard_sequence(torch.cat([s.input_ids for s in shards], 1), "zigzag_ring_attn", 2)
+    assert torch.equal(ids[:, :46], batch["input_ids"])
+    positions = unshard_sequence(torch.cat([s.position_ids for s in shards], 2),
+                                 "zigzag_ring_attn", 2, dim=2)
+    own, _ = model.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"],
+                                        image_grid_thw=batch["image_grid_thw"],
+                                        attention_mask=batch["attention_mask"])
+    real = batch["attention_mask"].bool()
+    assert torch.equal(positions[:, :, :46][:, real], own[:, real])
+    # the image across zigzag's first edge (row 0, tokens 10-15) is encoded by both ranks
+    encoded = [set(s.vision.media[0].encoded) for s in shards]
+    assert 1 in encoded[0] and 1 in encoded[1]
