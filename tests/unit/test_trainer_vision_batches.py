@@ -40,3 +40,24 @@ def test_positions_are_the_models_own_on_the_whole_padded_batch():
     # the image across zigzag's first edge (row 0, tokens 10-15) is encoded by both ranks
     encoded = [set(s.vision.media[0].encoded) for s in shards]
     assert 1 in encoded[0] and 1 in encoded[1]
+
+
+def test_left_padding_positions_are_the_models_own():
+    """Left padding (a prompt-completion collator before TRL's flush_left) becomes a document
+    of its own; the real tokens' multimodal positions still equal get_rope_index's with the
+    attention mask."""
+    model = tiny_vlm("qwen2_5_vl")
+    batch = vlm_batch("qwen2_5_vl")
+    mask = batch["attention_mask"]
+    order = torch.cat([torch.arange(44, 48), torch.arange(44)])  # row 0: its padding first
+    for key in ("input_ids", "attention_mask", "labels", "mm_token_type_ids"):
+        batch[key][0] = batch[key][0][order]
+    assert not bool(mask[0, 0]) and bool(mask[0, -1])
+    shards = [shard_trainer_batch(batch, "ulysses_attn", r, 2, model=model) for r in range(2)]
+    positions = torch.cat([s.position_ids for s in shards], 2)  # contiguous shards
+    own, _ = model.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"],
+                                        image_grid_thw=batch["image_grid_thw"],
+                                        attention_mask=batch["attention_mask"])
+    real = batch["attention_mask"].bool()
+    assert torch.equal(positions[:, real], own[:, real])
+    assert shards[0].document_ids is not None  # the padding kept apart
