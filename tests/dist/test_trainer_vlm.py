@@ -102,3 +102,14 @@ def test_trl_sft_vision_path_equals_one_process(dist1, dist2, tmp_path, method):
     for rank, result in enumerate(dist2.run(vlm_sft_step, str(tmp_path), method)):
         errors = _errors(result, ref)
         assert all(e <= TOL for e in errors.values()), (rank, errors)
+
+
+def test_two_data_parallel_groups_with_images(dist1, dist4, tmp_path):
+    """dp 2 x sp 2 (zigzag), one batch per group, against one process accumulating the two
+    batches (other ids and pixels, the images at the same places)."""
+    ref = dist1.run(vlm_trainer_step, str(tmp_path), "qwen2_5_vl", None, None, False, "ddp",
+                    None, 2)[0]
+    for rank, result in enumerate(dist4.run(vlm_trainer_step, str(tmp_path), "qwen2_5_vl",
+                                            "zigzag_ring_attn", None, False, "ddp", 2, 1)):
+        errors = _errors(result, ref)
+        assert all(e <= TOL for e in errors.values()), (rank, errors)

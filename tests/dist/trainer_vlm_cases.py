@@ -21,9 +21,9 @@ from .vlm_cases import IMAGE, VIDEO, make_step, tiny_vlm
 PAD_FROM = 44  # row 0 is padded from here (its images end at 16)
 
 
-def vlm_batch(family: str) -> dict:
+def vlm_batch(family: str, seed: int = 1) -> dict:
     """The collator's batch: two rows of 48 tokens, five images (rows 0, 0, 1, 1, 1)."""
-    step = make_step(family, batch=2)
+    step = make_step(family, batch=2, seed=seed)
     ids = step["input_ids"].clone()
     mask = torch.ones_like(ids)
     ids[0, PAD_FROM:] = 0
@@ -39,16 +39,16 @@ def vlm_batch(family: str) -> dict:
 
 
 class _Batches(torch.utils.data.Dataset):
-    """One item: the collated batch (the test's collator hands it on as it is)."""
+    """Collated batches, one per item (the test's collator hands each on as it is)."""
 
-    def __init__(self, batch: dict):
-        self.batch = batch
+    def __init__(self, *batches: dict):
+        self.batches = batches
 
     def __len__(self) -> int:
-        return 1
+        return len(self.batches)
 
     def __getitem__(self, i: int) -> dict:
-        return self.batch
+        return self.batches[i]
 
 
 def _collate(items: list[dict]) -> dict:
@@ -57,7 +57,7 @@ def _collate(items: list[dict]) -> dict:
 
 def vlm_trainer_step(folder: str, family: str, method: str | None,
                      batch: dict | None = None, break_vision: bool = False,
-                     engine: str = "ddp") -> dict:
+                     engine: str = "ddp", sp_size: int | None = None, accum: int = 1) -> dict:
     """One Trainer step; returns the logged loss, grad norm and every parameter's gradient
     before the optimizer. ``method=None``: the one-process reference (the model's own
     forward and loss). ``break_vision``: a scratch break that hides the images from the
@@ -78,8 +78,12 @@ def vlm_trainer_step(folder: str, family: str, method: str | None,
         output_dir=f"{folder}/vlm-{family}-{method}", per_device_train_batch_size=1,
         max_steps=1, learning_rate=0.1, optim="sgd", lr_scheduler_type="constant",
         weight_decay=0.0, max_grad_norm=1e9, logging_steps=1, save_strategy="no", report_to=[],
-        use_cpu=True, seed=3, disable_tqdm=True, remove_unused_columns=False, bf16=False)
-    data = _Batches(batch if batch is not None else vlm_batch(family))
+        use_cpu=True, seed=3, disable_tqdm=True, remove_unused_columns=False, bf16=False,
+        gradient_accumulation_steps=accum)
+    # two data-parallel groups (or accumulation 2 in one process): a second batch
+    two = sp_size is not None or accum > 1
+    data = _Batches(*([batch if batch is not None else vlm_batch(family)]
+                      + ([vlm_batch(family, seed=2)] if two else [])))
     trainer = Trainer(model=model, args=args, data_collator=_collate, callbacks=[Grab()],
                       train_dataset=data, eval_dataset=data)
     try:
@@ -90,7 +94,7 @@ def vlm_trainer_step(folder: str, family: str, method: str | None,
         if method is not None:
             from easy_context import enable_sequence_parallel
 
-            enable_sequence_parallel(trainer, method)
+            enable_sequence_parallel(trainer, method, sp_size)
             if break_vision:
                 state = trainer._easy_context
                 shard = type(state).shard
@@ -101,7 +105,8 @@ def vlm_trainer_step(folder: str, family: str, method: str | None,
         trainer.train()
         history = trainer.state.log_history
         return {"loss": history[0]["loss"], "grad_norm": history[0]["grad_norm"],
-                "grads": grads, "eval_loss": trainer.evaluate()["eval_loss"]}
+                "grads": grads, "eval_loss": trainer.evaluate()["eval_loss"],
+                "tokens": trainer.state.num_input_tokens_seen}
     finally:
         _env_for_accelerate()
 
