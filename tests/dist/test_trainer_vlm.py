@@ -1,5 +1,6 @@
-"""Vision-language models in transformers' Trainer with enable_sequence_parallel, on 2 gloo
-ranks, against the same Trainer step in one process with the model's own forward and loss.
+"""Vision-language models in transformers' Trainer and TRL's SFTTrainer (its vision collator)
+with enable_sequence_parallel, on 2 gloo ranks (and dp 2 x sp 2 on 4), against the same
+Trainer step in one process with the model's own forward and loss.
 
 The batch has the keys of TRL's DataCollatorForVisionLanguageModeling (pixel_values, and
 image_grid_thw / mm_token_type_ids for Qwen; right padding), images straddling the shard
@@ -50,11 +51,14 @@ def _vision_grad(result: dict) -> float:
 def references(dist1, tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("vlm_trainer"))
     return folder, {family: dist1.run(vlm_trainer_step, folder, family, None)[0]
-                    for family in ("qwen2_5_vl", "llava")}
+                    for family in ("qwen2_5_vl", "llava", "qwen3_vl")}
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])
-@pytest.mark.parametrize("method", ["zigzag_ring_attn", "ulysses_attn"])
+@pytest.mark.parametrize("family, method", [
+    ("qwen2_5_vl", "zigzag_ring_attn"), ("qwen2_5_vl", "ulysses_attn"),
+    ("llava", "zigzag_ring_attn"), ("llava", "ulysses_attn"),
+    ("qwen3_vl", "zigzag_ring_attn"),  # deepstack features beside multimodal RoPE
+])
 def test_trainer_step_with_images_equals_one_process(references, dist2, family, method):
     folder, refs = references
     ref = refs[family]
