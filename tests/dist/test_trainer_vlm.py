@@ -117,3 +117,17 @@ def test_two_data_parallel_groups_with_images(dist1, dist4, tmp_path):
                                             "zigzag_ring_attn", None, False, "ddp", 2, 1)):
         errors = _errors(result, ref)
         assert all(e <= TOL for e in errors.values()), (rank, errors)
+
+
+def test_lora_on_the_decoder_with_images(dist1, dist2, tmp_path):
+    """A PeftModel (LoRA on the text decoder's q/v projections, the tower frozen): the
+    images reach the base model's loss forward through PEFT's forward."""
+    pytest.importorskip("peft")
+    options = (None, False, "ddp", None, 1, True)
+    ref = dist1.run(vlm_trainer_step, str(tmp_path), "qwen2_5_vl", None, *options)[0]
+    trained = [n for n, g in ref["grads"].items() if bool(g.abs().sum() > 0)]
+    assert trained and all("lora_" in n for n in trained), trained
+    for rank, result in enumerate(dist2.run(vlm_trainer_step, str(tmp_path), "qwen2_5_vl",
+                                            "zigzag_ring_attn", *options)):
+        errors = _errors(result, ref)
+        assert all(e <= TOL for e in errors.values()), (rank, errors)

@@ -57,7 +57,8 @@ def _collate(items: list[dict]) -> dict:
 
 def vlm_trainer_step(folder: str, family: str, method: str | None,
                      batch: dict | None = None, break_vision: bool = False,
-                     engine: str = "ddp", sp_size: int | None = None, accum: int = 1) -> dict:
+                     engine: str = "ddp", sp_size: int | None = None, accum: int = 1,
+                     lora: bool = False) -> dict:
     """One Trainer step; returns the logged loss, grad norm and every parameter's gradient
     before the optimizer. ``method=None``: the one-process reference (the model's own
     forward and loss). ``break_vision``: a scratch break that hides the images from the
@@ -66,6 +67,16 @@ def vlm_trainer_step(folder: str, family: str, method: str | None,
 
     _env_for_accelerate()
     model = tiny_vlm(family)
+    if lora:  # adapters on the text decoder's attention, the tower frozen (a PeftModel)
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(5)
+        model = get_peft_model(model, LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0,
+            target_modules=r".*language_model.*\.(q_proj|v_proj)"))
+        for name, p in model.named_parameters():  # B nonzero: A's gradients too
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02)
     grads: dict = {}
 
     class Grab(TrainerCallback):
