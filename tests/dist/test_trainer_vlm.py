@@ -131,3 +131,27 @@ def test_lora_on_the_decoder_with_images(dist1, dist2, tmp_path):
                                             "zigzag_ring_attn", *options)):
         errors = _errors(result, ref)
         assert all(e <= TOL for e in errors.values()), (rank, errors)
+
+
+def test_gradient_accumulation_with_images(dist1, dist2, tmp_path):
+    """Two batches accumulated into one step, at 2 ranks (Ulysses) as in one process."""
+    ref = dist1.run(vlm_trainer_step, str(tmp_path), "qwen2_5_vl", None, None, False, "ddp",
+                    None, 2)[0]
+    for rank, result in enumerate(dist2.run(vlm_trainer_step, str(tmp_path), "qwen2_5_vl",
+                                            "ulysses_attn", None, False, "ddp", None, 2)):
+        errors = _errors(result, ref)
+        assert all(e <= TOL for e in errors.values()), (rank, errors)
+
+
+def test_a_video_beside_images(dist1, dist2, tmp_path):
+    """Qwen2.5-VL with a video of two frames (pixel_values_videos, video_grid_thw,
+    second_per_grid_ts) across the contiguous shards' edge (24), beside images."""
+    from .trainer_vlm_cases import vlm_batch
+
+    batch = vlm_batch("qwen2_5_vl", video=True)
+    assert int((batch["mm_token_type_ids"] == 2).sum()) == 4
+    ref = dist1.run(vlm_trainer_step, str(tmp_path), "qwen2_5_vl", None, batch)[0]
+    for rank, result in enumerate(dist2.run(vlm_trainer_step, str(tmp_path), "qwen2_5_vl",
+                                            "ulysses_attn", batch)):
+        errors = _errors(result, ref)
+        assert all(e <= TOL for e in errors.values()), (rank, errors)

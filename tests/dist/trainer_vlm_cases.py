@@ -21,9 +21,10 @@ from .vlm_cases import IMAGE, VIDEO, make_step, tiny_vlm
 PAD_FROM = 44  # row 0 is padded from here (its images end at 16)
 
 
-def vlm_batch(family: str, seed: int = 1) -> dict:
-    """The collator's batch: two rows of 48 tokens, five images (rows 0, 0, 1, 1, 1)."""
-    step = make_step(family, batch=2, seed=seed)
+def vlm_batch(family: str, seed: int = 1, video: bool = False) -> dict:
+    """The collator's batch: two rows of 48 tokens, five images (rows 0, 0, 1, 1, 1);
+    ``video`` (Qwen): the third a video of two frames (row 1, tokens 22-25)."""
+    step = make_step(family, batch=2, seed=seed, video=video)
     ids = step["input_ids"].clone()
     mask = torch.ones_like(ids)
     ids[0, PAD_FROM:] = 0
@@ -32,6 +33,9 @@ def vlm_batch(family: str, seed: int = 1) -> dict:
     labels[mask == 0] = -100
     batch = {"input_ids": ids, "attention_mask": mask, "labels": labels,
              "pixel_values": step["pixel_values"]}
+    for key in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+        if key in step:
+            batch[key] = step[key]
     if "image_grid_thw" in step:  # a Qwen processor's keys
         batch["image_grid_thw"] = step["image_grid_thw"]
         batch["mm_token_type_ids"] = (ids == IMAGE).long() + 2 * (ids == VIDEO).long()
