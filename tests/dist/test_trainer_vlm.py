@@ -96,7 +96,7 @@ def test_trainer_images_refused_with_one_line(references, dist2, family, extra, 
 @pytest.mark.parametrize("method", ["zigzag_ring_attn", "ulysses_attn"])
 def test_trl_sft_vision_path_equals_one_process(dist1, dist2, tmp_path, method):
     """TRL's SFTTrainer on a vision dataset (images and text, its own vision collator with
-    a LLaVA processor): one step at 2 ranks equals one process."""
+    a LLaVA processor): one step at 2 ranks equals one process, TRL's metrics too."""
     pytest.importorskip("trl")
     from .trainer_vlm_cases import vlm_sft_step
 
@@ -106,6 +106,10 @@ def test_trl_sft_vision_path_equals_one_process(dist1, dist2, tmp_path, method):
     for rank, result in enumerate(dist2.run(vlm_sft_step, str(tmp_path), method)):
         errors = _errors(result, ref)
         assert all(e <= TOL for e in errors.values()), (rank, errors)
+        # TRL's entropy, mean_token_accuracy and num_tokens, over the whole batch
+        assert sorted(result["metrics"]) == ["entropy", "mean_token_accuracy", "num_tokens"]
+        for key, value in ref["metrics"].items():
+            assert abs(result["metrics"][key] - value) <= TOL * abs(value), (key, result, ref)
 
 
 def test_two_data_parallel_groups_with_images(dist1, dist4, tmp_path):

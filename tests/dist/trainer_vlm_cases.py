@@ -209,6 +209,8 @@ def vlm_sft_step(folder: str, method: str | None) -> dict:
         trainer.train()
         history = trainer.state.log_history
         return {"loss": history[0]["loss"], "grad_norm": history[0]["grad_norm"],
-                "grads": grads, "collator": type(trainer.data_collator).__name__}
+                "grads": grads, "collator": type(trainer.data_collator).__name__,
+                "metrics": {k: history[0][k] for k in ("entropy", "mean_token_accuracy",
+                                                       "num_tokens") if k in history[0]}}
     finally:
         _env_for_accelerate()
