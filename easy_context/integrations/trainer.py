@@ -43,7 +43,7 @@ from ..parallel import get_method
 from .hf import apply_sequence_parallel, check_model_supported
 from .loss_forward import LossSettings, chunked_loss_possible, install_loss_forward
 from .trainer_batches import (ShardedBatch, check_batch_keys, check_vision_batch, count_targets,
-                              has_images, shard_trainer_batch)
+                              has_images, has_vision_keys, shard_trainer_batch)
 from .vision import is_vision_language
 
 log = logging.getLogger(__name__)
@@ -73,10 +73,12 @@ class SequenceParallelState:
 
     def check_batch(self, batch: dict, trainer) -> None:
         """Refuse, before any collective, a batch that this setup cannot train exactly."""
-        if not (self.vision and has_images(batch)):
+        if not (self.vision and has_vision_keys(batch)):
             check_batch_keys(batch)
             return
         check_vision_batch(batch, self.base_model)
+        if not has_images(batch):  # text only (a processor's mm_token_type_ids): as text
+            return
         if self.max_length:
             raise ValueError("max-length mode does not take images yet; enable sequence "
                              "parallelism without max_length=True for a batch with images")

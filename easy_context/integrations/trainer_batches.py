@@ -87,6 +87,12 @@ def has_images(batch: dict) -> bool:
     return any(batch.get(k) is not None for k in PIXEL_KEYS)
 
 
+def has_vision_keys(batch: dict) -> bool:
+    """The batch carries any of VISION_KEYS (a processor's text-only batch may carry
+    mm_token_type_ids alone)."""
+    return any(batch.get(k) is not None for k in VISION_KEYS)
+
+
 def check_batch_keys(batch: dict, vision: bool = False) -> None:
     """Refuse a batch with inputs that sequence-parallel training would not pass on.
     ``vision``: the model is a vision-language one that can be cut with images
@@ -142,7 +148,7 @@ def shard_trainer_batch(batch: dict, method: str, sp_rank: int, sp_size: int,
         raise ValueError("the batch has no 'input_ids' (inputs_embeds are not supported): "
                          "sequence-parallel training shards token ids")
     images = model is not None and has_images(batch)
-    if images:
+    if model is not None and has_vision_keys(batch):
         check_vision_batch(batch, model)
     else:
         check_batch_keys(batch)
@@ -216,6 +222,15 @@ def check_vision_batch(batch: dict, model) -> None:
 
     family = describe(model)
     check_batch_keys(batch, vision=True)
+    if not has_images(batch):
+        # text only: the placeholders would be embedded as text, where the model's own
+        # forward refuses them
+        held = [m for m, token in family.token_ids.items()
+                if bool((batch["input_ids"] == token).any())]
+        if held:
+            raise ValueError(f"input_ids hold {' and '.join(held)} placeholder tokens but the "
+                             "batch carries no pixel values for them; give the collator the "
+                             "images, or drop the placeholders")
     if family.mrope and batch.get("position_ids") is not None:
         raise ValueError("the batch carries position_ids for a model whose positions are "
                          "multimodal (get_rope_index on the whole sequence): drop them from "

@@ -61,3 +61,19 @@ def test_left_padding_positions_are_the_models_own():
     real = batch["attention_mask"].bool()
     assert torch.equal(positions[:, real], own[:, real])
     assert shards[0].document_ids is not None  # the padding kept apart
+
+
+def test_a_text_only_batch_of_a_vision_model():
+    """A processor's batch without images (mm_token_type_ids all zero) is cut as text; image
+    placeholders without pixel values are refused (the model's own forward refuses them)."""
+    model = tiny_vlm("qwen2_5_vl")
+    batch = vlm_batch("qwen2_5_vl")
+    text = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+    text["input_ids"] = text["input_ids"].clamp(max=89)  # no placeholder left (90, 91)
+    text["mm_token_type_ids"] = torch.zeros_like(text["input_ids"])
+    shard = shard_trainer_batch(text, "zigzag_ring_attn", 0, 2, model=model)
+    assert shard.vision is None and shard.position_ids.shape == (2, 24)
+    with pytest.raises(ValueError, match="image placeholder tokens but the batch carries no "
+                                         "pixel values"):
+        shard_trainer_batch({k: v for k, v in batch.items() if k != "pixel_values"},
+                            "zigzag_ring_attn", 0, 2, model=model)
