@@ -472,6 +472,7 @@ class SequenceParallelMixin:
         inputs = self._prepare_inputs(inputs)
         # without labels (predict() on prompts) there is no loss, as in the Trainer's own
         has_labels = inputs.get("labels") is not None or inputs.get("shift_labels") is not None
+        self._easy_context.check_batch(inputs, self)  # evaluate() alone: refused here too
         if not prediction_loss_only and self._easy_context.vision and has_images(inputs):
             # logits of a step with images would need the vision path's own logits gather
             if self.compute_metrics is not None or not has_labels:

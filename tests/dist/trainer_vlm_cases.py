@@ -62,7 +62,7 @@ def _collate(items: list[dict]) -> dict:
 def vlm_trainer_step(folder: str, family: str, method: str | None,
                      batch: dict | None = None, break_vision: bool = False,
                      engine: str = "ddp", sp_size: int | None = None, accum: int = 1,
-                     lora: bool = False) -> dict:
+                     lora: bool = False, evaluate_only: bool = False) -> dict:
     """One Trainer step; returns the logged loss, grad norm and every parameter's gradient
     before the optimizer. ``method=None``: the one-process reference (the model's own
     forward and loss). ``break_vision``: a scratch break that hides the images from the
@@ -117,6 +117,8 @@ def vlm_trainer_step(folder: str, family: str, method: str | None,
                     k: v for k, v in inputs.items()
                     if k not in ("pixel_values", "image_grid_thw", "mm_token_type_ids")})
                 trainer._easy_context.check_batch = lambda batch, trainer: None
+        if evaluate_only:
+            return {"eval_loss": trainer.evaluate()["eval_loss"]}
         trainer.train()
         history = trainer.state.log_history
         return {"loss": history[0]["loss"], "grad_norm": history[0]["grad_norm"],
@@ -127,13 +129,14 @@ def vlm_trainer_step(folder: str, family: str, method: str | None,
 
 
 def vlm_trainer_error(folder: str, family: str, batch_keys: dict | None = None,
-                      engine: str = "ddp") -> str:
-    """What one sequence-parallel Trainer step says for ``family`` (refusals), the batch
-    given extra keys ``batch_keys``, on ``engine``."""
+                      engine: str = "ddp", evaluate_only: bool = False) -> str:
+    """What one sequence-parallel Trainer step (or evaluate() alone) says for ``family``
+    (refusals), the batch given extra keys ``batch_keys``, on ``engine``."""
     batch = vlm_batch("llava" if not family.startswith("qwen") else family)
     batch.update(copy.deepcopy(batch_keys or {}))
     try:
-        vlm_trainer_step(folder, family, "zigzag_ring_attn", batch=batch, engine=engine)
+        vlm_trainer_step(folder, family, "zigzag_ring_attn", batch=batch, engine=engine,
+                         evaluate_only=evaluate_only)
     except ValueError as e:
         return f"ValueError: {e}"
     return "trained"
