@@ -11,7 +11,7 @@ import pytest
 
 import easy_context as ec
 
-from .vlm_generate_cases import compare_image_prompt, images_encoded, refused
+from .vlm_generate_cases import compare_image_prompt, different_images, images_encoded, refused
 
 METHODS = sorted(ec.METHODS)
 
@@ -58,3 +58,8 @@ def test_left_padded_batch_with_images_two_ranks(dist2, family):
 def test_image_prompts_refused_up_front(dist1, family, extra, says):
     for said in dist1.run(refused, family, **extra):
         assert said.startswith("ValueError") and says in said, said
+
+
+def test_ranks_given_different_images_are_refused_before_prefill(dist2):
+    for said in dist2.run(different_images):
+        assert said.startswith("ValueError") and "different prompts" in said, said

@@ -103,3 +103,15 @@ def refused(family: str, **extra) -> str:
     except ValueError as e:
         return f"ValueError: {e}"
     return "generated"
+
+
+def different_images() -> str:
+    """What generate says when rank 1 was given other pixel values than rank 0."""
+    model = tiny_vlm("llava").eval()
+    inputs = image_prompt("llava")
+    inputs["pixel_values"] = inputs["pixel_values"] + dist.get_rank()
+    try:
+        ec.generate(model, method="zigzag_ring_attn", max_new_tokens=2, **inputs)
+    except ValueError as e:
+        return f"ValueError: {e}"
+    return "generated"
