@@ -2,8 +2,8 @@
 within 1e-5, relative) what transformers' greedy ``generate(**inputs)`` gives in one process,
 for tiny Qwen2.5-VL (multimodal RoPE: positions from get_rope_index, decode positions past
 rope_deltas), Qwen3-VL (and its deepstack features) and LLaVA, every method at 1 and 2 ranks
-and one at 4, with images straddling the shard boundaries; a left-padded batch of two rows;
-and the up-front refusals."""
+and two at 4, with images straddling the shard boundaries; Qwen3.5 and InternVL with two
+methods at 2; a left-padded batch of two rows; and the up-front refusals."""
 
 from __future__ import annotations
 
@@ -63,3 +63,11 @@ def test_image_prompts_refused_up_front(dist1, family, extra, says):
 def test_ranks_given_different_images_are_refused_before_prefill(dist2):
     for said in dist2.run(different_images):
         assert said.startswith("ValueError") and "different prompts" in said, said
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "internvl"])
+def test_image_prompt_other_families_two_ranks(dist2, family):
+    """Qwen3.5 (gated DeltaNet layers beside attention, multimodal RoPE) and InternVL (tiles,
+    pixel shuffle, a Qwen2 decoder)."""
+    _assert_equal(dist2.run(compare_image_prompt, family, ["zigzag_ring_attn", "ulysses_attn"],
+                            1, 2))
