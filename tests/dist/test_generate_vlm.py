@@ -71,3 +71,11 @@ def test_image_prompt_other_families_two_ranks(dist2, family):
     pixel shuffle, a Qwen2 decoder)."""
     _assert_equal(dist2.run(compare_image_prompt, family, ["zigzag_ring_attn", "ulysses_attn"],
                             1, 2))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_video_prompt_two_ranks(dist2, family):
+    """A video of two frames across the middle of the prompt, beside images (Qwen2.5-VL with
+    its seconds per grid step, Qwen3-VL with its frames between timestamp text)."""
+    _assert_equal(dist2.run(compare_image_prompt, family, ["zigzag_ring_attn", "ulysses_attn"],
+                            1, 2, True))

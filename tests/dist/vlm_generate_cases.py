@@ -22,13 +22,15 @@ NEW_TOKENS = 10
 LOGITS_TOL = 1e-5
 
 
-def image_prompt(family: str, batch: int = 1) -> dict:
+def image_prompt(family: str, batch: int = 1, video: bool = False) -> dict:
     """The processor-like inputs: input_ids (B, PROMPT), pixel values (and grids,
     mm_token_type_ids for Qwen). batch 2: row 0 cut to its first 20 tokens (its images at
-    4 and 10) and left-padded, row 1 whole (the other three images)."""
-    step = make_step(family, batch)
+    4 and 10) and left-padded, row 1 whole (the other three images). ``video`` (Qwen): the
+    third item, across 24, is a video of two frames (vlm_cases.make_step)."""
+    step = make_step(family, batch, video=video)
     ids = step["input_ids"][:, :PROMPT].clone()
-    out = {k: step[k] for k in ("pixel_values", "image_grid_thw") if k in step}
+    out = {k: step[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos",
+                                "video_grid_thw", "second_per_grid_ts") if k in step}
     mask = torch.ones_like(ids)
     if batch == 2:
         short = 20
@@ -42,12 +44,12 @@ def image_prompt(family: str, batch: int = 1) -> dict:
 
 
 def compare_image_prompt(family: str, methods: list[str], batch: int = 1,
-                         ring_degree: int | None = None) -> dict:
+                         ring_degree: int | None = None, video: bool = False) -> dict:
     """{method: (transformers' new tokens, generate's)} and {"<method> logits": (want, got)}:
     every step's logits within LOGITS_TOL (relative) of transformers'; plus "<method>
     straddles": how many images this rank encoded (a straddling one counts on each rank)."""
     base = tiny_vlm(family).eval()
-    inputs = image_prompt(family, batch)
+    inputs = image_prompt(family, batch, video)
     out = copy.deepcopy(base).generate(
         **inputs, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
         pad_token_id=0, output_logits=True, return_dict_in_generate=True)
