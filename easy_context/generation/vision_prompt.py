@@ -102,7 +102,10 @@ def prepare_vision_prompt(model: nn.Module, method: str, ids: Tensor, valid: Ten
     """This rank's VisionPrompt for the (B, L) prompts ``ids``, each at the start of its row
     and padded at its end (``valid`` (B, L) marks the real tokens, ``lengths`` (B,) count
     them; the pads are text tokens after every real one: they move no real position)."""
-    given = {k: v for k, v in media.items() if v is not None}
+    # the grids are integer bookkeeping next to the (host) token ids; the pixel values stay
+    # where they came (only the encoded ones are sliced out, then moved to the model)
+    given = {k: v if k.startswith("pixel_values") else v.cpu()
+             for k, v in media.items() if v is not None}
     grids = {k: given[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
              if k in given}
     whole = rope_positions(model, ids, **grids)  # (3, B, L) or (B, L)
