@@ -40,9 +40,9 @@ def test_llama_shaped_layers_are_accepted(model_type, overrides):
 
 
 # generic: the layer's own forward runs them (max-length mode's generic path);
-# refused: what the generic path cannot redo either (dropout drawn again in the recompute, a
-# Mamba mixer carrying a state along the sequence)
-REFUSED_TOO = {"seed_oss": "dropout", "falcon_h1": "carries a state along the sequence"}
+# refused: what max-length mode cannot do either (dropout drawn again in the recompute;
+# Falcon-H1's final norm is final_layernorm, and its Mamba mixers carry a state)
+REFUSED_TOO = {"seed_oss": "dropout", "falcon_h1": "FalconH1Model has none by that name"}
 
 
 @pytest.mark.parametrize("model_type,overrides,named", [
@@ -150,3 +150,10 @@ def test_layers_handed_state_the_generic_path_cannot_recompute_are_refused():
     path would recompute them without that state, so it refuses, naming the argument."""
     reason = unsupported_reason(_model("gemma4_text", pad_token_id=0))
     assert reason is not None and "per_layer_input" in reason, reason
+
+
+def test_a_decoder_without_a_final_norm_by_that_name_is_refused():
+    """Max-length mode applies the decoder's final norm inside the loss: Phi's is
+    final_layernorm, so it is refused rather than normed twice or not at all."""
+    reason = unsupported_reason(_model("phi", pad_token_id=0))
+    assert reason is not None and "has none by that name" in reason, reason
