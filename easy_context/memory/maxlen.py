@@ -425,6 +425,14 @@ def _mark_zero3_leaf(layer: nn.Module) -> None:
     layer._z3_leaf = True
 
 
+def _same(a, b) -> bool:
+    """The same tensor, or a view of all of it (FSDP2's and DeepSpeed's hooks hand a layer's
+    output on as a new tensor object over the same memory)."""
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (
+        a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                   and a.stride() == b.stride()))
+
+
 def _fold_final_norm(model: nn.Module, state: _State) -> None:
     decoder = decoder_of(model)
     norm = decoder.norm
@@ -440,12 +448,12 @@ def _fold_final_norm(model: nn.Module, state: _State) -> None:
         # normed twice, and is refused.
         state = self._ec_state
         if not _SKIP_FINAL_NORM.get():
-            if hidden_states is state.last_output:
+            if _same(hidden_states, state.last_output):
                 state.last_output = None  # not kept past its forward
             return self._ec_original_forward(hidden_states)
         if state.last_output is None:
             return self._ec_original_forward(hidden_states)
-        if hidden_states is not state.last_output:
+        if not _same(hidden_states, state.last_output):
             raise ValueError("max-length mode: the decoder changes the last layer's output "
                              "before its final norm, which the loss applies; train this "
                              "model without --mlp-tile/--head-chunk")
