@@ -123,6 +123,12 @@ def _settings(layer: nn.Module) -> tuple[SequenceParallelSettings, str]:
     return settings, get_method(settings.method).layout
 
 
+def _refuse_cache(settings: SequenceParallelSettings):
+    raise ValueError(f"{settings.method}: recurrent layers run sequence-parallel without a cache "
+                     "(training, loss evaluation): pass use_cache=False, and generate with "
+                     "easy_context.generate (which carries their state)")
+
+
 def _documents(layer: nn.Module, document_ids: Tensor | None) -> Tensor | None:
     """The call's document_ids, or else those the layer's caller got (_record_documents)."""
     return document_ids if document_ids is not None else layer.__dict__.get(_DOCUMENTS)
@@ -170,9 +176,7 @@ def _delta_rule(name: str, layer: nn.Module, originals: dict[str, Callable]):
         settings, layout = _settings(layer)
         document_ids = _documents(layer, document_ids)
         if initial_state is not None or output_final_state:
-            raise ValueError(f"{settings.method}: recurrent layers run sequence-parallel without "
-                             "a cache (training, loss evaluation): pass use_cache=False, and "
-                             "generate with easy_context.generate (which carries their state)")
+            _refuse_cache(settings)
         kwargs.pop("use_cache", None)
         gen = _generation(kwargs, layer)
         if gen is not None and gen.decoding:  # one token: transformers' single-step rule
@@ -206,9 +210,7 @@ def _conv(layer: nn.Module, originals: dict[str, Callable]):
         settings, layout = _settings(layer)
         document_ids = _documents(layer, document_ids)
         if cache is not None:
-            raise ValueError(f"{settings.method}: recurrent layers run sequence-parallel without "
-                             "a cache (training, loss evaluation): pass use_cache=False, and "
-                             "generate with easy_context.generate (which carries their state)")
+            _refuse_cache(settings)
         if kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
             raise ValueError("sequence-parallel recurrent layers take packed documents as "
                              "document_ids (one id per token)")
@@ -240,9 +242,7 @@ def _mamba2_scan(layer: nn.Module, originals: dict[str, Callable]):
         settings, layout = _settings(layer)
         document_ids = _documents(layer, document_ids)
         if cache is not None:
-            raise ValueError(f"{settings.method}: recurrent layers run sequence-parallel without "
-                             "a cache (training, loss evaluation): pass use_cache=False, and "
-                             "generate with easy_context.generate (which carries their state)")
+            _refuse_cache(settings)
         gen = _generation(kwargs, layer)
         if gen is not None and gen.decoding:  # transformers' own cached step on the state
             gen.recurrent.state(module.layer_idx)  # never from a zero state
@@ -284,9 +284,7 @@ def _selective_scan(layer: nn.Module, originals: dict[str, Callable]):
         # hidden_states, time_step (before dt_proj's bias), gate (B, D, S); B, C (B, S, N)
         settings, layout = _settings(layer)
         if cache is not None:
-            raise ValueError(f"{settings.method}: recurrent layers run sequence-parallel without "
-                             "a cache (training, loss evaluation): pass use_cache=False, and "
-                             "generate with easy_context.generate (which carries their state)")
+            _refuse_cache(settings)
         gen = _generation(kwargs, layer)
         if gen is not None and gen.decoding:  # transformers' own cached step on the state
             gen.recurrent.state(module.layer_idx)  # never from a zero state
