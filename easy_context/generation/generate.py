@@ -33,6 +33,7 @@ from ..integrations.hf import (KV_CACHE_KWARG, RESCALING_ROPE, apply_sequence_pa
 from ..integrations.hf_recurrent import (GENERATES_IN_WORDS, recurrent_layer_types,
                                          ungeneratable_layers,
                                          unroutable_stateful_layers, unrouted_stateful_layers)
+from ..integrations.vision import vision_embeddings
 from ..mesh import group_size, process_group
 from ..parallel import get_method
 from ..parallel.comm import gather_shards
@@ -41,6 +42,7 @@ from ..sequence_parallel import required_multiple, shard_sequence
 from ..utils.decoder import decoder_of, text_config
 from .cache import ShardedKVCache, group_rank
 from .sampling import LogitsProcessing, SamplingConfig, StopCriteria, TokenChooser
+from .vision_prompt import check_vision_prompt, media_digest, prepare_vision_prompt
 
 Tensor = torch.Tensor
 
@@ -225,7 +227,11 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
              repetition_penalty: float | None = None, min_new_tokens: int | None = None,
              num_return_sequences: int | None = None, streamer=None,
              synced_gpus: bool | None = None,
-             output_logits: bool = False) -> Tensor | GenerationResult:
+             output_logits: bool = False, pixel_values: Tensor | None = None,
+             image_grid_thw: Tensor | None = None,
+             pixel_values_videos: Tensor | None = None, video_grid_thw: Tensor | None = None,
+             second_per_grid_ts: Tensor | None = None,
+             mm_token_type_ids: Tensor | None = None) -> Tensor | GenerationResult:
     """Generate up to ``max_new_tokens`` after each of the (B, L) prompts, sequence-parallel.
 
     Every rank of the group calls this with the same ``input_ids`` (and ``attention_mask``,
@@ -250,6 +256,12 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
     ``output_logits``). A prompt plus its new tokens beyond the
     model's RoPE range (``max_position_embeddings`` with plain RoPE) is refused unless
     ``beyond_rope_range``: for probing where a model breaks down on purpose.
+
+    A vision-language model's prompt images come as its processor gives them
+    (``pixel_values``, ``image_grid_thw``, videos, ``mm_token_type_ids``; the same on every
+    rank): each rank encodes the images its shard of the prompt holds, the positions are the
+    model's own (multimodal RoPE's ``get_rope_index``), and the new tokens continue them as
+    transformers does (generation/vision_prompt.py).
     """
     if input_ids.dim() != 2 or input_ids.dtype != torch.long:
         raise ValueError(f"input_ids must be (batch, length) int64, got {tuple(input_ids.shape)} "
@@ -301,6 +313,13 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
         pad_token_id = getattr(config, "pad_token_id", None)
         pad_token_id = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
 
+    # the prompt's images (vision-language models): refused up front where not exact
+    media = dict(pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+                 pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw,
+                 second_per_grid_ts=second_per_grid_ts)
+    vision = check_vision_prompt(model, media, mm_token_type_ids, input_ids, attention_mask,
+                                 copies, _parameters_sharded(model))
+
     settings = _settings(model, method, group, ring_degree)
     unrouted = unrouted_stateful_layers(model)
     if unrouted:
@@ -337,7 +356,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
     fingerprint = _fingerprint(input_ids, attention_mask, dict(
         flags, max_new_tokens=max_new_tokens, seed=seed, eos=eos, pad=pad_token_id,
         stop_strings=stop_strings, beyond_rope_range=beyond_rope_range,
-        synced_gpus=bool(synced_gpus)))
+        synced_gpus=bool(synced_gpus),
+        vision=media_digest(media) if vision is not None else None))
     sampling.seed = agree_and_seed(fingerprint, seed, pg, world, device)
 
     b, length = input_ids.shape
@@ -357,6 +377,9 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
     ids_l, pos_l, valid_l = (t.to(device) for t in local)
     if streamer is not None:
         streamer.put(input_ids.cpu())
+    images = (prepare_vision_prompt(model, m.name, ids, valid, lengths, rank, world,
+                                    settings.ring_degree, media, device)
+              if vision is not None else None)
 
     cache = ShardedKVCache(settings, world, rank, ShardedKVCache.share(max_new_tokens, world))
     decoder = decoder_of(model)
@@ -371,8 +394,14 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
         nonlocal done
         start = time.perf_counter()
         cache.start_prefill(pos_l, valid_l, lengths)
-        hidden = decoder(input_ids=ids_l, position_ids=pos_l, use_cache=False,
-                         **{KV_CACHE_KWARG: cache}).last_hidden_state  # (B, S_local, D)
+        if images is None:
+            hidden = decoder(input_ids=ids_l, position_ids=pos_l, use_cache=False,
+                             **{KV_CACHE_KWARG: cache}).last_hidden_state  # (B, S_local, D)
+        else:  # this shard's embeddings with its images' features; the model's positions
+            embeds, extra = vision_embeddings(model, ids_l, images.shard)
+            hidden = decoder(inputs_embeds=embeds, position_ids=images.positions,
+                             use_cache=False, **extra,
+                             **{KV_CACHE_KWARG: cache}).last_hidden_state
         # each prompt's last token: on one rank; summed over the group, the others add zeros
         last = (pos_l == (lengths.to(device) - 1)[:, None]) & valid_l  # (B, S_local)
         h = hidden[torch.arange(b, device=device), last.int().argmax(dim=1)]  # (B, D)
@@ -418,7 +447,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
                 break
             # a done group's forward keeps nothing and its logits are not used
             cache.start_decode(step, query, keep=not finished)
-            hidden = decoder(input_ids=token[:, None], position_ids=query[:, None],
+            rotary = query if images is None else query + images.deltas  # (B,)
+            hidden = decoder(input_ids=token[:, None], position_ids=rotary[:, None],
                              use_cache=False, **{KV_CACHE_KWARG: cache}).last_hidden_state[:, -1]
             cache.finish_decode()
             logits = _next_logits(model, hidden)

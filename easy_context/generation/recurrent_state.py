@@ -4,11 +4,11 @@ The prefill runs the prompt sequence-parallel (the routed kernels of
 integrations/hf_recurrent.py); each recurrent layer's state at the end of every prompt is
 what the decode steps start from. transformers keeps those states in a ``Cache`` whose layers
 are ``LinearAttentionLayer`` objects (``conv_states`` / ``recurrent_states`` by layer index), and
-its layers' decode paths (``causal_conv1d_update``, the single-step gated delta rule, Mamba-2's
-``selective_state_update``) read and update them there: :class:`RecurrentStates` holds one such
+its layers' decode paths (``causal_conv1d_update``, the single-step gated delta rule or KDA,
+Mamba-2's and Mamba-1's ``selective_state_update``) read and update them there: :class:`RecurrentStates` holds one such
 cache, the same on every rank (every rank decodes every new token).
 
-- The recurrent state (gated delta rule, Mamba-2): the scan's final state, which every rank
+- The recurrent state (gated delta rule, KDA, Mamba-2, Mamba-1): the scan's final state, which every rank
   already computes from the all-gathered piece maps (recurrent/scan.py). The prompts' pad
   slots (after each prompt's end, generate.py) are made to leave the state unchanged (no
   decay, no input: the routed kernels' job), so the state after the padded shard is the

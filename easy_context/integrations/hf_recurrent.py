@@ -20,9 +20,9 @@ the layers to these functions: at the prefill they also keep each prompt's final
 state and last convolution inputs in its transformers cache (generation/recurrent_state.py),
 with the pad slots after each prompt made to leave the state unchanged; at each decode step
 (one token, the same on every rank) they run transformers' own single-step path on that cache
-(``causal_conv1d_forward`` with the cache, the single-step gated delta rule, Mamba-2's
-``mamba2_scan_forward`` with the cache), the single-step kernels let through for that call
-only.
+(``causal_conv1d_forward`` with the cache, the single-step gated delta rule or KDA, Mamba-2's
+``mamba2_scan_forward`` and Mamba-1's ``mamba_scan_forward`` with the cache), the single-step
+kernels let through for that call only.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ _REPLAYS = "_easy_context_replays_documents"  # marks a checkpoint function wrap
 # the keyword under which generate hands its sharded cache down to the kernels (hf.py's)
 KV_CACHE_KWARG = "sharded_kv_cache"
 _DECODING = "_easy_context_decoding"  # set on a layer while generate's decode step runs it
+# generate's cache as the layer's caller got it (_record_documents: Jamba's passes none on)
+_GENERATING = "_easy_context_generating"
 
 # Gated DeltaNet (Qwen3-Next): the functions its forward calls, by the name transformers
 # lists them under; the ones a training forward (no cache) never reaches raise.
@@ -103,12 +105,12 @@ VERIFIED = {"Qwen3NextGatedDeltaNet": GATED_DELTA_NET_FUNCS,
             "Lfm3ShortConv": SHORT_CONV_FUNCS}
 
 # Of VERIFIED, the layers whose routed kernels also keep the prompt's state for
-# easy_context.generate's decode steps (tests/dist/test_generate_hybrid.py); Kimi Linear's KDA
-# and Jamba's Mamba-1 train exactly but their decode path is not routed yet.
-GENERATES = frozenset(VERIFIED) - {"KimiLinearDeltaAttention", "JambaMambaMixer"}
-GENERATES_IN_WORDS = ("the gated DeltaNet of Qwen3-Next, Qwen3.5 and OLMo hybrid, the short "
-                      "convolutions of LFM2, LFM2-MoE and LFM3, and the Mamba-2 of Granite 4 "
-                      "hybrids, Bamba, Nemotron-H, Falcon-H1 and Zamba2")
+# easy_context.generate's decode steps (tests/dist/test_generate_hybrid.py): all of them.
+GENERATES = frozenset(VERIFIED)
+GENERATES_IN_WORDS = ("the gated DeltaNet of Qwen3-Next, Qwen3.5 and OLMo hybrid, the KDA of "
+                      "Kimi Linear, the short convolutions of LFM2, LFM2-MoE and LFM3, the "
+                      "Mamba-2 of Granite 4 hybrids, Bamba, Nemotron-H, Falcon-H1 and Zamba2, "
+                      "and the Mamba-1 of Jamba")
 
 # What runs, in words (check_model_supported's refusal and the docs name it).
 RUNS = ("the gated DeltaNet of Qwen3-Next, Qwen3.5 (dense and MoE) and OLMo hybrid, the KDA of "
@@ -121,14 +123,22 @@ def _settings(layer: nn.Module) -> tuple[SequenceParallelSettings, str]:
     return settings, get_method(settings.method).layout
 
 
+def _refuse_cache(settings: SequenceParallelSettings):
+    raise ValueError(f"{settings.method}: recurrent layers run sequence-parallel without a cache "
+                     "(training, loss evaluation): pass use_cache=False, and generate with "
+                     "easy_context.generate (which carries their state)")
+
+
 def _documents(layer: nn.Module, document_ids: Tensor | None) -> Tensor | None:
     """The call's document_ids, or else those the layer's caller got (_record_documents)."""
     return document_ids if document_ids is not None else layer.__dict__.get(_DOCUMENTS)
 
 
-def _generation(kwargs: dict):
-    """generate's cache, taken out of the kernel's keyword arguments (None: not generating)."""
-    return kwargs.pop(KV_CACHE_KWARG, None)
+def _generation(kwargs: dict, layer: nn.Module):
+    """generate's cache, taken out of the kernel's keyword arguments, or else the one the
+    layer's caller got (_record_documents); None: not generating."""
+    gen = kwargs.pop(KV_CACHE_KWARG, None)
+    return gen if gen is not None else layer.__dict__.get(_GENERATING)
 
 
 class _Decoding:
@@ -145,12 +155,20 @@ class _Decoding:
 
 
 def _prompt_slots(gen, like: Tensor) -> Tensor:
-    """(B, S_local, 1) in ``like``'s dtype: 1 at this rank's prompt tokens, 0 at its pads."""
-    return gen.recurrent.valid[..., None].to(like.dtype)
+    """(B, S_local, 1, ...) (as many dims as ``like``, token-major) in ``like``'s dtype: 1 at
+    this rank's prompt tokens, 0 at its pads."""
+    valid = gen.recurrent.valid
+    return valid.view(*valid.shape, *[1] * (like.dim() - 2)).to(like.dtype)
+
+
+# the single-step rule transformers' layer runs at a decode step, by its chunked rule's name
+_SINGLE_STEP = {"chunk_gated_delta_rule": "fused_recurrent_gated_delta_rule",
+                "chunk_kda": "fused_recurrent_kda"}
 
 
 def _delta_rule(name: str, layer: nn.Module, originals: dict[str, Callable]):
     kernel = originals[name]  # chunk_gated_delta_rule, or KDA's chunk_kda (a per-channel g)
+    single_step = originals[_SINGLE_STEP[name]]
 
     def forward(query, key, value, g, beta, chunk_size: int | None = None, initial_state=None,
                 output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
@@ -158,19 +176,18 @@ def _delta_rule(name: str, layer: nn.Module, originals: dict[str, Callable]):
         settings, layout = _settings(layer)
         document_ids = _documents(layer, document_ids)
         if initial_state is not None or output_final_state:
-            raise ValueError(f"{settings.method}: recurrent layers run sequence-parallel without "
-                             "a cache (training, loss evaluation): pass use_cache=False, and "
-                             "generate with easy_context.generate (which carries their state)")
+            _refuse_cache(settings)
         kwargs.pop("use_cache", None)
-        gen = _generation(kwargs)
+        gen = _generation(kwargs, layer)
         if gen is not None and gen.decoding:  # one token: transformers' single-step rule
-            out, state = originals["fused_recurrent_gated_delta_rule"](
+            out, state = single_step(
                 query, key, value, g=g, beta=beta,
                 initial_state=gen.recurrent.state(layer.layer_idx), output_final_state=True,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
             gen.recurrent.keep_state(layer.layer_idx, state)
             return out, None
-        if gen is not None:  # pads: no decay (g = 0), no write (beta = 0): the state passes
+        if gen is not None:  # pads: no decay (log g = 0), no write (beta = 0): the state
+            # passes them; g (B, S, H) or KDA's per channel (B, S, H, d_k), beta (B, S, H)
             g, beta = g * _prompt_slots(gen, g), beta * _prompt_slots(gen, beta)
         out, state = chunk_gated_delta_rule(
             query, key, value, g, beta, chunk_size, None, gen is not None,
@@ -193,13 +210,11 @@ def _conv(layer: nn.Module, originals: dict[str, Callable]):
         settings, layout = _settings(layer)
         document_ids = _documents(layer, document_ids)
         if cache is not None:
-            raise ValueError(f"{settings.method}: recurrent layers run sequence-parallel without "
-                             "a cache (training, loss evaluation): pass use_cache=False, and "
-                             "generate with easy_context.generate (which carries their state)")
+            _refuse_cache(settings)
         if kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
             raise ValueError("sequence-parallel recurrent layers take packed documents as "
                              "document_ids (one id per token)")
-        gen = _generation(kwargs)
+        gen = _generation(kwargs, layer)
         index = layer_idx if layer_idx is not None else layer.layer_idx
         if gen is not None and gen.decoding:  # transformers' own cached step on the state
             gen.recurrent.conv_state(index, state_idx)  # never from a zero state
@@ -227,10 +242,8 @@ def _mamba2_scan(layer: nn.Module, originals: dict[str, Callable]):
         settings, layout = _settings(layer)
         document_ids = _documents(layer, document_ids)
         if cache is not None:
-            raise ValueError(f"{settings.method}: recurrent layers run sequence-parallel without "
-                             "a cache (training, loss evaluation): pass use_cache=False, and "
-                             "generate with easy_context.generate (which carries their state)")
-        gen = _generation(kwargs)
+            _refuse_cache(settings)
+        gen = _generation(kwargs, layer)
         if gen is not None and gen.decoding:  # transformers' own cached step on the state
             gen.recurrent.state(module.layer_idx)  # never from a zero state
             with _Decoding(layer):
@@ -271,17 +284,35 @@ def _selective_scan(layer: nn.Module, originals: dict[str, Callable]):
         # hidden_states, time_step (before dt_proj's bias), gate (B, D, S); B, C (B, S, N)
         settings, layout = _settings(layer)
         if cache is not None:
-            raise ValueError(f"{settings.method}: recurrent layers run sequence-parallel without "
-                             "a cache (training, loss evaluation): pass use_cache=False")
+            _refuse_cache(settings)
+        gen = _generation(kwargs, layer)
+        if gen is not None and gen.decoding:  # transformers' own cached step on the state
+            gen.recurrent.state(module.layer_idx)  # never from a zero state
+            with _Decoding(layer):
+                return originals["mamba_scan_forward"](module, hidden_states, time_step, B, C,
+                                                       gate, gen.recurrent.cache, **kwargs)
         bias = module.dt_proj.bias
+        delta_options = dict(delta_bias=None if bias is None else bias.float(),
+                             delta_softplus=True)
+        if gen is not None:
+            # pads: a time step of 0 (decay 1, no input), so the state passes them: the
+            # kernel's own steps (bias, softplus) done here, then the pads zeroed
+            if bias is not None:
+                time_step = time_step + bias.float().to(time_step.dtype)[:, None]
+            time_step = F.softplus(time_step) * _prompt_slots(gen, time_step).transpose(1, 2)
+            delta_options = dict(delta_bias=None, delta_softplus=False)
         # the layer's own call (transformers' mamba_scan_forward), on the shard
-        return selective_scan(
+        out = selective_scan(
             hidden_states, time_step, -torch.exp(module.A_log.float()), B.transpose(1, 2),
-            C.transpose(1, 2), D=module.D.float(), z=gate,
-            delta_bias=None if bias is None else bias.float(), delta_softplus=True,
+            C.transpose(1, 2), D=module.D.float(), z=gate, return_last_state=gen is not None,
             kernel=kernel, group=settings.group, layout=layout,
             ring_degree=settings.ring_degree, document_ids=_documents(layer, document_ids),
-            use_mambapy=module.use_mambapy, use_associative_scan=module.use_associative_scan)
+            use_mambapy=module.use_mambapy, use_associative_scan=module.use_associative_scan,
+            **delta_options)
+        if gen is not None:
+            out, state = out  # (B, D, S_local), (B, D, N)
+            gen.recurrent.keep_state(module.layer_idx, state)
+        return out
 
     return forward
 
@@ -404,17 +435,26 @@ def _record_documents(caller: nn.Module, layer: nn.Module) -> None:
     layers.append(layer)
     if len(layers) == 1:
         caller.register_forward_pre_hook(_record_hook, with_kwargs=True)
+        caller.register_forward_hook(_forget_hook)
 
 
 def _record_hook(caller: nn.Module, args: tuple, kwargs: dict) -> None:
     for layer in caller.__dict__[_RECORDED]:
         layer.__dict__[_DOCUMENTS] = kwargs.get("document_ids")
+        # generate's cache too (its decode and prefill state), for this call only (_forget_hook)
+        layer.__dict__[_GENERATING] = kwargs.get(KV_CACHE_KWARG)
     # transformers' GradientCheckpointingLayer checkpoints its forward, not its __call__: the
     # recompute in backward runs without this hook, after later forwards may have recorded
     # other ids. The function it checkpoints is made to restore this forward's first.
     checkpoint = caller.__dict__.get("_gradient_checkpointing_func")
     if checkpoint is not None and not getattr(checkpoint, _REPLAYS, False):
         caller._gradient_checkpointing_func = _replaying(caller, checkpoint)
+
+
+def _forget_hook(caller: nn.Module, args: tuple, output) -> None:
+    """After the call: generate's cache (the prompts' KV and states) is not kept on the layers."""
+    for layer in caller.__dict__[_RECORDED]:
+        layer.__dict__.pop(_GENERATING, None)
 
 
 def _replaying(caller: nn.Module, checkpoint: Callable) -> Callable:

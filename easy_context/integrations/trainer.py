@@ -242,9 +242,8 @@ def _own_checkpointing(trainer, base: nn.Module, max_length: bool, checkpointing
         return
     from ..memory.maxlen import apply_max_length, unsupported_reason
 
-    if base is not trainer.model:
-        raise ValueError("max_length=True with a PEFT model: the fused layers would skip the "
-                         "adapters; train LoRA without max-length mode")
+    # a PEFT model's adapted layers take max-length mode's generic path (maxlen.path_for),
+    # which runs the layer's own modules, adapters included
     why = unsupported_reason(base)
     if why:
         raise ValueError(f"max_length=True: {why}")

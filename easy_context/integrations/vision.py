@@ -207,6 +207,18 @@ def _positions(model: nn.Module, family: VisionFamily, input_ids: Tensor,
     return out
 
 
+def rope_positions(model: nn.Module, input_ids: Tensor, *,
+                   image_grid_thw: Tensor | None = None, video_grid_thw: Tensor | None = None,
+                   second_per_grid_ts: Tensor | None = None) -> Tensor:
+    """The whole (B, L) sequence's position ids as the model numbers them: (3, B, L) from
+    its own ``get_rope_index`` (multimodal RoPE; each row's items in order), else (B, L)
+    0..L-1. What ``prepare_vision_inputs`` cuts; generation also reads each row's largest
+    position from it (the next token's is that + 1: transformers' ``rope_deltas``)."""
+    return _positions(model, describe(model), input_ids, None,
+                      {"image": image_grid_thw, "video": video_grid_thw}, None,
+                      second_per_grid_ts)
+
+
 def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, target_ids: Tensor,
                           rank: int, world_size: int, *, pixel_values: Tensor | None = None,
                           image_grid_thw: Tensor | None = None,

@@ -219,6 +219,11 @@ def _layer_config(layer: nn.Module):
 def layer_paths(model: nn.Module, path: str = "auto") -> list[str]:
     """Each decoder layer's path ("fused" or "generic", as :func:`path_for` picks it); a
     ValueError with the first refusal."""
+    decoder = decoder_of(model)
+    if not isinstance(getattr(decoder, "norm", None), nn.Module):
+        raise ValueError(f"max-length mode applies the decoder's final norm (its `norm`) inside "
+                         f"the loss; {type(decoder).__name__} has none by that name. Train this "
+                         "model without --mlp-tile/--head-chunk")
     paths = [path_for(layer, model, path) for layer in decoder_layers(model)]
     for p in paths:
         if p not in ("fused", "generic"):
@@ -252,6 +257,17 @@ class _State:
                         if offload or keep_every > 1 else DeviceStorage())
         self.embedding = self.rotary = None  # recomputed.Recorded watchers
         self.paths: list[str] = []  # each layer's path: "fused" or "generic"
+        self.layers = layers
+        self.last_output = None  # the last layer's output in this forward, until normed
+
+    def output(self, index: int, y: torch.Tensor) -> torch.Tensor:
+        """Note the last layer's output (the one input of the final norm that the loss
+        applies instead, _fold_final_norm); a first layer starts a new forward."""
+        if index == 0:
+            self.last_output = None
+        if index == self.layers - 1:
+            self.last_output = y
+        return y
 
     def input_recipe(self, x: torch.Tensor) -> Callable[[], torch.Tensor] | None:
         """How to compute the first layer's input again, when it is the embedding lookup."""
@@ -279,8 +295,8 @@ def _fused_forward(self, hidden_states, *args, attention_mask=None, position_ids
               state.input_recipe(hidden_states) if index == 0 else None,
               state.rope_recipe(cos, sin))
     if not torch.is_grad_enabled():
-        return run.forward(hidden_states, cos, sin)
-    return FusedLayer.apply(run, hidden_states, cos, sin, *spec.parameters())
+        return state.output(index, run.forward(hidden_states, cos, sin))
+    return state.output(index, FusedLayer.apply(run, hidden_states, cos, sin, *spec.parameters()))
 
 
 def _generic_forward(self, hidden_states, *args, **kwargs):
@@ -305,8 +321,8 @@ def _generic_forward(self, hidden_states, *args, **kwargs):
                      lambda: _gathered(self),
                      state.input_recipe(hidden_states) if index == 0 else None, tables)
     if not torch.is_grad_enabled():
-        return run.call(hidden_states)
-    return GenericLayer.apply(run, hidden_states, *run.parameters())
+        return state.output(index, run.call(hidden_states))
+    return state.output(index, GenericLayer.apply(run, hidden_states, *run.parameters()))
 
 
 @contextlib.contextmanager
@@ -397,7 +413,7 @@ def apply_max_length(model: nn.Module, mlp_tile: int, heads_per_chunk: int,
         layer.forward = types.MethodType(_fused_forward if spec else _generic_forward, layer)
         _mark_zero3_leaf(layer)
     state.paths = paths
-    _fold_final_norm(model)
+    _fold_final_norm(model, state)
     _tile_rotary(model)
     state.embedding = recomputed.watch(
         model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None,
@@ -429,16 +445,40 @@ def _mark_zero3_leaf(layer: nn.Module) -> None:
     layer._z3_leaf = True
 
 
-def _fold_final_norm(model: nn.Module) -> None:
+def _same(a, b) -> bool:
+    """The same tensor, or a view of all of it (FSDP2's and DeepSpeed's hooks hand a layer's
+    output on as a new tensor object over the same memory)."""
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (
+        a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                   and a.stride() == b.stride()))
+
+
+def _fold_final_norm(model: nn.Module, state: _State) -> None:
     decoder = decoder_of(model)
-    norm = getattr(decoder, "norm", None)
-    if norm is None or hasattr(norm, "_ec_original_forward"):
+    norm = decoder.norm
+    norm._ec_state = state  # the latest apply_max_length's
+    if hasattr(norm, "_ec_original_forward"):
         return
     norm._ec_original_forward = norm.forward
 
     def forward(self, hidden_states):
-        # Inside max_length_loss the loss applies this norm chunk by chunk.
-        return hidden_states if _SKIP_FINAL_NORM.get() else self._ec_original_forward(hidden_states)
+        # Inside max_length_loss the loss applies this norm chunk by chunk to the last
+        # layer's output. Other calls (NanoChat norms its embeddings with it too, before
+        # the layers) run it; one on anything else once the layers have run would be
+        # normed twice, and is refused.
+        state = self._ec_state
+        if not _SKIP_FINAL_NORM.get():
+            if _same(hidden_states, state.last_output):
+                state.last_output = None  # not kept past its forward
+            return self._ec_original_forward(hidden_states)
+        if state.last_output is None:
+            return self._ec_original_forward(hidden_states)
+        if not _same(hidden_states, state.last_output):
+            raise ValueError("max-length mode: the decoder changes the last layer's output "
+                             "before its final norm, which the loss applies; train this "
+                             "model without --mlp-tile/--head-chunk")
+        state.last_output = None
+        return hidden_states
 
     norm.forward = types.MethodType(forward, norm)
 

@@ -90,6 +90,10 @@ class MemoryEstimate:
     recurrent_layers: int = 0
     state_communication_per_layer: int = 0
     state_bytes_per_layer: int = 0
+    # sliding-window attention layers (of attention_layers) and what one of them sends: the
+    # ring methods move only the K/V rows the window reads (parallel/window_cost.py)
+    window_layers: int = 0
+    window_communication_per_layer: int = 0
 
     COMPONENTS = ("parameters", "gradients", "gradients_in_backward", "optimizer",
                   "optimizer_step", "gathered_parameters", "stored_activations", "mlp_backward",
@@ -98,8 +102,10 @@ class MemoryEstimate:
 
     @property
     def communication_per_step(self) -> int:
-        """Bytes one rank sends per step over every layer: attention and state exchange."""
-        return (self.attention_layers * self.communication_per_layer
+        """Bytes one rank sends per step over every layer: attention (window layers at their
+        own figure) and state exchange."""
+        return ((self.attention_layers - self.window_layers) * self.communication_per_layer
+                + self.window_layers * self.window_communication_per_layer
                 + self.recurrent_layers * self.state_communication_per_layer)
 
     @property
@@ -178,6 +184,10 @@ class MemoryEstimate:
                          f"{self.communication_per_layer / GIB:10.2f} GiB"
                          + (f"   [each of {self.attention_layers} attention layers]"
                             if self.recurrent_layers else ""))
+        if self.window_layers and self.communication_per_layer:
+            lines.append(f"  {'sent per window layer':24s} "
+                         f"{self.window_communication_per_layer / GIB:10.2f} GiB   [each of "
+                         f"{self.window_layers} sliding-window layers]")
         if self.recurrent_layers:
             lines.append(f"  {'state exchange per layer':24s} "
                          f"{self.state_communication_per_layer / GIB:10.4f} GiB   [each of "
@@ -273,6 +283,28 @@ def communication_per_layer(shape: ModelShape, s: int, a: int, method: str, worl
     if world_size == 1:
         return 0
     return get_method(method).comm_bytes(shape.attention_dims(), s, a, world_size, ring_degree)
+
+
+def window_communication_per_layer(shape: ModelShape, s: int, a: int, method: str,
+                                   world_size: int, ring_degree: int | None = None) -> int:
+    """Bytes one rank sends per sliding-window layer, forward and backward: a global layer's
+    (communication_per_layer) with its ring part scaled to the K/V rows the window reads
+    (parallel/window_cost.window_traffic: the busiest rank's rows; a ring step nobody reads
+    sends nothing). The all-to-all and all-gather methods send what a global layer sends."""
+    full = communication_per_layer(shape, s, a, method, world_size, ring_degree)
+    if not full or shape.window is None or shape.window >= s * world_size:
+        return full
+    from ..parallel.window_cost import window_traffic
+
+    t = window_traffic(method, shape.attention_dims(), s * world_size, world_size,
+                       shape.window, a, ring_degree)
+    if t["forward_bytes"] is None:  # not ring-shaped: the window changes nothing sent
+        return full
+    ring, ring_global = (t["forward_bytes"] + t["backward_bytes"],
+                         t["global_forward_bytes"] + t["global_backward_bytes"])
+    if method == "usp_attn":  # the figures are its ring's; its all-to-all moves the same
+        return full - ring_global + ring
+    return full * ring // max(ring_global, 1)
 
 
 # --------------------------------------------------------------------------- recurrent layers
@@ -540,7 +572,11 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
         recurrent_layers=model_shape.recurrent_layers,
         state_communication_per_layer=state_communication_per_layer(
             model_shape, s, a, method, world_size, ring_degree),
-        state_bytes_per_layer=state_bytes(model_shape, s, method, world_size, ring_degree))
+        state_bytes_per_layer=state_bytes(model_shape, s, method, world_size, ring_degree),
+        window_layers=model_shape.count(lambda k: k.attention == "window"),
+        window_communication_per_layer=window_communication_per_layer(
+            model_shape, s, a, method, world_size, ring_degree)
+        if model_shape.count(lambda k: k.attention == "window") else 0)
     if lora is not None:
         from .lora import with_lora
 

@@ -8,10 +8,11 @@ Per head the state h is (P, N) (head dim x state size), as transformers stores i
 
 with dt after ``dt_bias``, softplus and the clamp: a scalar decay per head and token. A piece
 maps h_in to ``h_in @ T + B`` with T = a I (N, N), a = exp(sum dt A) over the piece. One
-kernel call gives (y0, basis, B, T): inputs extended by N zero rows of head dim whose initial
-state is the identity (scan.py); the correction is ``h_in @ basis_t`` (basis_t = T_t C_t).
-Keeping T as a matrix costs N^2 instead of 1 per head in the exchange, and lets any kernel
-with initial and final states serve, unchanged (its dt handling included).
+kernel call from a zero state gives y0 and B; T and the rows' reads of h_in, ``h_in @
+basis_t`` (basis_t = T_t C_t), are computed from dt, A and C (a scalar decay per head: no
+identity block of N extra channels through the kernel, scan.py's trick, which costs N / P
+times the layer's own scan). Keeping T as a matrix costs N^2 instead of 1 per head in the
+exchange; the kernel's dt handling (bias, softplus, clamp) is repeated for the decays.
 
 ``kernel`` is any function with the signature of transformers' ``mamba2_chunk_scan`` (and
 mamba-ssm's ``mamba_chunk_scan_combined``): ``kernel(x, dt, A, B, C, chunk_size, D=,
@@ -24,6 +25,7 @@ from functools import partial
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from .scan import Recurrence, Tokens, scan
 
@@ -41,17 +43,38 @@ def _run(kernel: Callable, options: dict, t: Tokens) -> tuple[Tensor, Tensor]:
     return out, final.float()
 
 
+def _steps(options: dict, dt: Tensor) -> Tensor:
+    """(B, L, H) float32: the time steps the kernel uses (after dt_bias, softplus, the clamp)."""
+    dt = dt.float()
+    if options.get("dt_bias") is not None:
+        dt = dt + options["dt_bias"].float()
+    if options.get("dt_softplus"):
+        dt = F.softplus(dt)
+    low, high = options.get("dt_limit", (0.0, float("inf")))
+    return dt.clamp(min=low, max=high)
+
+
 def _extended(kernel: Callable, options: dict, t: Tokens):
+    """(y0, basis, B, T): one kernel call from a zero state gives y0 and B; T and basis are
+    what the kernel would give the N extra zero-input channels from an identity state (the
+    scan.py trick), in closed form: the decay is a scalar per head, so T = exp(A cum_L) I
+    and basis_t = exp(A cum_t) C_t, cum_t = dt_1 + ... + dt_t. (Run through the kernel, those
+    channels cost N / P times the layer's own scan: 32x for P = 8, N = 256.)"""
     x = t["x"]  # (B, L, H, P)
-    b, length, heads, p = x.shape
+    b, length, heads, _ = x.shape
     n = t["B"].size(-1)
-    x_ext = torch.cat([x, x.new_zeros(b, length, heads, n)], dim=-1)
-    eye = torch.eye(n, dtype=torch.float32, device=x.device).expand(b, heads, n, n)
-    init = torch.cat([eye.new_zeros(b, heads, p, n), eye], dim=-2)  # (B, H, P + N, N)
-    out, final = _call(kernel, options, t, x_ext, init)
+    out, final = _call(kernel, options, t, x, None)
+    cum = _steps(options, t["dt"]).cumsum(1)  # (B, L, H)
+    A = options["A"].float()  # (H,)
+    c = t["C"].float()  # (B, L, G, N): each group's C serves H / G heads
+    c = c.repeat_interleave(heads // c.size(2), dim=2, output_size=heads)
+    # (B, L, H, N), in the kernel's output dtype as its extended channels came (memory)
+    basis = (torch.exp(A * cum)[..., None] * c).to(out.dtype)
+    total = cum[:, -1] if length else cum.new_zeros(b, heads)
+    eye = torch.eye(n, dtype=torch.float32, device=x.device)
+    a = torch.exp(A * total)[..., None, None] * eye  # (B, H, N, N)
     # float32 maps whatever the kernel's state dtype (mamba-ssm returns C's: bf16 in training)
-    final = final.float()
-    return out[..., :p], out[..., p:], final[..., :p, :], final[..., p:, :]
+    return out, basis, final.float(), a
 
 
 def _carry(a: Tensor, s: Tensor) -> Tensor:

@@ -14,7 +14,7 @@ Bytes, per layer and per sequence (batch row), that one rank sends, forward and 
   their gradients reduce-scattered in backward: ``2 (N-1) P |A + B| 4``, P the rank's pieces
   (1 contiguous, 2 zigzag, 1-2 usp). Gated delta rule: ``|A + B| = H_v d_k (d_k + d_v)``;
   Mamba-2: ``H N (N + P_h)`` (N the state size, P_h the head dim: the scalar decay kept as an
-  N x N matrix, so that any kernel with initial and final states serves unchanged); KDA
+  N x N matrix, as scan.py carries any transition); KDA
   (Kimi Linear), the gated delta rule with a per-channel gate: ``H d_k (d_k + d_v)``;
   Mamba-1 (Jamba, selective_scan.py): ``2 D N`` (D = d_inner channels: an elementwise decay
   and an offset per channel and state entry).

@@ -67,7 +67,7 @@ def compare_hybrid(family: str, methods: list[str], lengths: tuple[int, ...],
     base = tiny_qwen3_next() if family == "qwen3_next" else tiny_hybrid(family)
     with torch.no_grad():
         for m in base.modules():
-            if hasattr(m, "ssm_state_size") and hasattr(m, "in_proj"):  # a Mamba-2 mixer
+            if hasattr(m, "ssm_state_size") and hasattr(m, "in_proj"):  # a Mamba-2 or -1 mixer
                 m.in_proj.weight.mul_(MAMBA_IN_SCALE)
     return compare_model(base.eval(), methods, lengths, ring_degree)
 

@@ -1,7 +1,8 @@
 """easy_context.generate on hybrid models (recurrent or convolution layers beside attention):
 token for token what transformers' greedy generate gives in one process, every method, at 1,
 2 and 4 gloo ranks, for a gated DeltaNet + conv (Qwen3-Next), a Mamba-2 (Granite 4 hybrid)
-and a gated short convolution (LFM2) model, with left-padded prompts (lengths 13, 5 and 2:
+and a gated short convolution (LFM2) model (and at 2 and 4 for Kimi Linear's KDA and Jamba's
+Mamba-1), with left-padded prompts (lengths 13, 5 and 2:
 zigzag chunks and prompts shorter than the conv kernel of 4, ends that fall mid-shard, pads
 after each prompt that the state must pass unchanged). Each step's logits are within
 LOGITS_TOL (relative, fp32) of transformers' too.
@@ -25,6 +26,9 @@ CORE = ["qwen3_next", "granite_hybrid", "lfm2"]
 # the other routed families: the same three mechanisms under other layers
 OTHERS = ["qwen3_5", "qwen3_5_moe", "olmo_hybrid", "bamba", "falcon_h1", "zamba2",
           "nemotron_h", "lfm2_moe", "lfm3"]
+# Kimi Linear's KDA (the delta rule with a per-channel gate; q, k, v through one conv) and
+# Jamba's Mamba-1 (the selective scan, its caller passing the mixer none of its kwargs)
+LATER = ["kimi_linear", "jamba"]
 
 
 @pytest.mark.parametrize("family", CORE)
@@ -46,6 +50,17 @@ def test_hybrid_every_method_four_ranks(dist4, family):
 def test_other_hybrid_families_two_ranks(dist2, family):
     _assert_equal(dist2.run(compare_hybrid, family, ["zigzag_ring_attn", "ulysses_attn"],
                             (11, 3)))
+
+
+@pytest.mark.parametrize("family", LATER)
+def test_kda_and_mamba1_every_method_two_ranks(dist2, family):
+    _assert_equal(dist2.run(compare_hybrid, family, METHODS, (13, 5, 2), 2))
+
+
+@pytest.mark.parametrize("family", LATER)
+def test_kda_and_mamba1_four_ranks(dist4, family):
+    _assert_equal(dist4.run(compare_hybrid, family, ["zigzag_ring_attn", "usp_attn"],
+                            (13, 5, 2), 2))
 
 
 @pytest.mark.slow

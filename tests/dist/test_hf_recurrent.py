@@ -114,3 +114,9 @@ def test_no_attention_layer_every_method_2_ranks(dist2, family):
     # every token mixer recurrent (a hybrid config without its attention layers): runs, exact,
     # where it was refused ("found no attention layers")
     _assert_small(dist2.run(check_hybrid, family, sorted(ec.METHODS)))
+
+
+def test_no_attention_layer_4_ranks(dist4):
+    # USP 2 x 2, zigzag pieces of 1 token (the conv halo spans 3 pieces)
+    _assert_small(dist4.run(check_hybrid, "qwen3_next_no_attention",
+                            ["zigzag_ring_attn", "usp_attn"], 1))

@@ -67,6 +67,11 @@ CASES = {
     "trainer-max-length": (2, dict(kind="trainer", packing=True, method="ulysses_attn",
                                    args={"gradient_checkpointing": True},
                                    enable={"max_length": True, "mlp_tile": 8}), 2),
+    # a PeftModel in max-length mode: the adapted layers take the generic path (the
+    # refusal "max_length=True with a PEFT model" before)
+    "trainer-max-length-lora": (2, dict(kind="trainer", packing=True, lora=True,
+                                        enable={"max_length": True, "mlp_tile": 8,
+                                                "head_chunk": 2}), 2),
     "trainer-data-parallel-only": (2, dict(kind="trainer", sp_size=1), 4),
     "trainer-dp2-sp2-packed": (4, dict(kind="trainer", packing=True, sp_size=2), 4),
     "sft-usp-sp4": (4, dict(kind="sft", packing=True, method="usp_attn",
@@ -94,7 +99,7 @@ CASES = {
 }
 # the checkpoint functions of the layers that transformers checkpoints, after train()
 CHECKPOINTING = {"trainer-offload-gradient-checkpointing": ["_offloaded_checkpoint"],
-                 "trainer-max-length": []}
+                 "trainer-max-length": [], "trainer-max-length-lora": []}
 WRAPPER = {"ddp": "DistributedDataParallel", "fsdp2": "FSDP", "deepspeed": "DeepSpeedEngine"}
 
 
@@ -218,7 +223,6 @@ def test_saved_model_loads_in_plain_transformers(assets, dist1, dist2):
     (dict(args={"label_smoothing_factor": 0.1}), "label_smoothing_factor=0.1"),
     (dict(enable={"pad_to_multiple": False}), "pad_to_multiple_of=4"),
     (dict(enable={"checkpointing": "sometimes"}), "checkpointing='sometimes'"),
-    (dict(lora=True, enable={"max_length": True}), "max_length=True with a PEFT model"),
     (dict(method="ulysses_attn", sp_size=2, enable={"ring_degree": 3}), "ring-degree 3"),
     # a script's own Trainer methods that the mixin would replace
     (dict(override="compute_loss"), "ScriptTrainer.compute_loss overrides"),

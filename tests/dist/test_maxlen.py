@@ -135,6 +135,7 @@ DEEPSEEK_V3 = dict(head_dim=4, num_key_value_heads=8)  # with hf_cases' MLA widt
     ("llama4_text", {}, "auto", False),  # MoE + dense layers, chunked attention, NoPE
     ("llama", {}, "auto", True),  # LoRA on every linear layer
     ("deepseek_v3", DEEPSEEK_V3, "auto", False),  # MLA (v head dim 6), grouped MoE routing
+    ("nanochat", {}, "auto", False),  # its final norm also norms the embeddings
 ])
 def test_generic_path(dist1, dist2, family, overrides, path, lora):
     if path == "auto":  # these take the generic path on their own

@@ -301,3 +301,20 @@ def test_llama4_temperature_tuning_is_taken_from_global_positions():
         attn_implementation="zigzag_ring_attn")
     with pytest.raises(ValueError, match="attn_temperature_tuning.*apply_sequence_parallel"):
         plain(input_ids=ids, position_ids=torch.arange(12)[None])
+
+
+def test_window_traffic_for_the_planner():
+    """A 1K window at 16K on 2 zigzag ranks: each rank sends the 1,023 K/V rows its
+    neighbour's window reaches (and as many dK/dV rows back), not its 8,192-row shard; a
+    contiguous ring of 8 ranks at 128K under a 4K window runs 2 steps."""
+    from easy_context.parallel.method import AttentionDims
+    from easy_context.parallel.window_cost import window_traffic
+
+    row = 2 * 8 * 64 * 2  # K and V, 8 heads of 64, bf16
+    t = window_traffic("zigzag_ring_attn", AttentionDims(8, 8, 64), 16384, 2, 1024)
+    assert (t["forward_bytes"], t["backward_bytes"]) == (1023 * row, 2 * 1023 * row)
+    assert (t["global_forward_bytes"], t["global_backward_bytes"]) == (8192 * row, 2 * 8192 * row)
+    ring = window_traffic("ring_attn", AttentionDims(8, 2, 64), 131072, 8, 4096)
+    assert (ring["steps"], ring["of"]) == (2, 8)
+    assert window_traffic("allgather_attn", AttentionDims(8, 2, 64), 4096, 2, 512)[
+        "forward_bytes"] is None  # all-gather sends what a global layer sends

@@ -286,18 +286,45 @@ def test_models_with_recurrent_state_generate_as_transformers(family):
 
 
 def test_unrouted_recurrent_layers_are_refused():
-    """Jamba's Mamba-1 layers are not routed: generate refuses them before any collective
-    (they would decode each new token from no state)."""
+    """MiniMax's lightning attention (a linear attention with a state) is not routed:
+    generate refuses it before any collective (it would decode each new token from no
+    state). Jamba's Mamba-1, refused here before, now decodes (test_generate_hybrid.py)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(
-        "jamba", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1,
-        expert_layer_period=2, expert_layer_offset=1, num_experts=2, mamba_d_state=8,
-        use_mamba_kernels=False)
+        "minimax", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+        num_experts_per_tok=1, layer_types=["linear_attention", "full_attention"])
     model = AutoModelForCausalLM.from_config(config).eval()
-    with pytest.raises(ValueError, match="carry a recurrent or convolution state"):
+    with pytest.raises(ValueError, match="carry a recurrent or convolution state "
+                                         r"\(linear_attention\)"):
         ec.generate(model, torch.randint(3, 50, (1, 12)), method="local", max_new_tokens=4)
+
+
+def test_jamba_generates_and_keeps_no_cache_on_its_layers():
+    """Jamba's decoder layer passes its Mamba-1 mixer none of its keyword arguments: generate's
+    cache reaches the mixer's kernels through a hook on that caller, recorded on the mixer for
+    the call only (after generate no layer holds the prompts' KV and states); the decode is
+    transformers' greedy generate's, token for token."""
+    from tests.dist.generate_cases import LOGITS_TOL, MAMBA_IN_SCALE
+    from tests.dist.hf_recurrent_cases import tiny_hybrid
+
+    model = tiny_hybrid("jamba").eval()
+    with torch.no_grad():  # a state large enough that decoding from none changes the tokens
+        model.model.layers[0].mamba.in_proj.weight.mul_(MAMBA_IN_SCALE)
+    ids = torch.randint(3, 50, (1, 9), generator=torch.Generator().manual_seed(9))
+    want = copy.deepcopy(model).generate(ids, max_new_tokens=6, do_sample=False,
+                                         eos_token_id=None, pad_token_id=0, output_logits=True,
+                                         return_dict_in_generate=True)
+    got = ec.generate(model, ids, method="zigzag_ring_attn", max_new_tokens=6,
+                      eos_token_id=[], pad_token_id=0, output_logits=True, return_stats=True)
+    assert got.sequences.tolist() == want.sequences.tolist()
+    # the tokens of so tiny a model may survive a lost state; its logits do not (0.05 off)
+    want_logits = torch.stack(want.logits, 1)
+    err = (torch.stack(got.logits, 1) - want_logits).abs().max() / want_logits.abs().max()
+    assert float(err) <= LOGITS_TOL, float(err)
+    mixer = next(m for m in model.modules() if type(m).__name__ == "JambaMambaMixer")
+    assert not any(k.endswith("_generating") for k in mixer.__dict__)
 
 
 def test_recurrent_layers_not_switched_are_refused():

@@ -173,3 +173,10 @@ def test_layers_handed_state_the_generic_path_cannot_recompute_are_refused():
     path would recompute them without that state, so it refuses, naming the argument."""
     reason = unsupported_reason(_model("gemma4_text", pad_token_id=0))
     assert reason is not None and "per_layer_input" in reason, reason
+
+
+def test_a_decoder_without_a_final_norm_by_that_name_is_refused():
+    """Max-length mode applies the decoder's final norm inside the loss: Phi's is
+    final_layernorm, so it is refused rather than normed twice or not at all."""
+    reason = unsupported_reason(_model("phi", pad_token_id=0))
+    assert reason is not None and "has none by that name" in reason, reason

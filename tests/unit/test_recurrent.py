@@ -301,3 +301,38 @@ def test_selective_scan_blocks_of_rows_change_nothing(monkeypatch):
 
     for x, ref in zip(run(4), run(1000)):
         assert _rel(x, ref) <= TOL
+
+
+def test_mamba2_piece_map_runs_the_kernel_once_on_the_layers_channels():
+    """Mamba-2's piece map calls the kernel once, on the layer's own P channels from a zero
+    state; its transition and each row's read of an incoming state (closed form: a scalar
+    decay per head) are what the kernel gives N extra zero-input channels started from the
+    identity (the identity-block trick, which cost N / P kernel channels more: 32x for the
+    families sweep's tiny Falcon-H1, P 8 and N 256), within TOL."""
+    from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan as kernel
+
+    _, tokens = _mamba()
+    gen = torch.Generator().manual_seed(1)
+    h, p, n = 4, 6, 8
+    options = dict(A=-torch.rand(h, generator=gen) - 0.5, D=torch.randn(h, generator=gen),
+                   dt_bias=torch.randn(h, generator=gen), dt_softplus=True,
+                   dt_limit=(0.0, 1.5))  # the clamp bites: softplus(dt + bias) reaches 3
+    channels = []
+
+    def counting(x, *args, **kwargs):
+        channels.append(x.size(-1))
+        return kernel(x, *args, **kwargs)
+
+    rec = mamba2_recurrence(counting, chunk_size=8, **options)
+    o0, basis, state, a = rec.extended(tokens)
+    assert channels == [p]
+    b, length = tokens["x"].shape[:2]
+    x_ext = torch.cat([tokens["x"], tokens["x"].new_zeros(b, length, h, n)], -1)
+    init = torch.cat([torch.zeros(b, h, p, n), torch.eye(n).expand(b, h, n, n)], -2)
+    want, final = kernel(x_ext, tokens["dt"], options["A"], tokens["B"], tokens["C"], 8,
+                         initial_states=init, return_final_states=True,
+                         **{k: v for k, v in options.items() if k != "A"})
+    for got, ref in ((o0, want[..., :p]), (basis, want[..., p:]), (state, final[..., :p, :]),
+                     (a, final[..., p:, :])):
+        err = _rel(got.float(), ref.float())
+        assert err <= TOL, err

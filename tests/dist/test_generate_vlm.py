@@ -1,0 +1,81 @@
+"""easy_context.generate after an image prompt: token for token (and every step's logits
+within 1e-5, relative) what transformers' greedy ``generate(**inputs)`` gives in one process,
+for tiny Qwen2.5-VL (multimodal RoPE: positions from get_rope_index, decode positions past
+rope_deltas), Qwen3-VL (and its deepstack features) and LLaVA, every method at 1 and 2 ranks
+and two at 4, with images straddling the shard boundaries; Qwen3.5 and InternVL with two
+methods at 2; a left-padded batch of two rows; and the up-front refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+import easy_context as ec
+
+from .vlm_generate_cases import compare_image_prompt, different_images, images_encoded, refused
+
+METHODS = sorted(ec.METHODS)
+
+
+def _assert_equal(reports):
+    bad = [f"rank {r} {method}:\n  want {want}\n  got  {got}"
+           for r, rep in enumerate(reports) for method, (want, got) in rep.items() if want != got]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])
+def test_image_prompt_every_method_one_rank(dist1, family):
+    _assert_equal(dist1.run(compare_image_prompt, family, METHODS))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava"])
+def test_image_prompt_every_method_two_ranks(dist2, family):
+    _assert_equal(dist2.run(compare_image_prompt, family, METHODS, 1, 2))
+
+
+def test_images_straddle_the_shard_boundaries(dist2):
+    """The prompts above put an image across a boundary of every layout: more images are
+    encoded over the two ranks than the prompt holds (5)."""
+    for method in ("zigzag_ring_attn", "ring_attn"):
+        assert sum(dist2.run(images_encoded, "qwen2_5_vl", method)) > 5, method
+
+
+def test_image_prompt_four_ranks(dist4):
+    _assert_equal(dist4.run(compare_image_prompt, "qwen2_5_vl",
+                            ["zigzag_ring_attn", "usp_attn"], 1, 2))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])
+def test_left_padded_batch_with_images_two_ranks(dist2, family):
+    _assert_equal(dist2.run(compare_image_prompt, family, ["zigzag_ring_attn", "ulysses_attn"],
+                            2))
+
+
+@pytest.mark.parametrize("family,extra,says", [
+    ("gemma3", {}, "bidirectionally"),
+    ("llava_next", {}, "image_sizes"),
+    ("qwen2_5_vl", {"num_return_sequences": 2, "do_sample": True}, "num_return_sequences"),
+])
+def test_image_prompts_refused_up_front(dist1, family, extra, says):
+    for said in dist1.run(refused, family, **extra):
+        assert said.startswith("ValueError") and says in said, said
+
+
+def test_ranks_given_different_images_are_refused_before_prefill(dist2):
+    for said in dist2.run(different_images):
+        assert said.startswith("ValueError") and "different prompts" in said, said
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "internvl"])
+def test_image_prompt_other_families_two_ranks(dist2, family):
+    """Qwen3.5 (gated DeltaNet layers beside attention, multimodal RoPE) and InternVL (tiles,
+    pixel shuffle, a Qwen2 decoder)."""
+    _assert_equal(dist2.run(compare_image_prompt, family, ["zigzag_ring_attn", "ulysses_attn"],
+                            1, 2))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_video_prompt_two_ranks(dist2, family):
+    """A video of two frames across the middle of the prompt, beside images (Qwen2.5-VL with
+    its seconds per grid step, Qwen3-VL with its frames between timestamp text)."""
+    _assert_equal(dist2.run(compare_image_prompt, family, ["zigzag_ring_attn", "ulysses_attn"],
+                            1, 2, True))

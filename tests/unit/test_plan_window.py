@@ -1,0 +1,57 @@
+"""The planner's traffic of sliding-window layers (issue 42): a ring step whose blocks are all
+out of window sends nothing (parallel/window_cost.py), and the planner counts it."""
+
+import pytest
+from transformers import Gemma3TextConfig
+
+from easy_context.parallel.window_cost import window_traffic
+from easy_context.plan.estimate import estimate_memory
+from easy_context.plan.shapes import shape_from_config
+
+L, N = 65536, 8
+
+
+def _gemma3(window: int):
+    # Gemma-3-4B's attention shape: five window layers to one global layer
+    return shape_from_config(Gemma3TextConfig(
+        hidden_size=2560, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=256, intermediate_size=10240, vocab_size=262208, sliding_window=window),
+        "gemma3-shaped")
+
+
+@pytest.mark.parametrize("method", ["ring_attn", "zigzag_ring_attn", "dist_flash_attn"])
+def test_a_window_layer_sends_what_the_window_reads(method):
+    shape = _gemma3(1024)
+    est = estimate_memory(shape, L, N, method)
+    assert est.window_layers == 10 and est.attention_layers == 12
+    t = window_traffic(method, shape.attention_dims(), L, N, 1024, 2)
+    ratio = (t["forward_bytes"] + t["backward_bytes"]) / (
+        t["global_forward_bytes"] + t["global_backward_bytes"])
+    assert ratio < 0.1, t  # a 1K window over 8K-token shards reads a sliver of each
+    assert est.window_communication_per_layer == est.communication_per_layer * (
+        t["forward_bytes"] + t["backward_bytes"]) // (t["global_forward_bytes"]
+                                                      + t["global_backward_bytes"])
+    assert est.communication_per_step == (2 * est.communication_per_layer
+                                          + 10 * est.window_communication_per_layer)
+
+
+def test_usp_scales_its_ring_part_only():
+    shape = _gemma3(1024)
+    est = estimate_memory(shape, L, N, "usp_attn", ring_degree=2)
+    t = window_traffic("usp_attn", shape.attention_dims(), L, N, 1024, 2, ring_degree=2)
+    ring, ring_global = (t["forward_bytes"] + t["backward_bytes"],
+                         t["global_forward_bytes"] + t["global_backward_bytes"])
+    assert est.window_communication_per_layer == est.communication_per_layer - ring_global + ring
+    assert 0 < est.window_communication_per_layer < est.communication_per_layer
+
+
+@pytest.mark.parametrize("method", ["ulysses_attn", "allgather_attn"])
+def test_gathering_methods_send_as_for_a_global_layer(method):
+    est = estimate_memory(_gemma3(1024), L, N, method)
+    assert est.window_communication_per_layer == est.communication_per_layer > 0
+
+
+def test_a_window_as_long_as_the_sequence_is_a_global_layer():
+    est = estimate_memory(_gemma3(L), L, N, "zigzag_ring_attn")
+    assert est.window_communication_per_layer == est.communication_per_layer
+    assert "sent per window layer" in est.table()
