@@ -253,6 +253,9 @@ def _fp32_noise(base, ref, ref_loss, inputs, positions, targets) -> tuple[float,
     how exact fp32 can be for this family at these sizes (Gemma 4's: 2e-5)."""
     try:
         ref64 = copy.deepcopy(base).double()
+        if getattr(ref64, "_can_set_experts_implementation", lambda: False)():
+            # MoE experts default to torch's grouped_mm, which takes no float64
+            ref64.set_experts_implementation("eager")
         loss64 = _reference(ref64, inputs, positions, targets)
     except Exception:  # noqa: BLE001  (a family that cannot run in fp64: no allowance)
         return 0.0, 0.0
