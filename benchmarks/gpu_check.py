@@ -2,6 +2,8 @@
 
     python benchmarks/gpu_check.py                 # one H100/H200: under 8 minutes
     python benchmarks/gpu_check.py --cpu --tiny    # the same code on the CPU, small shapes (CI)
+    python benchmarks/gpu_check.py --sections attention,record --record-until-s 560
+                                                   # the record step with a call to itself
 
 Sections (each item records its error instead of stopping the run):
 1. kernels (gpu_check_kernels.py): torch's flash and efficient ops and every installed
