@@ -30,8 +30,7 @@ from ..integrations.hf import (KV_CACHE_KWARG, RESCALING_ROPE, apply_sequence_pa
                                 between_decoder_and_head, config_layer_types,
                                 generation_defaults, output_head, rope_types,
                                 token_mixing_types)
-from ..integrations.hf_recurrent import (GENERATES_IN_WORDS, recurrent_layer_types,
-                                         ungeneratable_layers,
+from ..integrations.hf_recurrent import (RUNS as RECURRENT_RUNS, recurrent_layer_types,
                                          unroutable_stateful_layers, unrouted_stateful_layers)
 from ..integrations.vision import vision_embeddings
 from ..mesh import group_size, process_group
@@ -273,14 +272,14 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
     if max_length_settings(model) is not None:
         raise ValueError("generate runs the plain layers: load the model without max-length mode")
     layer_types = config_layer_types(text_config(model.config))
-    stateful = unroutable_stateful_layers(model) or ungeneratable_layers(model) or sorted(
+    stateful = unroutable_stateful_layers(model) or sorted(
         token_mixing_types(layer_types) - recurrent_layer_types(model, layer_types))
     if stateful:
         # the routed recurrent layers keep their prompt state for the decode steps
         # (integrations/hf_recurrent.py); any other would decode each new token from no state
         raise ValueError(f"{type(model).__name__} has layers that carry a recurrent or "
                          f"convolution state ({', '.join(stateful)}), which easy_context.generate "
-                         f"does not cache (it carries those of {GENERATES_IN_WORDS}): generate in "
+                         f"does not cache (it carries those of {RECURRENT_RUNS}): generate in "
                          "one process with model.generate (training runs sequence-parallel)")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None or between_decoder_and_head(model, head):

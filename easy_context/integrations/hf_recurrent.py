@@ -104,15 +104,8 @@ VERIFIED = {"Qwen3NextGatedDeltaNet": GATED_DELTA_NET_FUNCS,
             "Lfm2ShortConv": SHORT_CONV_FUNCS, "Lfm2MoeShortConv": SHORT_CONV_FUNCS,
             "Lfm3ShortConv": SHORT_CONV_FUNCS}
 
-# Of VERIFIED, the layers whose routed kernels also keep the prompt's state for
-# easy_context.generate's decode steps (tests/dist/test_generate_hybrid.py): all of them.
-GENERATES = frozenset(VERIFIED)
-GENERATES_IN_WORDS = ("the gated DeltaNet of Qwen3-Next, Qwen3.5 and OLMo hybrid, the KDA of "
-                      "Kimi Linear, the short convolutions of LFM2, LFM2-MoE and LFM3, the "
-                      "Mamba-2 of Granite 4 hybrids, Bamba, Nemotron-H, Falcon-H1 and Zamba2, "
-                      "and the Mamba-1 of Jamba")
-
-# What runs, in words (check_model_supported's refusal and the docs name it).
+# What runs, in words (check_model_supported's and generate's refusals and the docs name
+# it); every routed layer also keeps its prompt state for easy_context.generate.
 RUNS = ("the gated DeltaNet of Qwen3-Next, Qwen3.5 (dense and MoE) and OLMo hybrid, the KDA of "
         "Kimi Linear, the gated short convolutions of LFM2, LFM2-MoE and LFM3, the Mamba-2 of "
         "Granite 4 hybrids, Bamba, Nemotron-H, Falcon-H1 and Zamba2, and the Mamba-1 of Jamba")
@@ -366,12 +359,6 @@ def unroutable_stateful_layers(model: nn.Module) -> list[str]:
     return sorted({type(m).__name__ for m in model.modules()
                    if not hasattr(m, "is_causal") and isinstance(getattr(m, "layer_idx", None), int)
                    and _kernel_funcs(m) and not routable(m)})
-
-
-def ungeneratable_layers(model: nn.Module) -> list[str]:
-    """Of the routable layers, the classes whose prompt state generate cannot carry yet."""
-    return sorted({type(m).__name__ for m in model.modules()
-                   if routable(m) and type(m).__name__ not in GENERATES})
 
 
 def unrouted_stateful_layers(model: nn.Module) -> list[str]:

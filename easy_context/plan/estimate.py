@@ -555,6 +555,7 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
                                              ring_degree, device, workspace)
     if runtime_bytes is None:
         runtime_bytes = CPU_RUNTIME_BYTES if device == "cpu" else GPU_RUNTIME_BYTES
+    windows = model_shape.count(lambda k: k.attention == "window")  # sliding-window layers
     est = MemoryEstimate(
         model=model_shape.name, seq_len=seq_len, world_size=world_size, method=method,
         engine=engine, offload=offload, checkpointing=checkpointing, dtype=dtype,
@@ -573,10 +574,9 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
         state_communication_per_layer=state_communication_per_layer(
             model_shape, s, a, method, world_size, ring_degree),
         state_bytes_per_layer=state_bytes(model_shape, s, method, world_size, ring_degree),
-        window_layers=model_shape.count(lambda k: k.attention == "window"),
+        window_layers=windows,
         window_communication_per_layer=window_communication_per_layer(
-            model_shape, s, a, method, world_size, ring_degree)
-        if model_shape.count(lambda k: k.attention == "window") else 0)
+            model_shape, s, a, method, world_size, ring_degree) if windows else 0)
     if lora is not None:
         from .lora import with_lora
 
