@@ -68,7 +68,7 @@ def sequence_parallel_attention(q: Tensor, k: Tensor, v: Tensor, method: str,
                                 document_ids: Tensor | None = None,
                                 sliding_window: int | None = None,
                                 chunk_size: int | None = None, softcap: float | None = None,
-                                sinks: Tensor | None = None) -> Tensor:
+                                sinks: Tensor | None = None, image_spans=None) -> Tensor:
     """Exact attention over a sequence sharded across ``group`` (None: the world; or an
     easy_context.mesh.SPGroup).
 
@@ -85,10 +85,13 @@ def sequence_parallel_attention(q: Tensor, k: Tensor, v: Tensor, method: str,
     ``chunk_size`` (Llama 4's chunked attention: iff i // chunk_size == j // chunk_size),
     ``softcap`` (scores -> softcap * tanh(scores / softcap)), ``sinks`` (Hq,) learned logits
     that join every softmax (GPT-OSS). v may have its own head dim (multi-head latent
-    attention); the output then has v's.
+    attention); the output then has v's. ``image_spans``: per batch row, (first, one past
+    the last) *whole-sequence* indices of each image whose tokens attend to each other both
+    ways (Gemma 3: query i also sees keys i < j < last of its span, within its document);
+    the same on every rank (integrations/vision.py computes them before the sequence is cut).
     """
     m = get_method(method)
-    variant = variant_of(sliding_window, chunk_size, softcap)
+    variant = variant_of(sliding_window, chunk_size, softcap, image_spans)
     if document_ids is not None and not m.documents:
         raise ValueError(f"{m.name} does not support packed documents (document_ids) yet; use "
                          "another method, or pack one document per sequence")

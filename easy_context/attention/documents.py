@@ -25,6 +25,16 @@ to the queries and keys that see something. A piece no query sees is no call (a 
 such pieces costs nothing: ring.py skips its step); one wholly inside the window is a full
 call or a causal square; one the window cuts is one call with flash-attn's window
 (``Call.window``), which kernels without a window tile (bands.py).
+
+Image spans (Gemma 3: ``Geometry.spans``) widen a causal mask: inside a span [s, e) of the
+sequence every token also sees the *later* tokens of the span, so query i's keys reach up to
+hi(i) = e - 1 (the mask is (causal AND window) OR same span, and always same document;
+transformers' Gemma 3 takes the window over the causal part only, as a span's later keys are
+never out of the window). The causal plan stays as it is; each span adds, per block it
+crosses, the calls of its queries [s, e - 1) against its keys (i, e): a strictly upper
+triangle, i.e. flash-attn's window (0, -1) on the square, or a full call where a block holds
+only its later keys. A block of later keys that no span crosses still plans to no call, so
+methods that ask for every block under spans (:func:`schedule_causal`) skip those as before.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ Tensor = torch.Tensor
 ALL = slice(None)
 Run = tuple[int, int, int]  # (document id, first row, one past the last row)
 Segment = tuple[int, int, int]  # (first row, one past the last row, sequence index of the first)
+Span = tuple[int, int]  # (first sequence index, one past the last) of an image's tokens
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,16 @@ class Geometry:
     causal: bool
     window: int | None = None
     chunk: int | None = None
+    spans: tuple[tuple[Span, ...], ...] = ()
+    """Per batch row, the image spans (first, one past the last) in sequence indices whose
+    tokens see each other both ways (see the module doc); () for none."""
+
+
+def schedule_causal(causal: bool, geometry: Geometry | None) -> bool:
+    """Whether a method may skip the blocks of later keys (its causal schedule): not under
+    image spans, whose queries see later keys of their span; then it asks for every block and
+    the plan (which knows each row's sequence index) leaves the blocks no span crosses empty."""
+    return causal and not (geometry is not None and any(geometry.spans))
 
 
 def document_ids_from_positions(position_ids: Tensor) -> Tensor:
@@ -195,11 +216,17 @@ class ShardDocuments:
               for r in self.runs[q_shard]]
         ks = [_units(_clip(r, *kv_span), g.segments[kv_shard], kv_span[0], g.chunk)
               for r in self.runs[kv_shard]]
-        if len(ks) == 1 and len(qs) > 1:  # plain keys meet every batch row alike
-            ks = ks * len(qs)
-        if len(qs) == 1 and len(ks) > 1:
-            qs = qs * len(ks)
-        per_row = [_row_bands(q_units, k_units, g) for q_units, k_units in zip(qs, ks)]
+        rows_n = max(len(qs), len(ks), len(g.spans))
+        if len(ks) == 1 and rows_n > 1:  # plain keys meet every batch row alike
+            ks = ks * rows_n
+        if len(qs) == 1 and rows_n > 1:
+            qs = qs * rows_n
+        spans = g.spans if len(g.spans) == rows_n else ((),) * rows_n
+        if g.spans and len(g.spans) != rows_n:
+            raise ValueError(f"image spans are given for {len(g.spans)} batch rows; the batch "
+                             f"has {rows_n}")
+        per_row = [_row_bands(q_units, k_units, g) + _span_bands(q_units, k_units, row_spans)
+                   for q_units, k_units, row_spans in zip(qs, ks, spans)]
         if all(p == per_row[0] for p in per_row):
             rows = [(ALL, per_row[0])]
         else:
@@ -223,6 +250,36 @@ def _row_bands(q_units: list[Unit], k_units: list[Unit], g: Geometry) -> tuple:
                  if (band := _band(qu, ku, g.causal, g.window)) is not None)
 
 
+def _span_bands(q_units: list[Unit], k_units: list[Unit], spans: tuple[Span, ...]) -> tuple:
+    """The calls that image ``spans`` add to one batch row: each span's queries [s, e - 1)
+    against its later keys, i < j < e, within one document (no window: a later key is never
+    out of it)."""
+    out = []
+    for s, e in spans:
+        if e - s < 2:
+            continue  # a one-token span has no later key
+        for qu in q_units:
+            q = _within(qu, s, e - 1)
+            if q is None:
+                continue
+            for ku in k_units:
+                k = _within(ku, s + 1, e)
+                if k is not None and k[0][0] == q[0][0]:
+                    band = _offsets_band(q, k, None, -1)
+                    if band is not None:
+                        out.append(band)
+    return tuple(out)
+
+
+def _within(unit: Unit, first: int, stop: int) -> Unit | None:
+    """The part of ``unit`` at sequence indices [first, stop), or None."""
+    key, a, b, index = unit
+    lo, hi = max(index, first), min(index + b - a, stop)
+    if lo >= hi:
+        return None
+    return key, a + lo - index, a + hi - index, lo
+
+
 def _units(runs: list[Run], segments: tuple[Segment, ...], offset: int,
            chunk: int | None) -> list[Unit]:
     """Block-relative runs cut where the sequence index jumps (segments, in shard rows) and
@@ -243,10 +300,13 @@ def _units(runs: list[Run], segments: tuple[Segment, ...], offset: int,
 def _band(qu: Unit, ku: Unit, causal: bool, window: int | None):
     """((q rows), (kv rows), causal, window) of the call between two units, None if no query
     sees a key. Visible: 0 <= i - j (causal) and i - j <= window - 1, on sequence indices."""
+    return _offsets_band(qu, ku, 0 if causal else None, None if window is None else window - 1)
+
+
+def _offsets_band(qu: Unit, ku: Unit, dmin: int | None, dmax: int | None):
+    """As :func:`_band`, for visibility dmin <= i - j <= dmax (None: unbounded)."""
     _, qa, qb, qi = qu
     _, ka, kb, ki = ku
-    dmin = 0 if causal else None
-    dmax = None if window is None else window - 1
     q_first, q_last, k_first, k_last = qi, qi + qb - qa - 1, ki, ki + kb - ka - 1
     if dmax is not None:
         k_first = max(k_first, q_first - dmax)

@@ -103,12 +103,15 @@ class Variant:
 
     ``window``: sliding window (transformers' ``sliding_window``): query i sees key j iff
     i - j < window. ``chunk``: chunked attention (Llama 4): iff i // chunk == j // chunk.
-    ``softcap``: scores s -> softcap * tanh(s / softcap) (Gemma 2). Attention sinks are a
-    learned tensor, passed beside it (sinks.py)."""
+    ``softcap``: scores s -> softcap * tanh(s / softcap) (Gemma 2). ``spans``: per batch
+    row, image spans (first, one past the last sequence index) whose tokens also see the
+    later tokens of their span (Gemma 3; documents.py). Attention sinks are a learned
+    tensor, passed beside it (sinks.py)."""
 
     window: int | None = None
     chunk: int | None = None
     softcap: float | None = None
+    spans: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     def __post_init__(self):
         for name in ("window", "chunk"):
@@ -119,6 +122,14 @@ class Variant:
                                  f"must be a positive integer, got {value!r}")
         if self.softcap is not None and not self.softcap > 0:
             raise ValueError(f"softcap must be > 0 (None: no soft-capping), got {self.softcap!r}")
+        if self.spans and self.chunk is not None:
+            raise ValueError("image spans (bidirectional attention inside each image) are not "
+                             "supported with chunked attention")
+        for row in self.spans:
+            for a, b in row:
+                if not 0 <= a < b:
+                    raise ValueError(f"an image span is (first, one past the last) sequence "
+                                     f"index, 0 <= first < stop; got {(a, b)}")
 
     def geometry(self, segments: tuple[tuple[Segment, ...], ...], causal: bool,
                  length: int) -> Geometry | None:
@@ -126,17 +137,25 @@ class Variant:
         None where nothing is cut by position (a window or chunk at least the sequence)."""
         window = self.window if self.window is not None and self.window < length else None
         chunk = self.chunk if self.chunk is not None and self.chunk < length else None
-        if window is None and chunk is None:
+        # spans only widen a causal mask (a bidirectional layer already sees them)
+        spans = self.spans if causal and any(self.spans) else ()
+        if any(b > length for row in spans for _, b in row):
+            raise ValueError(f"an image span ends past the sequence ({length} tokens)")
+        if window is None and chunk is None and not spans:
             return None
         if not causal:
             raise ValueError("sliding-window and chunked attention are supported for causal "
                              "attention; this layer is bidirectional (is_causal=False)")
-        return Geometry(segments, True, window, chunk)
+        return Geometry(segments, True, window, chunk, spans)
 
 
 def variant_of(sliding_window: int | None = None, chunk_size: int | None = None,
-               softcap: float | None = None) -> Variant | None:
-    """The Variant of these arguments, None when they ask for plain attention."""
-    if sliding_window is None and chunk_size is None and softcap is None:
+               softcap: float | None = None, image_spans=None) -> Variant | None:
+    """The Variant of these arguments, None when they ask for plain attention.
+    ``image_spans``: per batch row, (first, one past the last) sequence indices of each image
+    whose tokens attend to each other both ways (Gemma 3)."""
+    spans = tuple(tuple((int(a), int(b)) for a, b in row) for row in image_spans or ())
+    if sliding_window is None and chunk_size is None and softcap is None and not any(spans):
         return None
-    return Variant(sliding_window, chunk_size, None if softcap is None else float(softcap))
+    return Variant(sliding_window, chunk_size, None if softcap is None else float(softcap),
+                   spans if any(spans) else ())

@@ -42,6 +42,11 @@ Tensor = torch.Tensor
 # the call: ``cache.attend(layer_idx, q, k, v, causal=, softmax_scale=, sliding_window=,
 # chunk_size=, softcap=, sinks=)`` with (B, S, H, D) tensors.
 
+IMAGE_SPANS_KWARG = "image_spans"
+"""The keyword argument under which a vision-language step hands its image spans (per batch
+row, whole-sequence (first, stop) of each image whose tokens attend to each other both ways:
+Gemma 3) through the decoder to every attention call (integrations/vision.py)."""
+
 
 def hf_attention_name(method: str) -> str:
     """The name under which ``method`` is registered with transformers: transformers treats
@@ -151,7 +156,8 @@ def _make_attention(method: str):
             softmax_scale=scaling, ring_degree=settings.ring_degree,
             document_ids=kwargs.get("document_ids"),
             sliding_window=kwargs.get("sliding_window"), chunk_size=layer_chunk(module),
-            softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
+            softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"),
+            image_spans=kwargs.get(IMAGE_SPANS_KWARG))
         return out, None  # (B, S, Hq, Dv), no attention weights
 
     attention.__name__ = f"{method}_hf_attention"

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from .. import layouts
-from ..attention.documents import Geometry, ShardDocuments, group_key, once_per_ids
+from ..attention.documents import (Geometry, ShardDocuments, group_key, once_per_ids,
+                                   schedule_causal)
 from ..attention.variants import Variant, with_softcap
 from ..attention.contract import default_scale
 from ..attention.selection import select_kernel
@@ -186,7 +187,9 @@ def allgather_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = T
     rank = dist.get_rank(pg)
     geometry = None if variant is None else variant.geometry(
         (layouts.segments("zigzag", rank, world, s), ((0, world * s, 0),)), causal, world * s)
-    algo = GroupAlgorithm(allgather_forward, allgather_backward, pg, bool(causal), scale,
+    # image spans: every block is asked, and the plan keeps the ones a span crosses
+    algo = GroupAlgorithm(allgather_forward, allgather_backward, pg,
+                          schedule_causal(bool(causal), geometry), scale,
                           kernel, gather_documents(document_ids, pg, world, geometry, s),
                           per_group)
     return run_attention(algo, q, k, v, sinks)

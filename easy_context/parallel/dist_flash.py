@@ -37,7 +37,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..attention.documents import Call, ShardDocuments
+from ..attention.documents import Call, ShardDocuments, schedule_causal
 from ..attention.contract import Kernel, default_scale
 from ..attention.selection import select_kernel
 from ..attention.variants import Variant, with_softcap
@@ -341,7 +341,9 @@ def dist_flash_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = 
     geometry = None if variant is None else variant.geometry(
         tuple(layouts.segments("contiguous", r, world, s) for r in range(world)), causal,
         world * s)
-    algo = GroupAlgorithm(dist_flash_forward, dist_flash_backward, pg, bool(causal), scale,
+    # image spans: every pair is asked, and the plan keeps the ones a span crosses
+    algo = GroupAlgorithm(dist_flash_forward, dist_flash_backward, pg,
+                          schedule_causal(bool(causal), geometry), scale,
                           kernel, shard_documents(document_ids, pg, geometry, s), per_group)
     return run_attention(algo, q, k, v, sinks)
 

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from .. import layouts
 from ..attention.contract import default_scale
+from ..attention.documents import schedule_causal
 from ..attention.selection import select_kernel
 from ..attention.variants import Variant, with_softcap
 from ..mesh import process_group
@@ -116,7 +117,8 @@ def latent_allgather_attn(q: Tensor, latent: Tensor,
     kernel = with_softcap(select_kernel(q), variant and variant.softcap)
     geometry = None if variant is None else variant.geometry(
         (layouts.segments("zigzag", rank, world, s), ((0, world * s, 0),)), causal, world * s)
-    algo = GroupAlgorithm(_forward, _backward, pg, bool(causal), scale, kernel,
+    algo = GroupAlgorithm(_forward, _backward, pg, schedule_causal(bool(causal), geometry),
+                          scale, kernel,
                           gather_documents(document_ids, pg, world, geometry, s),
                           k_all.size(2))
     return run_attention(algo, q, k_all, v_all, sinks)

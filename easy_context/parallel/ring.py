@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..attention.documents import ShardDocuments
+from ..attention.documents import ShardDocuments, schedule_causal
 from ..attention.contract import Kernel, default_scale
 from ..attention.selection import select_kernel
 from ..attention.variants import Variant, with_softcap
@@ -316,6 +316,7 @@ def run_ring(q, k, v, group, causal, softmax_scale, schedule: Schedule,
     geometry = None if variant is None else variant.geometry(
         tuple(layouts.segments(layout, r, world, s) for r in range(world)), causal, world * s)
     docs = shard_documents(document_ids, pg, geometry, s)
+    causal = schedule_causal(bool(causal), geometry)  # image spans: every block is asked
     steps = ring_steps(schedule, docs, world, s, bool(causal))
     algo = GroupAlgorithm(ring_forward, ring_backward, pg, bool(causal), scale, kernel,
                           docs, per_group, (("schedule", schedule), ("steps", steps)))
