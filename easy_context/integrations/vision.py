@@ -22,13 +22,20 @@ What a family needs is read from the model (a ``VisionFamily``): the placeholder
 whether the tower takes grids (``image_grid_thw``: Qwen), whether positions are multimodal
 (``get_rope_index``), whether the decoder takes deepstack features (Qwen3-VL: the tower's
 intermediate features added to the image tokens' hidden states in the first layers, cut here
-the same way as the embeddings). Models that attend bidirectionally inside an image (Gemma 3:
-``token_type_ids``) are refused with images: the methods' masks are causal.
+the same way as the embeddings).
+- **Bidirectional images** (Gemma 3: ``token_type_ids``): each image's tokens attend to each
+  other both ways, causal elsewhere. The spans (per batch row, whole-sequence (first, stop)
+  of each run of image tokens, as the model's ``get_block_sequence_ids_for_mask`` groups
+  them) are computed on the whole step before it is cut, like the positions, and reach
+  every attention call of the decoder as ``image_spans`` (attention/documents.py plans them:
+  no mask tensor). Models whose ``token_type_ids`` mean another mask (PaliGemma's
+  bidirectional prefix) stay refused with images.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +59,7 @@ class VisionFamily:
     merge: int         # patches merged into one token (Qwen's spatial_merge_size ** 2)
     mrope: bool        # positions are (3, B, L) from the base model's get_rope_index
     deepstack: bool    # the decoder takes deepstack_visual_embeds (Qwen3-VL)
+    image_spans: bool = False  # image tokens attend to each other both ways (Gemma 3)
 
 
 def is_vision_language(model: nn.Module) -> bool:
@@ -70,13 +78,22 @@ def describe(model: nn.Module) -> VisionFamily:
     if not is_vision_language(model):
         raise ValueError(f"{name} has no vision tower (get_image_features)")
     config = model.config
-    if "token_type_ids" in inspect.signature(model.forward).parameters:
-        # Gemma 3 (and PaliGemma-style models): image tokens attend to each other both ways
-        # inside each image; the methods' kernels take causal masks and documents only.
-        raise ValueError(f"{name} lets image tokens attend to each other bidirectionally "
-                         "(token_type_ids), which the sequence-parallel kernels do not take "
-                         "yet; train it sequence-parallel on text only (no pixel_values), or "
-                         "without sequence parallelism")
+    image_spans = "token_type_ids" in inspect.signature(model.forward).parameters
+    if image_spans and not _groups_images(model):
+        # PaliGemma-style models: token_type_ids mark a bidirectional prefix (image and
+        # prompt text), not image spans; the kernels take causal masks, documents and spans
+        raise ValueError(f"{name} lets its prefix (token_type_ids) attend bidirectionally, "
+                         "which the sequence-parallel kernels do not take; train it "
+                         "sequence-parallel on text only (no pixel_values), or without "
+                         "sequence parallelism")
+    text = getattr(config, "text_config", None) or config
+    if getattr(text, "use_bidirectional_attention", None) == "vision":
+        # Gemma 4: image and video spans bidirectional on its sliding layers only
+        # (mm_token_type_ids); not routed per layer here
+        raise ValueError(f"{name} lets image tokens attend bidirectionally on its sliding "
+                         "layers only (use_bidirectional_attention='vision'), which "
+                         "sequence parallelism does not route per layer yet; train it "
+                         "sequence-parallel on text only, or without sequence parallelism")
     token_ids = {}
     for modality in MODALITIES:
         value = getattr(config, f"{modality}_token_id", None)
@@ -107,7 +124,34 @@ def describe(model: nn.Module) -> VisionFamily:
         decoder_of(model).forward).parameters
     if not grids:
         token_ids.pop("video", None)  # fixed-size towers here take images only
-    return VisionFamily(token_ids, grids, merge, mrope, deepstack)
+    return VisionFamily(token_ids, grids, merge, mrope, deepstack, image_spans)
+
+
+def _groups_images(model: nn.Module) -> bool:
+    """Whether the model's modeling module groups image tokens into bidirectional blocks
+    (transformers' ``get_block_sequence_ids_for_mask``: Gemma 3) rather than a prefix."""
+    for cls in type(model).__mro__:
+        module = sys.modules.get(cls.__module__)
+        if callable(getattr(module, "get_block_sequence_ids_for_mask", None)):
+            return True
+    return False
+
+
+def image_spans_of(image_tokens: Tensor) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """(B, L) bool of the whole step's image tokens (token_type_ids == 1) -> per row, the
+    (first, stop) of each run: one bidirectional block each, as transformers groups them
+    (consecutive image tokens are one block). Documents are kept apart by the kernels."""
+    out = []
+    for row in image_tokens.to("cpu", torch.bool).tolist():
+        spans, start = [], None
+        for i, image in enumerate(row + [False]):
+            if image and start is None:
+                start = i
+            elif not image and start is not None:
+                spans.append((start, i))
+                start = None
+        out.append(tuple(spans))
+    return tuple(out)
 
 
 @dataclass
@@ -128,6 +172,9 @@ class VisionShard:
     """Everything of a step's images one rank needs (``prepare_vision_inputs``)."""
 
     media: list[LocalMedia] = field(default_factory=list)
+    image_spans: tuple = ()
+    """Per batch row, whole-sequence (first, stop) of each bidirectional image (Gemma 3);
+    () for causal models. Handed to every attention call of the decoder."""
 
 
 def _tokens_per_item(family: VisionFamily, grid: Tensor | None, count: int, total: int,
@@ -227,14 +274,17 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
                           document_ids: Tensor | None = None,
                           position_ids: Tensor | None = None,
                           second_per_grid_ts: Tensor | None = None,
-                          ring_degree: int | None = None) -> dict:
+                          ring_degree: int | None = None,
+                          token_type_ids: Tensor | None = None) -> dict:
     """This rank's shard of a vision-language step, in ``method``'s layout. Pure: no
     collectives; every rank holds the whole step's ids and pixel values and computes its own.
 
     input_ids, target_ids (shifted, -100 ignored), document_ids (packed conversations, one id
     per conversation; for models without multimodal RoPE, position_ids that restart at each
     conversation say the same): (B, L) of the whole step; pixel values and grids as the model's
-    processor gives them (``second_per_grid_ts``: Qwen2.5-VL's seconds per video grid step).
+    processor gives them (``second_per_grid_ts``: Qwen2.5-VL's seconds per video grid step;
+    ``token_type_ids``: Gemma 3's image-token marks, 1 on image tokens; default: the image
+    placeholder tokens).
     Returns ``local_input_ids``, ``local_position_ids`` ((3, B, S) for multimodal RoPE, else
     (B, S)), ``local_target_ids``, ``local_document_ids`` (None when not packed) and
     ``vision`` (a VisionShard for ``causal_lm_loss(..., vision=)``).
@@ -261,6 +311,13 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
                                           ring_degree=ring_degree)
     local_ids = cut(input_ids)
     shard = VisionShard()
+    if family.image_spans and pixel_values is not None:
+        marks = (token_type_ids == 1 if token_type_ids is not None
+                 else input_ids == family.token_ids["image"])
+        if marks.shape != input_ids.shape:
+            raise ValueError(f"token_type_ids {tuple(marks.shape)} must be shaped like "
+                             f"input_ids {tuple(input_ids.shape)}")
+        shard.image_spans = image_spans_of(marks)
     for modality, token_id in family.token_ids.items():
         mask = input_ids == token_id                     # (B, L) the whole step's placeholders
         values_m, grid = values[modality], grids[modality]
@@ -394,7 +451,11 @@ def vision_language_loss(model: nn.Module, head: nn.Linear | None, input_ids: Te
     if max_length_settings(model) is not None:
         raise ValueError("max-length mode does not take images yet; train the "
                          "vision-language model without max_length")
+    from .hf import IMAGE_SPANS_KWARG
+
     embeds, more = vision_embeddings(model, input_ids, vision)
+    if any(vision.image_spans):
+        more[IMAGE_SPANS_KWARG] = vision.image_spans
     hidden = decoder_of(model)(inputs_embeds=embeds, position_ids=position_ids, use_cache=False,
                                **extra, **more).last_hidden_state
     if chunked:

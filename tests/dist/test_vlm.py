@@ -30,7 +30,7 @@ def _assert(reports, straddles: bool = True):
         assert 5 < sum(encoded), encoded
 
 
-FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava", "internvl"]
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava", "internvl", "gemma3"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -57,15 +57,32 @@ def test_vlm_batch_of_two_rows_2_ranks(dist2):
                       (True,)))
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava", "gemma3"])
 def test_vlm_every_method_4_ranks(dist4, family):
     _assert(dist4.run(check_vlm, family, METHODS, 1, False, (True,)))
 
 
-def test_gemma3_images_refused(dist2):
-    """Gemma 3's image tokens attend bidirectionally inside each image: refused with images."""
-    for said in dist2.run(refusal, "gemma3"):
-        assert said.startswith("ValueError") and "bidirectionally" in said, said
+def test_gemma3_packed_at_4_ranks(dist4):
+    """Gemma 3 (images bidirectional inside, a sliding window of 3 shorter than an image,
+    which cuts an image token's earlier keys but never its later ones) with two packed
+    conversations at 4 ranks: the images' spans stay inside their conversation."""
+    methods = sorted(n for n, m in ec.METHODS.items() if m.documents)
+    _assert(dist4.run(check_vlm, "gemma3", methods, 1, True, (True,)))
+
+
+def test_gemma3_without_spans_differs(dist2):
+    """The Gemma 3 cases are ones where the spans matter: with them dropped on the way to
+    the kernels (vision_language_loss hands none), the loss is off."""
+    reports = dist2.run(check_vlm, "gemma3", ["zigzag_ring_attn"], 1, False, (True,), False,
+                        False, True)
+    assert all(not (le <= TOL) for rep in reports for le, *_ in rep.values()), reports
+
+
+def test_prefix_bidirectional_images_refused(dist2):
+    """PaliGemma's token_type_ids mark a bidirectional prefix (image and prompt), not image
+    spans: refused with images."""
+    for said in dist2.run(refusal, "paligemma"):
+        assert said.startswith("ValueError") and "prefix" in said, said
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])

@@ -10,6 +10,7 @@ boundaries fall at multiples of 6), so some image is encoded by two ranks.
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -81,6 +82,13 @@ def tiny_vlm(family: str, seed: int = 0):
             text_config={**TEXT, "model_type": "qwen2"}, image_token_id=IMAGE,
             downsample_ratio=0.5, vision_feature_layer=-1)
         cls = tf.InternVLForConditionalGeneration
+    elif family == "paligemma":  # token_type_ids mark a bidirectional prefix: refused
+        config = tf.PaliGemmaConfig(
+            text_config={**TEXT, "model_type": "gemma"},
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=4, image_size=4, patch_size=2),
+            image_token_index=IMAGE, projection_dim=32)
+        cls = tf.PaliGemmaForConditionalGeneration
     elif family == "llava_next":  # any-resolution tiling (image_sizes): refused with images
         config = tf.LlavaNextConfig(
             text_config={**TEXT, "model_type": "llama"},
@@ -90,9 +98,10 @@ def tiny_vlm(family: str, seed: int = 0):
                                projection_dim=32),
             image_token_id=IMAGE, image_grid_pinpoints=[[4, 4]], vision_feature_layer=-1)
         cls = tf.LlavaNextForConditionalGeneration
-    elif family == "gemma3":
+    elif family == "gemma3":  # images bidirectional inside; a sliding window of 3 < an image
         config = tf.Gemma3Config(
-            text_config={**TEXT, "final_logit_softcapping": None},
+            text_config={**TEXT, "final_logit_softcapping": None, "sliding_window": 3,
+                         "layer_types": ["sliding_attention", "full_attention"]},
             vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                num_attention_heads=4, image_size=28, patch_size=14),
             image_token_id=IMAGE, mm_tokens_per_image=4)
@@ -101,6 +110,10 @@ def tiny_vlm(family: str, seed: int = 0):
         raise ValueError(family)
     torch.manual_seed(seed)
     model = cls._from_config(config, attn_implementation="sdpa").float()
+    with torch.no_grad():  # Gemma 3's projector starts at zero: no image would reach the
+        for name, p in model.named_parameters():  # decoder, nor any gradient the tower
+            if "multi_modal_projector" in name and not p.abs().max() > 0:
+                p.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():  # Qwen3.5's gated DeltaNet: mild decays, as hf_recurrent_cases.py
         for m in model.modules():  # says why (the default's A_log/dt_bias grads cancel to ~0)
             if isinstance(getattr(m, "A_log", None), torch.Tensor) and \
@@ -136,7 +149,7 @@ def make_step(family: str, batch: int = 1, seed: int = 1, video: bool = False) -
                                            generator=gen)
     else:  # fixed-size images of 2x2 patches: 4 tokens each
         tokens = [4] * len(STARTS)
-        side = 8 if family == "internvl" else 4
+        side = {"internvl": 8, "gemma3": 28}.get(family, 4)
         step["pixel_values"] = torch.randn(len(STARTS), 3, side, side, generator=gen)
     rows = [b for b in range(batch) for _ in range(len(STARTS) // batch)]
     rows += [batch - 1] * (len(STARTS) - len(rows))
@@ -159,6 +172,8 @@ def _mm_kwargs(model, step: dict) -> dict:
     if "image_grid_thw" in step:
         ids = step["input_ids"]
         kw["mm_token_type_ids"] = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
+    if "token_type_ids" in inspect.signature(model.forward).parameters:  # Gemma 3
+        kw["token_type_ids"] = (step["input_ids"] == IMAGE).long()
     return kw
 
 
@@ -227,9 +242,10 @@ def vision_grad_norm(model) -> float:
 
 def check_vlm(family: str, methods: list[str], batch: int = 1, packed: bool = False,
               chunked_options=(True, False), video: bool = False,
-              packed_by_positions: bool = False) -> dict:
+              packed_by_positions: bool = False, drop_spans: bool = False) -> dict:
     """{f"{method} chunked={c}": (loss rel error, grad rel error, vision grad, images encoded
-    here)} for each method."""
+    here)} for each method. ``drop_spans``: the image spans (Gemma 3) are left out of the
+    step (what a test shows they change)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     base = tiny_vlm(family)
     step = make_step(family, batch, video=video)
@@ -260,6 +276,8 @@ def check_vlm(family: str, methods: list[str], batch: int = 1, packed: bool = Fa
                 second_per_grid_ts=step.get("second_per_grid_ts"),
                 document_ids=None if packed_by_positions else documents,
                 position_ids=positions, ring_degree=ring_degree)
+            if drop_spans:
+                local["vision"].image_spans = ()
             loss = ec.causal_lm_loss(model, local["local_input_ids"], local["local_position_ids"],
                                      local["local_target_ids"], chunked=chunked,
                                      document_ids=local["local_document_ids"],

@@ -81,7 +81,10 @@ def _dense(q, k, v, lo, hi, softcap=None):
 @pytest.mark.parametrize("sq,sk,window,dv,softcap", [
     (300, 300, (99, 0), 16, None), (700, 700, (300, 0), 8, None), (40, 90, (7, 3), 16, None),
     (129, 200, (150, 0), 16, 2.0), (200, 200, (1, 0), 24, None), (600, 1000, (-1, 0), 16, None),
-    (50, 30, (5, 0), 16, None), (700, 700, (600, 0), 16, None)])
+    (50, 30, (5, 0), 16, None), (700, 700, (600, 0), 16, None),
+    # an image span's queries against its later keys (documents._span_bands): the square's
+    # upper triangle (0, -1), flipped into a causal square; and a block of a span cut by a shard
+    (300, 300, (0, -1), 16, None), (20, 20, (0, -1), 16, None), (120, 200, (85, -1), 16, None)])
 def test_windowed_calls_on_the_cpu_op_equal_the_band(sq, sk, window, dv, softcap):
     """The CPU op has no window, softcap or own v head dim: adapt tiles, pads, or falls back."""
     torch.manual_seed(0)
@@ -136,7 +139,7 @@ def test_a_band_on_the_cpu_op_costs_about_its_share():
     ("4", lambda: fa.adapter_4(standins.flash_attn_4()), 8),
     ("4 MLA", lambda: fa.adapter_4(standins.flash_attn_4()), 6)])
 @pytest.mark.parametrize("window,softcap", [((3, 0), None), ((5, 2), 2.0), (None, 1.5),
-                                            ((-1, 4), None)])
+                                            ((-1, 4), None), ((4, -1), None)])
 def test_flash_attn_runs_windows_and_softcap_itself(name, make, dv, window, softcap):
     """One kernel call each way (no tiling), with flash-attn's own argument conventions (the
     stand-ins apply them as the real C++ / cute code does); flash-attn 2 gets v padded."""
