@@ -105,10 +105,11 @@ class ShardedKVCache:
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True,
                softmax_scale: float | None = None, sliding_window: int | None = None,
                chunk_size: int | None = None, softcap: float | None = None,
-               sinks: Tensor | None = None) -> Tensor:
+               sinks: Tensor | None = None, image_spans=None) -> Tensor:
         """One layer's attention. q (B, S, Hq, D), k (B, S, Hkv, D), v (B, S, Hkv, Dv):
         the shard at prefill (S = S_local), the new token at decode (S = 1). Returns
-        (B, S, Hq, Dv)."""
+        (B, S, Hq, Dv). ``image_spans`` (prefill only; Gemma 3): the prompt's bidirectional
+        images, as sequence_parallel_attention takes them."""
         if not causal:
             raise ValueError("generation needs causal attention; this layer is not causal")
         call = self._calls.get(layer, 0)
@@ -116,7 +117,9 @@ class ShardedKVCache:
         layer = (layer, call)
         if self._query is None:
             return self._prefill(layer, q, k, v, softmax_scale, sliding_window, chunk_size,
-                                 softcap, sinks)
+                                 softcap, sinks, image_spans)
+        if image_spans:  # a decode token is text: it sees earlier keys only
+            raise ValueError("image spans belong to the prompt's prefill, not to decode steps")
         if q.size(1) != 1:
             raise ValueError(f"decode steps take one token per row, got {q.size(1)}")
         keys, values = self.keys[layer], self.values[layer]
@@ -132,7 +135,7 @@ class ShardedKVCache:
                                 self.group, self.world, softcap, sinks)
 
     def _prefill(self, layer, q, k, v, softmax_scale, sliding_window, chunk_size, softcap,
-                 sinks) -> Tensor:
+                 sinks, image_spans=None) -> Tensor:
         b, s, hkv, d = k.shape
         capacity = self.positions.size(1)
         keys = k.new_empty(b, hkv, capacity, d)
@@ -144,7 +147,7 @@ class ShardedKVCache:
             q, k, v, method, group=self.settings.group if self.world > 1 else None,
             causal=True, softmax_scale=softmax_scale, ring_degree=self.settings.ring_degree,
             sliding_window=sliding_window, chunk_size=chunk_size, softcap=softcap,
-            sinks=sinks)
+            sinks=sinks, image_spans=image_spans)
 
     # ------------------------------------------------------------------ accounting
     def nbytes(self) -> int:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..integrations.hf import (KV_CACHE_KWARG, RESCALING_ROPE, apply_sequence_parallel,
+from ..integrations.hf import (IMAGE_SPANS_KWARG, KV_CACHE_KWARG, RESCALING_ROPE, apply_sequence_parallel,
                                 between_decoder_and_head, config_layer_types,
                                 generation_defaults, output_head, rope_types,
                                 token_mixing_types)
@@ -230,7 +230,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
              image_grid_thw: Tensor | None = None,
              pixel_values_videos: Tensor | None = None, video_grid_thw: Tensor | None = None,
              second_per_grid_ts: Tensor | None = None,
-             mm_token_type_ids: Tensor | None = None) -> Tensor | GenerationResult:
+             mm_token_type_ids: Tensor | None = None,
+             token_type_ids: Tensor | None = None) -> Tensor | GenerationResult:
     """Generate up to ``max_new_tokens`` after each of the (B, L) prompts, sequence-parallel.
 
     Every rank of the group calls this with the same ``input_ids`` (and ``attention_mask``,
@@ -257,8 +258,9 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
     ``beyond_rope_range``: for probing where a model breaks down on purpose.
 
     A vision-language model's prompt images come as its processor gives them
-    (``pixel_values``, ``image_grid_thw``, videos, ``mm_token_type_ids``; the same on every
-    rank): each rank encodes the images its shard of the prompt holds, the positions are the
+    (``pixel_values``, ``image_grid_thw``, videos, ``mm_token_type_ids``, Gemma 3's
+    ``token_type_ids``; the same on every rank): each rank encodes the images its shard of
+    the prompt holds, Gemma 3's images attend both ways inside at the prefill, the positions are the
     model's own (multimodal RoPE's ``get_rope_index``), and the new tokens continue them as
     transformers does (generation/vision_prompt.py).
     """
@@ -317,7 +319,7 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
                  pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw,
                  second_per_grid_ts=second_per_grid_ts)
     vision = check_vision_prompt(model, media, mm_token_type_ids, input_ids, attention_mask,
-                                 copies, _parameters_sharded(model))
+                                 copies, _parameters_sharded(model), token_type_ids)
 
     settings = _settings(model, method, group, ring_degree)
     unrouted = unrouted_stateful_layers(model)
@@ -398,6 +400,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
                              **{KV_CACHE_KWARG: cache}).last_hidden_state  # (B, S_local, D)
         else:  # this shard's embeddings with its images' features; the model's positions
             embeds, extra = vision_embeddings(model, ids_l, images.shard)
+            if any(images.shard.image_spans):  # Gemma 3: the prompt's images both ways
+                extra[IMAGE_SPANS_KWARG] = images.shard.image_spans
             hidden = decoder(inputs_embeds=embeds, position_ids=images.positions,
                              use_cache=False, **extra,
                              **{KV_CACHE_KWARG: cache}).last_hidden_state

@@ -4,7 +4,9 @@ The prompt's images go through the pieces training uses (integrations/vision.py)
 encodes only the images (and video frames) whose placeholder tokens overlap its shard of the
 prompt and scatters their features into its own shard's embeddings; the positions are the
 model's own ``get_rope_index`` on the whole prompt ((3, B, L) for multimodal RoPE), cut in the
-method's layout. After the prompt every new token is text: transformers numbers it
+method's layout. Bidirectional images (Gemma 3) keep their spans, computed on the whole
+prompt, for the prefill's attention; the new tokens are text, causal. After the prompt every
+new token is text: transformers numbers it
 ``rope_deltas`` past its index in the row (all three sections alike), where a row's delta is
 its largest prompt position + 1 - its length; without multimodal RoPE the delta is 0.
 
@@ -41,7 +43,8 @@ class VisionPrompt:
 
 def check_vision_prompt(model: nn.Module, media: dict, mm_token_type_ids: Tensor | None,
                         input_ids: Tensor, attention_mask: Tensor | None, copies: int,
-                        sharded: bool) -> VisionFamily | None:
+                        sharded: bool, token_type_ids: Tensor | None = None
+                        ) -> VisionFamily | None:
     """None when no images came; else the model's VisionFamily, or a ValueError (before any
     collective) for what generate cannot do exactly with them."""
     if all(v is None for v in media.values()):
@@ -50,7 +53,7 @@ def check_vision_prompt(model: nn.Module, media: dict, mm_token_type_ids: Tensor
     if not is_vision_language(model):
         raise ValueError(f"{name} has no vision tower (get_image_features): generate it "
                          "without pixel values")
-    family = describe(model)  # Gemma 3's bidirectional images, image_sizes towers: refused
+    family = describe(model)  # bidirectional prefixes, image_sizes towers: refused
     if copies > 1:
         raise ValueError("num_return_sequences > 1 with images is not supported by "
                          "easy_context.generate: repeat the prompt and its images in the batch")
@@ -75,6 +78,16 @@ def check_vision_prompt(model: nn.Module, media: dict, mm_token_type_ids: Tensor
             raise ValueError("mm_token_type_ids does not mark exactly the image (1) and video "
                              "(2) placeholder tokens of input_ids: pass the processor's own, "
                              "or leave it out (generate derives it from the tokens)")
+    if token_type_ids is not None:
+        # Gemma 3's image marks: the spans are derived from the image tokens here
+        real = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
+                else attention_mask.bool()).to(input_ids.device)
+        marks = input_ids == family.token_ids["image"]
+        if token_type_ids.shape != input_ids.shape or not torch.equal(
+                (token_type_ids.to(input_ids.device) == 1)[real], marks[real]):
+            raise ValueError("token_type_ids does not mark exactly the image (1) tokens of "
+                             "input_ids: pass the processor's own, or leave it out (generate "
+                             "derives the images' spans from the tokens)")
     return family
 
 
@@ -113,6 +126,7 @@ def prepare_vision_prompt(model: nn.Module, method: str, ids: Tensor, valid: Ten
     top = top.masked_fill(~valid.unsqueeze(0), -1).amax(dim=(0, 2))  # (B,) largest real one
     local = prepare_vision_inputs(model, method, ids, ids, rank, world,
                                   ring_degree=ring_degree, **given)
-    shard = VisionShard([_on(m, device) for m in local["vision"].media])
+    shard = VisionShard([_on(m, device) for m in local["vision"].media],
+                        local["vision"].image_spans)
     return VisionPrompt(shard, local["local_position_ids"].to(device),
                         (top + 1 - lengths).to(device))

@@ -148,7 +148,8 @@ def _make_attention(method: str):
                 value.transpose(1, 2), causal=getattr(module, "is_causal", True),
                 softmax_scale=scaling, sliding_window=kwargs.get("sliding_window"),
                 chunk_size=layer_chunk(module), softcap=kwargs.get("softcap"),
-                sinks=kwargs.get("s_aux"))
+                sinks=kwargs.get("s_aux"),
+                **({"image_spans": spans} if (spans := kwargs.get(IMAGE_SPANS_KWARG)) else {}))
             return out, None
         out = sequence_parallel_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), method,

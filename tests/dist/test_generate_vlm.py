@@ -22,12 +22,12 @@ def _assert_equal(reports):
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava", "gemma3"])
 def test_image_prompt_every_method_one_rank(dist1, family):
     _assert_equal(dist1.run(compare_image_prompt, family, METHODS))
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava", "gemma3"])
 def test_image_prompt_every_method_two_ranks(dist2, family):
     _assert_equal(dist2.run(compare_image_prompt, family, METHODS, 1, 2))
 
@@ -44,6 +44,20 @@ def test_image_prompt_four_ranks(dist4):
                             ["zigzag_ring_attn", "usp_attn"], 1, 2))
 
 
+def test_gemma3_image_prompt_four_ranks_and_padded_batch(dist4, dist2):
+    """Gemma 3 (images both ways inside, a window of 3 shorter than an image): at 4 ranks,
+    and a left-padded batch of two rows at 2."""
+    _assert_equal(dist4.run(compare_image_prompt, "gemma3",
+                            ["zigzag_ring_attn", "dist_flash_attn", "usp_attn"], 1, 2))
+    _assert_equal(dist2.run(compare_image_prompt, "gemma3", ["ring_attn", "ulysses_attn"], 2))
+
+
+def test_gemma3_token_type_ids_must_mark_the_images(dist1):
+    bad = {"token_type_ids": "shifted"}
+    for said in dist1.run(refused, "gemma3", **bad):
+        assert said.startswith("ValueError") and "token_type_ids" in said, said
+
+
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])
 def test_left_padded_batch_with_images_two_ranks(dist2, family):
     _assert_equal(dist2.run(compare_image_prompt, family, ["zigzag_ring_attn", "ulysses_attn"],
@@ -51,7 +65,7 @@ def test_left_padded_batch_with_images_two_ranks(dist2, family):
 
 
 @pytest.mark.parametrize("family,extra,says", [
-    ("gemma3", {}, "bidirectionally"),
+    ("paligemma", {}, "prefix"),
     ("llava_next", {}, "image_sizes"),
     ("qwen2_5_vl", {"num_return_sequences": 2, "do_sample": True}, "num_return_sequences"),
 ])

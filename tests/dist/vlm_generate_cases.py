@@ -40,6 +40,8 @@ def image_prompt(family: str, batch: int = 1, video: bool = False) -> dict:
     out["input_ids"] = ids
     if "image_grid_thw" in step:
         out["mm_token_type_ids"] = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
+    if family == "gemma3":  # its processor's image marks
+        out["token_type_ids"] = (ids == IMAGE).long()
     return out
 
 
@@ -97,8 +99,10 @@ def images_encoded(family: str, method: str) -> int:
 def refused(family: str, **extra) -> str:
     """What generate says for ``family`` with image_prompt's images (and ``extra``)."""
     model = tiny_vlm(family).eval()
-    step_family = family if family.startswith("qwen") else "llava"
+    step_family = family if family.startswith("qwen") or family == "gemma3" else "llava"
     inputs = image_prompt(step_family)
+    if extra.get("token_type_ids") == "shifted":  # marks one token off the images
+        extra = {**extra, "token_type_ids": inputs["token_type_ids"].roll(1, dims=1)}
     inputs.update(extra)
     try:
         ec.generate(model, method="zigzag_ring_attn", max_new_tokens=2, **inputs)
