@@ -78,6 +78,10 @@ def check_vision_prompt(model: nn.Module, media: dict, mm_token_type_ids: Tensor
             raise ValueError("mm_token_type_ids does not mark exactly the image (1) and video "
                              "(2) placeholder tokens of input_ids: pass the processor's own, "
                              "or leave it out (generate derives it from the tokens)")
+    if family.image_spans and token_type_ids is None:
+        raise ValueError(f"{name}'s image tokens attend to each other both ways where "
+                         "token_type_ids marks them (its processor gives them): pass "
+                         "token_type_ids to generate")
     if token_type_ids is not None:
         # Gemma 3's image marks: the spans are derived from the image tokens here
         real = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
@@ -103,6 +107,11 @@ def media_digest(media: dict) -> str:
     return h.hexdigest()
 
 
+def family_spans(model: nn.Module) -> bool:
+    """Whether ``model``'s images attend both ways inside (Gemma 3)."""
+    return describe(model).image_spans
+
+
 def _on(media: LocalMedia, device: torch.device) -> LocalMedia:
     return replace(media, pixel_values=media.pixel_values.to(device),
                    grid_thw=None if media.grid_thw is None else media.grid_thw.to(device),
@@ -124,6 +133,8 @@ def prepare_vision_prompt(model: nn.Module, method: str, ids: Tensor, valid: Ten
     whole = rope_positions(model, ids, **grids)  # (3, B, L) or (B, L)
     top = whole if whole.dim() == 3 else whole.unsqueeze(0)
     top = top.masked_fill(~valid.unsqueeze(0), -1).amax(dim=(0, 2))  # (B,) largest real one
+    if family_spans(model):  # checked equal to the image tokens (check_vision_prompt)
+        given["token_type_ids"] = (ids == describe(model).token_ids["image"]).long()
     local = prepare_vision_inputs(model, method, ids, ids, rank, world,
                                   ring_degree=ring_degree, **given)
     shard = VisionShard([_on(m, device) for m in local["vision"].media],

@@ -283,8 +283,8 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
     per conversation; for models without multimodal RoPE, position_ids that restart at each
     conversation say the same): (B, L) of the whole step; pixel values and grids as the model's
     processor gives them (``second_per_grid_ts``: Qwen2.5-VL's seconds per video grid step;
-    ``token_type_ids``: Gemma 3's image-token marks, 1 on image tokens; default: the image
-    placeholder tokens).
+    ``token_type_ids``: Gemma 3's image-token marks, 1 on image tokens, required with its
+    images: each run of marked tokens attends both ways, as in the model's own forward).
     Returns ``local_input_ids``, ``local_position_ids`` ((3, B, S) for multimodal RoPE, else
     (B, S)), ``local_target_ids``, ``local_document_ids`` (None when not packed) and
     ``vision`` (a VisionShard for ``causal_lm_loss(..., vision=)``).
@@ -312,8 +312,13 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
     local_ids = cut(input_ids)
     shard = VisionShard()
     if family.image_spans and pixel_values is not None:
-        marks = (token_type_ids == 1 if token_type_ids is not None
-                 else input_ids == family.token_ids["image"])
+        if token_type_ids is None:
+            # the model's own forward makes image tokens bidirectional only where they are
+            # marked: without marks it attends causally; so say which is meant
+            raise ValueError(f"{type(model).__name__}'s image tokens attend to each other "
+                             "both ways where token_type_ids marks them (its processor gives "
+                             "them): pass token_type_ids (1 on image tokens)")
+        marks = token_type_ids == 1
         if marks.shape != input_ids.shape:
             raise ValueError(f"token_type_ids {tuple(marks.shape)} must be shaped like "
                              f"input_ids {tuple(input_ids.shape)}")

@@ -36,6 +36,8 @@ def vlm_batch(family: str, seed: int = 1, video: bool = False) -> dict:
     for key in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
         if key in step:
             batch[key] = step[key]
+    if family == "gemma3":  # its processor's image marks
+        batch["token_type_ids"] = (ids == IMAGE).long()
     if "image_grid_thw" in step:  # a Qwen processor's keys
         batch["image_grid_thw"] = step["image_grid_thw"]
         batch["mm_token_type_ids"] = (ids == IMAGE).long() + 2 * (ids == VIDEO).long()
@@ -132,8 +134,9 @@ def vlm_trainer_error(folder: str, family: str, batch_keys: dict | None = None,
                       engine: str = "ddp", evaluate_only: bool = False) -> str:
     """What one sequence-parallel Trainer step (or evaluate() alone) says for ``family``
     (refusals), the batch given extra keys ``batch_keys``, on ``engine``."""
-    batch = vlm_batch("llava" if not family.startswith("qwen") else family)
+    batch = vlm_batch(family if family.startswith("qwen") or family == "gemma3" else "llava")
     batch.update(copy.deepcopy(batch_keys or {}))
+    batch = {k: v for k, v in batch.items() if v is not None}  # None: the key left out
     try:
         vlm_trainer_step(folder, family, "zigzag_ring_attn", batch=batch, engine=engine,
                          evaluate_only=evaluate_only)

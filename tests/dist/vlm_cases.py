@@ -275,7 +275,8 @@ def check_vlm(family: str, methods: list[str], batch: int = 1, packed: bool = Fa
                 video_grid_thw=step.get("video_grid_thw"),
                 second_per_grid_ts=step.get("second_per_grid_ts"),
                 document_ids=None if packed_by_positions else documents,
-                position_ids=positions, ring_degree=ring_degree)
+                position_ids=positions, ring_degree=ring_degree,
+                token_type_ids=_mm_kwargs(model, step).get("token_type_ids"))
             if drop_spans:
                 local["vision"].image_spans = ()
             loss = ec.causal_lm_loss(model, local["local_input_ids"], local["local_position_ids"],
