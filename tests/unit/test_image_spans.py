@@ -92,3 +92,28 @@ def test_span_arguments_are_checked():
     with pytest.raises(ValueError, match="past the sequence"):
         Variant(spans=(((0, 20),),)).geometry((((0, 8, 0),),), True, 8)
     assert Variant(spans=(((0, 4),),)).geometry((((0, 8, 0),),), False, 8) is None
+
+
+def test_gemma4_sliding_layer_spans_refused():
+    """Gemma 4 with use_bidirectional_attention='vision' makes its image (and video) spans
+    bidirectional on the sliding layers only: refused with images (it would otherwise run
+    causal on the images, silently); without it, its images are causal, as described."""
+    import transformers as tf
+
+    from easy_context.integrations.vision import describe
+
+    text = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=8,
+                hidden_size_per_layer_input=8, vocab_size_per_layer_input=97,
+                layer_types=["sliding_attention", "full_attention"])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=4, head_dim=8, global_head_dim=8)
+    for bidirectional in ("vision", None):
+        config = tf.Gemma4Config(text_config={**text, "use_bidirectional_attention": bidirectional},
+                                 vision_config=vision, audio_config=None)
+        model = tf.Gemma4ForConditionalGeneration(config)
+        if bidirectional:
+            with pytest.raises(ValueError, match="sliding layers only"):
+                describe(model)
+        else:
+            assert not describe(model).image_spans
