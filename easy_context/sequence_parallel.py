@@ -92,6 +92,9 @@ def sequence_parallel_attention(q: Tensor, k: Tensor, v: Tensor, method: str,
     """
     m = get_method(method)
     variant = variant_of(sliding_window, chunk_size, softcap, image_spans)
+    if variant is not None and variant.spans and len(variant.spans) != q.size(0):
+        raise ValueError(f"image_spans must hold one tuple of spans per batch row ({q.size(0)}); "
+                         f"got {len(variant.spans)}")
     if document_ids is not None and not m.documents:
         raise ValueError(f"{m.name} does not support packed documents (document_ids) yet; use "
                          "another method, or pack one document per sequence")

@@ -28,9 +28,9 @@ call or a causal square; one the window cuts is one call with flash-attn's windo
 
 Image spans (Gemma 3: ``Geometry.spans``) widen a causal mask: inside a span [s, e) of the
 sequence every token also sees the *later* tokens of the span, so query i's keys reach up to
-hi(i) = e - 1 (the mask is (causal AND window) OR same span, and always same document;
-transformers' Gemma 3 takes the window over the causal part only, as a span's later keys are
-never out of the window). The causal plan stays as it is; each span adds, per block it
+hi(i) = e - 1 (transformers' Gemma 3 mask is ((causal OR same span) AND window), and always
+same document: a span's later keys are never out of the window, its earlier ones are cut by
+it as any causal key). The causal plan stays as it is; each span adds, per block it
 crosses, the calls of its queries [s, e - 1) against its keys (i, e): a strictly upper
 triangle, i.e. flash-attn's window (0, -1) on the square, or a full call where a block holds
 only its later keys. A block of later keys that no span crosses still plans to no call, so

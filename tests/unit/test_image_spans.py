@@ -117,3 +117,10 @@ def test_gemma4_sliding_layer_spans_refused():
                 describe(model)
         else:
             assert not describe(model).image_spans
+
+
+def test_spans_per_batch_row_are_checked_up_front():
+    q = torch.randn(2, 16, 2, 8)
+    with pytest.raises(ValueError, match="one tuple of spans per batch row"):
+        import easy_context as ec
+        ec.sequence_parallel_attention(q, q, q, "local", image_spans=(((0, 4),),))
