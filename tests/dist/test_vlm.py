@@ -57,8 +57,7 @@ def test_vlm_batch_of_two_rows_2_ranks(dist2):
                       (True,)))
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava",
-                                    pytest.param("gemma3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava", "gemma3"])
 def test_vlm_every_method_4_ranks(dist4, family):
     _assert(dist4.run(check_vlm, family, METHODS, 1, False, (True,)))
 
