@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..integrations.hf import (IMAGE_SPANS_KWARG, KV_CACHE_KWARG, RESCALING_ROPE, apply_sequence_parallel,
+from ..integrations.hf import (IMAGE_SPANS_KWARG, KV_CACHE_KWARG, RESCALING_ROPE,
+                                apply_sequence_parallel,
                                 between_decoder_and_head, config_layer_types,
                                 generation_defaults, output_head, rope_types,
                                 token_mixing_types)

@@ -81,7 +81,8 @@ def check_spans(method: str, ring_degree: int | None = None, half: int = 6,
         ref.backward(dout.double())
         refs = {"out": ref.detach(), "dq": ref_in[0].grad, "dk": ref_in[1].grad,
                 "dv": ref_in[2].grad}
-        shard = lambda t: ec.shard_sequence(t, method, rank, world, ring_degree=ring_degree)  # noqa: E731
+        def shard(t):
+            return ec.shard_sequence(t, method, rank, world, ring_degree=ring_degree)
         sp_in = [shard(t).detach().clone().requires_grad_() for t in (q, k, v)]
         out = ec.sequence_parallel_attention(
             *sp_in, method=method, ring_degree=ring_degree,
