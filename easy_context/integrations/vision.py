@@ -60,6 +60,7 @@ class VisionFamily:
     mrope: bool        # positions are (3, B, L) from the base model's get_rope_index
     deepstack: bool    # the decoder takes deepstack_visual_embeds (Qwen3-VL)
     image_spans: bool = False  # image tokens attend to each other both ways (Gemma 3)
+    image_sizes: bool = False  # any-resolution tiles by image_sizes (LLaVA-NeXT, OneVision)
 
 
 def is_vision_language(model: nn.Module) -> bool:
@@ -107,9 +108,10 @@ def describe(model: nn.Module) -> VisionFamily:
     grids = "image_grid_thw" in params
     required = [n for n, p in params.items() if p.default is inspect.Parameter.empty
                 and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and n != "pixel_values"]
-    if required:
-        # LLaVA-NeXT / OneVision, Mistral 3: any-resolution tiling by image_sizes, whose
-        # features per image come out of the tower's own packing (unpadding, newlines)
+    any_resolution = required == ["image_sizes"] and _packs_tiles(model)
+    if required and not any_resolution:
+        # Mistral 3 (Pixtral): images of any size in one padded batch, whose tokens per image
+        # (rows of patches, break tokens) are not read from the model's own code here
         raise ValueError(f"{name}'s vision tower needs {', '.join(required)} (images tiled "
                          "at any resolution), which sequence parallelism does not cut per "
                          "image yet; train it with images of one fixed size, or without "
@@ -124,7 +126,75 @@ def describe(model: nn.Module) -> VisionFamily:
         decoder_of(model).forward).parameters
     if not grids:
         token_ids.pop("video", None)  # fixed-size towers here take images only
-    return VisionFamily(token_ids, grids, merge, mrope, deepstack, image_spans)
+    return VisionFamily(token_ids, grids, merge, mrope, deepstack, image_spans, any_resolution)
+
+
+def _module_function(model: nn.Module, name: str):
+    """``name`` from the modeling module of ``model``'s class (or a base class's), or None."""
+    for cls in type(model).__mro__:
+        found = getattr(sys.modules.get(cls.__module__), name, None)
+        if callable(found):
+            return found
+    return None
+
+
+def _tiler(model: nn.Module) -> nn.Module | None:
+    """The module whose ``pack_image_features`` unpads and packs each image's tiles (LLaVA-NeXT
+    and OneVision's base model), or None."""
+    for module in (getattr(model, "model", None), model):
+        if module is not None and callable(getattr(module, "pack_image_features", None)):
+            return module
+    return None
+
+
+def _packs_tiles(model: nn.Module) -> bool:
+    """Whether the tower tiles each image by its size and packs the tiles' features with the
+    model's own ``pack_image_features`` (LLaVA-NeXT, LLaVA-OneVision): the tokens per image
+    can then be read from that code (``anyres_tokens``)."""
+    return (_tiler(model) is not None
+            and _module_function(model, "image_size_to_num_patches") is not None)
+
+
+def anyres_tiles(model: nn.Module, image_sizes: Tensor) -> list[int]:
+    """Tiles (rows of pixel values) of each image of (N, 2) ``image_sizes`` (height, width),
+    as the model's own ``get_image_features`` counts them (a base tile and the grid's)."""
+    config = model.config
+    count = _module_function(model, "image_size_to_num_patches")
+    return [int(count(image_size=size, grid_pinpoints=config.image_grid_pinpoints,
+                      patch_size=config.vision_config.image_size)) for size in image_sizes]
+
+
+def anyres_tokens(model: nn.Module, image_sizes: Tensor) -> list[int]:
+    """Placeholder tokens of each image of (N, 2) ``image_sizes``: the model's own
+    ``pack_image_features`` (unpadding, newline tokens, OneVision's downscaling) run on
+    stand-in features of width 1, so the count is the model's, for any of its versions."""
+    tiler, config = _tiler(model), model.config
+    vision = config.vision_config
+    side = vision.image_size // vision.patch_size
+    strategy = getattr(config, "vision_feature_select_strategy", "default")
+    # rows per tile out of the tower: its patches, a CLIP tower's class row, less the first
+    # row under the "default" strategy (as get_image_features selects them)
+    per_tile = side * side + int(_has_cls(model)) - int(strategy == "default")
+    sizes = image_sizes.to("cpu")
+    stand_ins = [torch.zeros(n, per_tile, 1) for n in anyres_tiles(model, sizes)]
+    params = inspect.signature(tiler.pack_image_features).parameters
+    kw = {}
+    if "vision_feature_select_strategy" in params:
+        kw["vision_feature_select_strategy"] = strategy
+    if "vision_aspect_ratio" in params:
+        kw["vision_aspect_ratio"] = getattr(config, "vision_aspect_ratio", "anyres_max_9")
+    newline = torch.zeros(1) if getattr(tiler, "image_newline", None) is not None else None
+    with torch.no_grad():
+        _, lengths = tiler.pack_image_features(stand_ins, sizes, image_newline=newline, **kw)
+    return [int(n) for n in lengths]
+
+
+def _has_cls(model: nn.Module) -> bool:
+    """Whether the vision tower's embeddings prepend a class token (CLIP), whose row the
+    "default" feature strategy drops."""
+    tower = getattr(model, "vision_tower", None) or getattr(_tiler(model), "vision_tower", None)
+    embeddings = getattr(getattr(tower, "vision_model", tower), "embeddings", None)
+    return getattr(embeddings, "class_embedding", None) is not None
 
 
 def _groups_images(model: nn.Module) -> bool:
@@ -165,6 +235,7 @@ class LocalMedia:
     token_mask: Tensor         # (B, S_local) bool: this rank's placeholder tokens
     rows: Tensor               # (n_local_tokens,) feature row of each, in token_mask order
     encoded: tuple[int, ...]   # global indices of the encoded items (images, video frames)
+    image_sizes: Tensor | None = None  # (n_encoded, 2) their sizes (any-resolution towers)
 
 
 @dataclass
@@ -275,7 +346,8 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
                           position_ids: Tensor | None = None,
                           second_per_grid_ts: Tensor | None = None,
                           ring_degree: int | None = None,
-                          token_type_ids: Tensor | None = None) -> dict:
+                          token_type_ids: Tensor | None = None,
+                          image_sizes: Tensor | None = None) -> dict:
     """This rank's shard of a vision-language step, in ``method``'s layout. Pure: no
     collectives; every rank holds the whole step's ids and pixel values and computes its own.
 
@@ -284,7 +356,10 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
     conversation say the same): (B, L) of the whole step; pixel values and grids as the model's
     processor gives them (``second_per_grid_ts``: Qwen2.5-VL's seconds per video grid step;
     ``token_type_ids``: Gemma 3's image-token marks, 1 on image tokens, required with its
-    images: each run of marked tokens attends both ways, as in the model's own forward).
+    images: each run of marked tokens attends both ways, as in the model's own forward;
+    ``image_sizes``: (N, 2) each image's (height, width), required with the images of an
+    any-resolution tower (LLaVA-NeXT, OneVision), whose pixel values are then (N, tiles, C,
+    H, W) padded per image, or the images' tiles concatenated, (sum of tiles, C, H, W)).
     Returns ``local_input_ids``, ``local_position_ids`` ((3, B, S) for multimodal RoPE, else
     (B, S)), ``local_target_ids``, ``local_document_ids`` (None when not packed) and
     ``vision`` (a VisionShard for ``causal_lm_loss(..., vision=)``).
@@ -298,6 +373,9 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
         if family.grids and (values[modality] is None) != (grids[modality] is None):
             raise ValueError(f"pass {modality} pixel values together with their "
                              f"{modality}_grid_thw")
+    if image_sizes is not None and not family.image_sizes:
+        raise ValueError(f"{type(model).__name__}'s tower takes no image_sizes (its images "
+                         "are not tiled by size): leave them out")
     if document_ids is None and position_ids is not None and not family.mrope:
         # packed by restarting positions (padding-free collators), as prepare_seq_parallel_inputs
         position_ids = position_ids.expand_as(input_ids)
@@ -338,12 +416,18 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
             # encodes only the frames its tokens hold, never the whole video
             grid = grid.repeat_interleave(grid[:, 0], dim=0)
             grid[:, 0] = 1
-        if grid is None and values_m.dim() != 4:
+        sizes = None
+        if family.image_sizes and modality == "image":
+            sizes = _check_image_sizes(model, values_m, image_sizes)
+        if grid is None and sizes is None and values_m.dim() != 4:
             raise ValueError(f"{type(model).__name__}'s pixel values are "
                              f"{tuple(values_m.shape)}; sequence parallelism takes one image "
                              "(or tile) per row, (N, C, H, W)")
         count = grid.size(0) if grid is not None else values_m.size(0)
-        per_item = _tokens_per_item(family, grid, count, total, modality)
+        if sizes is not None:  # the model's own count per image (tiles, unpadding, newlines)
+            count, per_item = sizes.size(0), anyres_tokens(model, sizes)
+        else:
+            per_item = _tokens_per_item(family, grid, count, total, modality)
         if sum(per_item) != total:
             raise ValueError(f"{modality} tokens ({total}) and features "
                              f"({sum(per_item)}) do not match")
@@ -363,14 +447,17 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
             run += per_item[i]
         rows = local_rows + offsets[item_of]
         pixel_start = [0]
-        for n in _pixel_rows(values_m, grid):
+        pixel_rows = (anyres_tiles(model, sizes) if sizes is not None and values_m.dim() == 4
+                      else _pixel_rows(values_m, grid))
+        for n in pixel_rows:
             pixel_start.append(pixel_start[-1] + n)
         picked = [values_m[pixel_start[i]:pixel_start[i + 1]] for i in encoded]
         shard.media.append(LocalMedia(
             modality=modality,
             pixel_values=torch.cat(picked) if picked else values_m[:0],
             grid_thw=grid[encoded] if grid is not None else None,
-            token_mask=local_mask, rows=rows, encoded=tuple(encoded)))
+            token_mask=local_mask, rows=rows, encoded=tuple(encoded),
+            image_sizes=None if sizes is None else sizes[encoded]))
     return {"local_input_ids": local_ids,
             "local_position_ids": cut(positions, positions.dim() - 1),
             "local_target_ids": cut(target_ids),
@@ -378,11 +465,40 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
             "vision": shard}
 
 
+def _check_image_sizes(model: nn.Module, pixel_values: Tensor, image_sizes: Tensor | None
+                       ) -> Tensor:
+    """(N, 2) long ``image_sizes`` of an any-resolution tower's images, checked against its
+    pixel values: (N, tiles, C, H, W) or every image's tiles concatenated (tiles, C, H, W)."""
+    name = type(model).__name__
+    if image_sizes is None:
+        raise ValueError(f"{name} tiles each image by its size: pass image_sizes (N, 2) "
+                         "with its pixel values, as its processor gives them")
+    sizes = torch.as_tensor(image_sizes).to("cpu", torch.long)
+    if sizes.dim() != 2 or sizes.size(1) != 2:
+        raise ValueError(f"image_sizes must be (N, 2) (height, width), got {tuple(sizes.shape)}")
+    if pixel_values.dim() == 5:
+        tiles = anyres_tiles(model, sizes)
+        if pixel_values.size(0) != sizes.size(0) or max(tiles, default=0) > pixel_values.size(1):
+            raise ValueError(f"pixel values {tuple(pixel_values.shape)} do not hold the tiles "
+                             f"of {sizes.size(0)} images of image_sizes ({tiles} tiles)")
+    elif pixel_values.dim() == 4:
+        if sum(anyres_tiles(model, sizes)) != pixel_values.size(0):
+            raise ValueError(f"pixel values {tuple(pixel_values.shape)} are not the tiles of "
+                             f"the images of image_sizes ({anyres_tiles(model, sizes)} tiles)")
+    else:
+        raise ValueError(f"{name}'s pixel values are {tuple(pixel_values.shape)}; pass (N, "
+                         "tiles, C, H, W) or (tiles, C, H, W)")
+    return sizes
+
+
 def _features(model: nn.Module, family: VisionFamily, media: LocalMedia):
     """(features (n_rows, H), [deepstack features (n_rows, H)] or None) of the encoded items."""
     if family.grids:
         get = model.get_image_features if media.modality == "image" else model.get_video_features
         out = get(media.pixel_values, media.grid_thw, return_dict=True)
+    elif media.image_sizes is not None:  # the model's own tiling and packing, these images
+        out = model.get_image_features(pixel_values=media.pixel_values,
+                                       image_sizes=media.image_sizes, return_dict=True)
     else:
         out = model.get_image_features(pixel_values=media.pixel_values, return_dict=True)
     pooled = out.pooler_output

@@ -67,7 +67,7 @@ def test_left_padded_batch_with_images_two_ranks(dist2, family):
 @pytest.mark.parametrize("family,extra,says", [
     ("paligemma", {}, "prefix"),
     ("gemma3", {"token_type_ids": None}, "token_type_ids"),
-    ("llava_next", {}, "image_sizes"),
+    ("mistral3", {}, "image_sizes"),
     ("qwen2_5_vl", {"num_return_sequences": 2, "do_sample": True}, "num_return_sequences"),
 ])
 def test_image_prompts_refused_up_front(dist1, family, extra, says):

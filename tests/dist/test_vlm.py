@@ -14,7 +14,7 @@ import pytest
 
 import easy_context as ec
 
-from .vlm_cases import check_vlm, own_forward_with_images, refusal
+from .vlm_cases import check_anyres, check_vlm, own_forward_with_images, refusal
 
 TOL = 1e-5
 METHODS = sorted(ec.METHODS)
@@ -99,3 +99,34 @@ def test_own_forward_with_images_refused(dist2):
     for family in ("qwen2_5_vl", "llava"):
         for said in dist2.run(own_forward_with_images, family, "zigzag_ring_attn"):
             assert said.startswith("ValueError") and "prepare_vision_inputs" in said, said
+
+
+def _assert_anyres(reports):
+    """Every case exact, the tower's and image_newline's gradients compared (nonzero), and
+    every image encoded by some rank, one (at least) by two: each straddles a boundary."""
+    bad = [f"rank {r} {case}: loss {le:.1e}, grads {ge:.1e}, vision grad {vg:.1e}, "
+           f"newline grad {ng:.1e}"
+           for r, rep in enumerate(reports) for case, (le, ge, vg, _, ng) in rep.items()
+           if not (le <= TOL and ge <= TOL and vg > 0 and ng > 0)]
+    assert not bad, "\n".join(bad)
+    encoded = [sum(n for *_, n, _ in rep.values()) // len(rep) for rep in reports]
+    assert 3 < sum(encoded), encoded
+
+
+@pytest.mark.parametrize("family", ["llava_next", "llava_onevision"])
+def test_anyres_every_method_2_ranks(dist2, family):
+    """Any-resolution towers (image_sizes): LLaVA-NeXT (CLIP, unpadding, newline tokens) and
+    LLaVA-OneVision (SigLIP, its features downscaled past anyres_max_1), three images of
+    different sizes, each across a shard boundary."""
+    _assert_anyres(dist2.run(check_anyres, family, METHODS, False, (True, False)))
+
+
+def test_anyres_tiles_concatenated_2_ranks(dist2):
+    """Pixel values as every image's tiles in one (tiles, C, H, W), as get_image_features
+    also takes them."""
+    _assert_anyres(dist2.run(check_anyres, "llava_next", ["zigzag_ring_attn", "ulysses_attn"],
+                             True))
+
+
+def test_anyres_every_method_4_ranks(dist4):
+    _assert_anyres(dist4.run(check_anyres, "llava_next", METHODS))

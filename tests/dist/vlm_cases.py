@@ -37,6 +37,14 @@ STARTS = (4, 10, 22, 33, 40)
 # Qwen grids (T, H, W) in patches; a 2x2 merge makes H*W/4 tokens: 4, 6, 4, 6, 4
 GRIDS = ((1, 4, 4), (1, 4, 6), (1, 4, 4), (1, 6, 4), (1, 4, 4))
 
+# any-resolution towers (4x4-pixel tiles): the grids an image may be tiled into
+PINPOINTS = [[4, 8], [8, 4], [8, 8]]
+ANYRES_LENGTH = 64
+# (height, width) and where its tokens start, per image: each across a shard boundary of
+# 2 and 4 ranks (16: zigzag at 2, contiguous at 4; 32; 48 and 56)
+ANYRES_IMAGES = {"llava_next": (((4, 4), 12), ((3, 8), 26), ((8, 5), 44)),
+                 "llava_onevision": (((4, 4), 12), ((3, 8), 28), ((8, 8), 44))}
+
 
 def tiny_vlm(family: str, seed: int = 0):
     """A tiny vision-language model (vision depth 1, hidden 32, 2x2 patches), fp32."""
@@ -89,15 +97,32 @@ def tiny_vlm(family: str, seed: int = 0):
                                num_attention_heads=4, image_size=4, patch_size=2),
             image_token_index=IMAGE, projection_dim=32)
         cls = tf.PaliGemmaForConditionalGeneration
-    elif family == "llava_next":  # any-resolution tiling (image_sizes): refused with images
+    elif family == "llava_next":  # any-resolution tiles of 4x4 pixels (image_sizes), CLIP
         config = tf.LlavaNextConfig(
             text_config={**TEXT, "model_type": "llama"},
             vision_config=dict(model_type="clip_vision_model", hidden_size=32,
                                intermediate_size=64, num_hidden_layers=1,
                                num_attention_heads=4, image_size=4, patch_size=2,
                                projection_dim=32),
-            image_token_id=IMAGE, image_grid_pinpoints=[[4, 4]], vision_feature_layer=-1)
+            image_token_id=IMAGE, image_grid_pinpoints=PINPOINTS, vision_feature_layer=-1)
         cls = tf.LlavaNextForConditionalGeneration
+    elif family == "llava_onevision":  # the same tiles, SigLIP, "full" features, downscaled
+        config = tf.LlavaOnevisionConfig(  # past one tile's worth (anyres_max_1)
+            text_config={**TEXT, "model_type": "qwen2"},
+            vision_config=dict(model_type="siglip_vision_model", hidden_size=32,
+                               intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=4, image_size=4, patch_size=2),
+            image_token_id=IMAGE, video_token_id=VIDEO, image_grid_pinpoints=PINPOINTS,
+            vision_feature_layer=-1, vision_aspect_ratio="anyres_max_1")
+        cls = tf.LlavaOnevisionForConditionalGeneration
+    elif family == "mistral3":  # Pixtral: images of any size padded into one batch: refused
+        config = tf.Mistral3Config(
+            text_config={**TEXT, "model_type": "mistral"},
+            vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=1, num_attention_heads=4, image_size=8,
+                               patch_size=2, head_dim=8),
+            image_token_index=IMAGE, spatial_merge_size=2, vision_feature_layer=-1)
+        cls = tf.Mistral3ForConditionalGeneration
     elif family == "gemma3":  # images bidirectional inside; a sliding window of 3 < an image
         config = tf.Gemma3Config(
             text_config={**TEXT, "final_logit_softcapping": None, "sliding_window": 3,
@@ -317,3 +342,69 @@ def own_forward_with_images(family: str, method: str) -> str:
     except Exception as e:  # noqa: BLE001  (the test tells a refusal from a raw error)
         return f"{type(e).__name__}: {e}"
     return "ran"
+
+
+def make_anyres_step(model, family: str, tiles_concatenated: bool = False, seed: int = 1
+                     ) -> dict:
+    """An any-resolution step (ANYRES_LENGTH tokens, ANYRES_IMAGES): each image's token count
+    is what the model's own get_image_features gives that image alone; pixel values (N,
+    tiles, C, 4, 4) padded per image, or (``tiles_concatenated``) every image's tiles in one
+    (tiles, C, 4, 4)."""
+    from easy_context.integrations.vision import anyres_tiles
+
+    gen = torch.Generator().manual_seed(seed)
+    images = ANYRES_IMAGES[family]
+    sizes = torch.tensor([size for size, _ in images])
+    tiles = anyres_tiles(model, sizes)
+    pixels = torch.randn(len(images), max(tiles), 3, 4, 4, generator=gen)
+    ids = torch.randint(3, 89, (1, ANYRES_LENGTH), generator=gen)
+    targets = torch.randint(3, 89, (1, ANYRES_LENGTH), generator=gen)
+    targets[:, :3] = -100
+    with torch.no_grad():
+        for i, (_, start) in enumerate(images):
+            n = len(model.get_image_features(pixel_values=pixels[i:i + 1],
+                                             image_sizes=sizes[i:i + 1],
+                                             return_dict=True).pooler_output[0])
+            ids[0, start:start + n] = IMAGE
+            targets[0, start - 1:start + n] = -100
+    if tiles_concatenated:
+        pixels = torch.cat([pixels[i, :n] for i, n in enumerate(tiles)])
+    return {"input_ids": ids, "target_ids": targets, "pixel_values": pixels,
+            "image_sizes": sizes}
+
+
+def check_anyres(family: str, methods: list[str], tiles_concatenated: bool = False,
+                 chunked_options=(True,)) -> dict:
+    """As check_vlm, for an any-resolution tower (LLaVA-NeXT, OneVision): {case: (loss rel
+    error, grad rel error, vision grad, images encoded here, |image_newline grad|)}."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = tiny_vlm(family)
+    step = make_anyres_step(base, family, tiles_concatenated)
+    ref = copy.deepcopy(base)
+    logits = ref(input_ids=step["input_ids"], pixel_values=step["pixel_values"],
+                 image_sizes=step["image_sizes"]).logits.float()
+    ref_loss = F.cross_entropy(logits[0], step["target_ids"][0], ignore_index=-100)
+    ref_loss.backward()
+    report = {}
+    for method in methods:
+        ring_degree = 2 if method == "usp_attn" and world == 4 else (1 if method == "usp_attn"
+                                                                    else None)
+        for chunked in chunked_options:
+            model = copy.deepcopy(base)
+            ec.apply_sequence_parallel(model, method, ring_degree=ring_degree)
+            local = prepare_vision_inputs(
+                model, method, step["input_ids"], step["target_ids"], rank, world,
+                pixel_values=step["pixel_values"], image_sizes=step["image_sizes"],
+                ring_degree=ring_degree)
+            loss = ec.causal_lm_loss(model, local["local_input_ids"], local["local_position_ids"],
+                                     local["local_target_ids"], chunked=chunked,
+                                     vision=local["vision"])
+            loss.backward()
+            newline = model.model.image_newline.grad.clone()
+            dist.all_reduce(newline)
+            encoded = sum(len(m.encoded) for m in local["vision"].media)
+            report[f"{method} chunked={chunked}"] = (
+                abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+                grad_error(model, ref), vision_grad_norm(model), encoded,
+                newline.abs().sum().item())
+    return report

@@ -77,13 +77,59 @@ def test_a_rank_without_images_gives_the_tower_zero_gradients(family):
     assert not any(p is model.get_input_embeddings().weight for p in tower)
 
 
-def test_any_resolution_tiling_refused():
-    """LLaVA-NeXT's tower needs image_sizes (tiles packed per image by the tower itself):
-    refused up front, naming what to change."""
+def test_any_resolution_without_tile_packing_refused():
+    """Mistral 3's (Pixtral) tower needs image_sizes but packs no tiles with the model's own
+    pack_image_features (the tokens per image are not read from its code): refused up front,
+    naming what to change. LLaVA-NeXT and OneVision (which do) are accepted."""
     from easy_context.integrations.vision import describe
 
     with pytest.raises(ValueError, match="needs image_sizes .*images of one fixed size"):
-        describe(tiny_vlm("llava_next"))
+        describe(tiny_vlm("mistral3"))
+    for family in ("llava_next", "llava_onevision"):
+        assert describe(tiny_vlm(family)).image_sizes
+
+
+def test_any_resolution_tokens_are_the_models():
+    """anyres_tokens (the model's pack_image_features on stand-ins of width 1) gives each
+    image as many tokens as the model's own get_image_features gives it, for sizes that
+    unpad rows, columns, and (OneVision, anyres_max_1) downscale."""
+    from easy_context.integrations.vision import anyres_tiles, anyres_tokens
+
+    sizes = torch.tensor([[4, 4], [3, 8], [8, 5], [8, 8], [6, 3]])
+    for family in ("llava_next", "llava_onevision"):
+        model = tiny_vlm(family)
+        tiles = anyres_tiles(model, sizes)
+        pixels = torch.randn(len(sizes), max(tiles), 3, 4, 4)
+        with torch.no_grad():
+            own = [len(model.get_image_features(pixel_values=pixels[i:i + 1],
+                                                image_sizes=sizes[i:i + 1],
+                                                return_dict=True).pooler_output[0])
+                   for i in range(len(sizes))]
+        assert anyres_tokens(model, sizes) == own, family
+        assert len(set(own)) > 2, own  # the sizes give different counts
+
+
+def test_any_resolution_needs_matching_image_sizes():
+    """An any-resolution tower's images without image_sizes, or with sizes whose tiles the
+    pixel values do not hold, and image_sizes given to a fixed-size tower: refused."""
+    model = tiny_vlm("llava_next")
+    step = make_step("llava")
+    ids, targets = step["input_ids"], step["target_ids"]
+    with pytest.raises(ValueError, match="pass image_sizes"):
+        prepare_vision_inputs(model, "ring_attn", ids, targets, 0, 2,
+                              pixel_values=torch.randn(5, 3, 3, 4, 4))
+    with pytest.raises(ValueError, match="do not hold the tiles"):
+        prepare_vision_inputs(model, "ring_attn", ids, targets, 0, 2,
+                              pixel_values=torch.randn(5, 2, 3, 4, 4),
+                              image_sizes=torch.tensor([[8, 8]] * 5))
+    with pytest.raises(ValueError, match="are not the tiles"):
+        prepare_vision_inputs(model, "ring_attn", ids, targets, 0, 2,
+                              pixel_values=step["pixel_values"],
+                              image_sizes=torch.tensor([[4, 4]] * 5))
+    with pytest.raises(ValueError, match="takes no image_sizes"):
+        prepare_vision_inputs(tiny_vlm("llava"), "ring_attn", ids, targets, 0, 2,
+                              pixel_values=step["pixel_values"],
+                              image_sizes=torch.tensor([[4, 4]] * 5))
 
 
 def test_pixel_values_of_more_than_one_image_per_row_refused():
