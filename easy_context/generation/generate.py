@@ -232,7 +232,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
              pixel_values_videos: Tensor | None = None, video_grid_thw: Tensor | None = None,
              second_per_grid_ts: Tensor | None = None,
              mm_token_type_ids: Tensor | None = None,
-             token_type_ids: Tensor | None = None) -> Tensor | GenerationResult:
+             token_type_ids: Tensor | None = None,
+             image_sizes: Tensor | None = None) -> Tensor | GenerationResult:
     """Generate up to ``max_new_tokens`` after each of the (B, L) prompts, sequence-parallel.
 
     Every rank of the group calls this with the same ``input_ids`` (and ``attention_mask``,
@@ -260,7 +261,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
 
     A vision-language model's prompt images come as its processor gives them
     (``pixel_values``, ``image_grid_thw``, videos, ``mm_token_type_ids``, Gemma 3's
-    ``token_type_ids``; the same on every rank): each rank encodes the images its shard of
+    ``token_type_ids``, an any-resolution tower's ``image_sizes``; the same on every rank):
+    each rank encodes the images its shard of
     the prompt holds, Gemma 3's images attend both ways inside at the prefill, the positions are the
     model's own (multimodal RoPE's ``get_rope_index``), and the new tokens continue them as
     transformers does (generation/vision_prompt.py).
@@ -318,7 +320,7 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
     # the prompt's images (vision-language models): refused up front where not exact
     media = dict(pixel_values=pixel_values, image_grid_thw=image_grid_thw,
                  pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw,
-                 second_per_grid_ts=second_per_grid_ts)
+                 second_per_grid_ts=second_per_grid_ts, image_sizes=image_sizes)
     vision = check_vision_prompt(model, media, mm_token_type_ids, input_ids, attention_mask,
                                  copies, _parameters_sharded(model), token_type_ids)
 

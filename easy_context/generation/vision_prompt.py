@@ -29,7 +29,7 @@ Tensor = torch.Tensor
 
 # generate's keyword arguments that carry a prompt's images, as the processors name them
 MEDIA_KWARGS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
-                "second_per_grid_ts")
+                "second_per_grid_ts", "image_sizes")
 
 
 @dataclass

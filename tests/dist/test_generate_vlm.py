@@ -94,3 +94,11 @@ def test_video_prompt_two_ranks(dist2, family):
     its seconds per grid step, Qwen3-VL with its frames between timestamp text)."""
     _assert_equal(dist2.run(compare_image_prompt, family, ["zigzag_ring_attn", "ulysses_attn"],
                             1, 2, True))
+
+
+@pytest.mark.parametrize("family", ["llava_next", "llava_onevision"])
+def test_any_resolution_image_prompt_two_ranks(dist2, family):
+    """Any-resolution towers (image_sizes): three images of different sizes, each across a
+    shard boundary, at 2 ranks: tokens and every step's logits as transformers' generate."""
+    _assert_equal(dist2.run(compare_image_prompt, family, ["zigzag_ring_attn", "ring_attn",
+                                                           "ulysses_attn"], 1, 2))

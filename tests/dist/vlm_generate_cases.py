@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import easy_context as ec
 
-from .vlm_cases import IMAGE, VIDEO, make_step, tiny_vlm
+from .vlm_cases import ANYRES_IMAGES, IMAGE, VIDEO, make_anyres_step, make_step, tiny_vlm
 
 PROMPT = 46
 NEW_TOKENS = 10
@@ -26,7 +26,14 @@ def image_prompt(family: str, batch: int = 1, video: bool = False) -> dict:
     """The processor-like inputs: input_ids (B, PROMPT), pixel values (and grids,
     mm_token_type_ids for Qwen). batch 2: row 0 cut to its first 20 tokens (its images at
     4 and 10) and left-padded, row 1 whole (the other three images). ``video`` (Qwen): the
-    third item, across 24, is a video of two frames (vlm_cases.make_step)."""
+    third item, across 24, is a video of two frames (vlm_cases.make_step). Any-resolution
+    towers (LLaVA-NeXT, OneVision): vlm_cases.make_anyres_step's whole step, with its
+    image_sizes (one row)."""
+    if family in ANYRES_IMAGES:
+        if batch != 1 or video:
+            raise ValueError("any-resolution prompts here are one row of images")
+        step = make_anyres_step(tiny_vlm(family), family)
+        return {k: step[k] for k in ("input_ids", "pixel_values", "image_sizes")}
     step = make_step(family, batch, video=video)
     ids = step["input_ids"][:, :PROMPT].clone()
     out = {k: step[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos",
