@@ -30,6 +30,9 @@ the same way as the embeddings).
   every attention call of the decoder as ``image_spans`` (attention/documents.py plans them:
   no mask tensor). Models whose ``token_type_ids`` mean another mask (PaliGemma's
   bidirectional prefix) stay refused with images.
+- **Any-resolution tiles** (LLaVA-NeXT, LLaVA-OneVision: ``image_sizes``): an image's token
+  count is the model's own ``pack_image_features`` on stand-in features (``anyres_tokens``),
+  and a rank's images go through the model's ``get_image_features`` with their sizes.
 """
 
 from __future__ import annotations
