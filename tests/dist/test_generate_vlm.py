@@ -80,10 +80,10 @@ def test_ranks_given_different_images_are_refused_before_prefill(dist2):
         assert said.startswith("ValueError") and "different prompts" in said, said
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "internvl"])
+@pytest.mark.parametrize("family", ["qwen3_5", "internvl", "glm4v"])
 def test_image_prompt_other_families_two_ranks(dist2, family):
-    """Qwen3.5 (gated DeltaNet layers beside attention, multimodal RoPE) and InternVL (tiles,
-    pixel shuffle, a Qwen2 decoder)."""
+    """Qwen3.5 (gated DeltaNet layers beside attention, multimodal RoPE), InternVL (tiles,
+    pixel shuffle, a Qwen2 decoder) and GLM-4V (grids, multimodal RoPE, partial rotary)."""
     _assert_equal(dist2.run(compare_image_prompt, family, ["zigzag_ring_attn", "ulysses_attn"],
                             1, 2))
 

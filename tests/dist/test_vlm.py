@@ -130,3 +130,11 @@ def test_anyres_tiles_concatenated_2_ranks(dist2):
 
 def test_anyres_every_method_4_ranks(dist4):
     _assert_anyres(dist4.run(check_anyres, "llava_next", METHODS))
+
+
+def test_glm4v_every_method_2_ranks(dist2):
+    """GLM-4V: Qwen2-VL-style grids and multimodal RoPE (its own get_rope_index), a partial
+    rotary decoder: the grid path as it is; every method, and packed conversations."""
+    _assert(dist2.run(check_vlm, "glm4v", METHODS, 1, False, (True,)))
+    methods = sorted(n for n, m in ec.METHODS.items() if m.documents)
+    _assert(dist2.run(check_vlm, "glm4v", methods, 1, True, (True,)))  # packed conversations

@@ -73,6 +73,12 @@ def tiny_vlm(family: str, seed: int = 0):
             image_token_id=IMAGE, vision_feature_layer=-1,
             vision_feature_select_strategy="default")
         cls = tf.LlavaForConditionalGeneration
+    elif family == "glm4v":  # Qwen2-VL-style grids and multimodal RoPE, partial rotary
+        config = tf.Glm4vConfig(
+            text_config={**TEXT, "head_dim": 16, "rope_parameters": {
+                **MROPE, "partial_rotary_factor": 0.5}},
+            vision_config={**QWEN_VISION, "image_size": 8}, **SPECIAL)
+        cls = tf.Glm4vForConditionalGeneration
     elif family == "qwen3_5":  # gated DeltaNet and attention layers, multimodal RoPE
         config = tf.Qwen3_5Config(
             text_config={**TEXT, "rope_parameters": {**MROPE, "mrope_interleaved": True},
@@ -159,7 +165,7 @@ def make_step(family: str, batch: int = 1, seed: int = 1, video: bool = False) -
     targets[:, :3] = -100
     step: dict = {}
     kinds = [IMAGE] * len(STARTS)
-    if family.startswith("qwen"):
+    if family.startswith(("qwen", "glm")):
         grids = [torch.tensor(g) for g in GRIDS]
         tokens = [int(g.prod()) // 4 for g in grids]
         if video:
