@@ -53,7 +53,11 @@ def check_vision_prompt(model: nn.Module, media: dict, mm_token_type_ids: Tensor
     if not is_vision_language(model):
         raise ValueError(f"{name} has no vision tower (get_image_features): generate it "
                          "without pixel values")
-    family = describe(model)  # bidirectional prefixes, image_sizes towers: refused
+    family = describe(model)  # bidirectional prefixes, Gemma 4's spans: refused
+    if family.image_sizes and media.get("pixel_values") is not None:
+        from ..integrations.vision import _check_image_sizes
+
+        _check_image_sizes(model, media["pixel_values"], media.get("image_sizes"))
     if copies > 1:
         raise ValueError("num_return_sequences > 1 with images is not supported by "
                          "easy_context.generate: repeat the prompt and its images in the batch")

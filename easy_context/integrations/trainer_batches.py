@@ -230,6 +230,12 @@ def check_vision_batch(batch: dict, model) -> None:
     from .vision import describe
 
     family = describe(model)
+    if family.image_sizes and has_images(batch):
+        # the batch's image_sizes are not cut here yet (prepare_vision_inputs takes them)
+        raise ValueError(f"{type(model).__name__} tiles or crops each image by its "
+                         "image_sizes, which the Trainer path does not cut yet: train it "
+                         "with easy_context.prepare_vision_inputs(..., image_sizes=) and "
+                         "causal_lm_loss(..., vision=), or without sequence parallelism")
     check_batch_keys(batch, vision=True)
     if not has_images(batch):
         # text only: the placeholders would be embedded as text, where the model's own

@@ -111,10 +111,11 @@ def describe(model: nn.Module) -> VisionFamily:
     grids = "image_grid_thw" in params
     required = [n for n, p in params.items() if p.default is inspect.Parameter.empty
                 and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and n != "pixel_values"]
-    any_resolution = required == ["image_sizes"] and _packs_tiles(model)
+    any_resolution = required == ["image_sizes"] and (_packs_tiles(model)
+                                                     or _crops_images(model))
     if required and not any_resolution:
-        # Mistral 3 (Pixtral): images of any size in one padded batch, whose tokens per image
-        # (rows of patches, break tokens) are not read from the model's own code here
+        # a tower that needs more than image_sizes, or image_sizes for neither tiles packed
+        # by the model's pack_image_features nor a padded batch that the tower crops
         raise ValueError(f"{name}'s vision tower needs {', '.join(required)} (images tiled "
                          "at any resolution), which sequence parallelism does not cut per "
                          "image yet; train it with images of one fixed size, or without "
@@ -158,6 +159,35 @@ def _packs_tiles(model: nn.Module) -> bool:
             and _module_function(model, "image_size_to_num_patches") is not None)
 
 
+def _vision_tower(model: nn.Module) -> nn.Module | None:
+    """The model's ``vision_tower`` (on it or on its base model), or None."""
+    for module in (model, getattr(model, "model", None)):
+        tower = getattr(module, "vision_tower", None)
+        if isinstance(tower, nn.Module):
+            return tower
+    return None
+
+
+def _crops_images(model: nn.Module) -> bool:
+    """Whether the tower takes images of any size padded into one (N, C, H, W) batch and crops
+    each to its ``image_sizes`` itself, each attending within itself (Mistral 3's Pixtral),
+    with a patch merger of ``spatial_merge_size``: one image per row, its tokens its merged
+    patches."""
+    tower = _vision_tower(model)
+    return (tower is not None and "image_sizes" in inspect.signature(tower.forward).parameters
+            and isinstance(getattr(tower, "patch_size", None), int)
+            and isinstance(getattr(model.config, "spatial_merge_size", None), int))
+
+
+def cropped_tokens(model: nn.Module, image_sizes: Tensor) -> list[int]:
+    """Placeholder tokens of each image of (N, 2) ``image_sizes`` for a cropping tower
+    (Mistral 3): its merged patches, (height // (patch * merge)) * (width // (patch * merge)),
+    as the model's ``get_image_features`` splits its features (checked when encoded:
+    ``_features``)."""
+    step = _vision_tower(model).patch_size * model.config.spatial_merge_size
+    return (image_sizes.to("cpu", torch.long) // step).prod(dim=-1).tolist()
+
+
 def anyres_tiles(model: nn.Module, image_sizes: Tensor) -> list[int]:
     """Tiles (rows of pixel values) of each image of (N, 2) ``image_sizes`` (height, width),
     as the model's own ``get_image_features`` counts them (a base tile and the grid's)."""
@@ -195,7 +225,7 @@ def anyres_tokens(model: nn.Module, image_sizes: Tensor) -> list[int]:
 def _has_cls(model: nn.Module) -> bool:
     """Whether the vision tower's embeddings prepend a class token (CLIP), whose row the
     "default" feature strategy drops."""
-    tower = getattr(model, "vision_tower", None) or getattr(_tiler(model), "vision_tower", None)
+    tower = _vision_tower(model)
     embeddings = getattr(getattr(tower, "vision_model", tower), "embeddings", None)
     return getattr(embeddings, "class_embedding", None) is not None
 
@@ -428,7 +458,9 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
                              "(or tile) per row, (N, C, H, W)")
         count = grid.size(0) if grid is not None else values_m.size(0)
         if sizes is not None:  # the model's own count per image (tiles, unpadding, newlines)
-            count, per_item = sizes.size(0), anyres_tokens(model, sizes)
+            count = sizes.size(0)
+            per_item = (anyres_tokens(model, sizes) if _packs_tiles(model)
+                        else cropped_tokens(model, sizes))
         else:
             per_item = _tokens_per_item(family, grid, count, total, modality)
         if sum(per_item) != total:
@@ -451,7 +483,7 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
         rows = local_rows + offsets[item_of]
         pixel_start = [0]
         pixel_rows = (anyres_tiles(model, sizes) if sizes is not None and values_m.dim() == 4
-                      else _pixel_rows(values_m, grid))
+                      and _packs_tiles(model) else _pixel_rows(values_m, grid))
         for n in pixel_rows:
             pixel_start.append(pixel_start[-1] + n)
         picked = [values_m[pixel_start[i]:pixel_start[i + 1]] for i in encoded]
@@ -479,6 +511,12 @@ def _check_image_sizes(model: nn.Module, pixel_values: Tensor, image_sizes: Tens
     sizes = torch.as_tensor(image_sizes).to("cpu", torch.long)
     if sizes.dim() != 2 or sizes.size(1) != 2:
         raise ValueError(f"image_sizes must be (N, 2) (height, width), got {tuple(sizes.shape)}")
+    if not _packs_tiles(model):  # a cropping tower: one padded image per row
+        if pixel_values.dim() != 4 or pixel_values.size(0) != sizes.size(0) or bool(
+                (sizes > torch.tensor(pixel_values.shape[-2:])).any()):
+            raise ValueError(f"pixel values {tuple(pixel_values.shape)} are not one image per "
+                             f"row, padded to hold each of image_sizes ({sizes.tolist()})")
+        return sizes
     if pixel_values.dim() == 5:
         tiles = anyres_tiles(model, sizes)
         if pixel_values.size(0) != sizes.size(0) or max(tiles, default=0) > pixel_values.size(1):
@@ -507,6 +545,14 @@ def _features(model: nn.Module, family: VisionFamily, media: LocalMedia):
     pooled = out.pooler_output
     features = torch.cat(list(pooled), dim=0) if isinstance(pooled, (list, tuple)) else pooled
     features = features.reshape(-1, features.size(-1))
+    if media.image_sizes is not None:
+        # the counts per image (anyres_tokens, cropped_tokens) must be the model's own
+        want = sum(anyres_tokens(model, media.image_sizes) if _packs_tiles(model)
+                   else cropped_tokens(model, media.image_sizes))
+        if features.size(0) != want:
+            raise ValueError(f"{type(model).__name__} gave {features.size(0)} feature rows for "
+                             f"images of sizes {media.image_sizes.tolist()}, not the {want} "
+                             "tokens counted for them; report this model to easy_context")
     deep = getattr(out, "deepstack_features", None) if family.deepstack else None
     if deep is not None:
         deep = [torch.cat(list(d), dim=0) if isinstance(d, (list, tuple)) else d for d in deep]

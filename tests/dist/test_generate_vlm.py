@@ -67,7 +67,7 @@ def test_left_padded_batch_with_images_two_ranks(dist2, family):
 @pytest.mark.parametrize("family,extra,says", [
     ("paligemma", {}, "prefix"),
     ("gemma3", {"token_type_ids": None}, "token_type_ids"),
-    ("mistral3", {}, "image_sizes"),
+    ("llava_next", {}, "pass image_sizes"),  # an any-resolution tower's images need them
     ("qwen2_5_vl", {"num_return_sequences": 2, "do_sample": True}, "num_return_sequences"),
 ])
 def test_image_prompts_refused_up_front(dist1, family, extra, says):
@@ -96,9 +96,10 @@ def test_video_prompt_two_ranks(dist2, family):
                             1, 2, True))
 
 
-@pytest.mark.parametrize("family", ["llava_next", "llava_onevision"])
+@pytest.mark.parametrize("family", ["llava_next", "llava_onevision", "mistral3"])
 def test_any_resolution_image_prompt_two_ranks(dist2, family):
-    """Any-resolution towers (image_sizes): three images of different sizes, each across a
-    shard boundary, at 2 ranks: tokens and every step's logits as transformers' generate."""
+    """Towers that take image_sizes (LLaVA-NeXT's and OneVision's tiles, Mistral 3's cropped
+    padded batch): three images of different sizes, each across a shard boundary, at 2
+    ranks: tokens and every step's logits as transformers' generate."""
     _assert_equal(dist2.run(compare_image_prompt, family, ["zigzag_ring_attn", "ring_attn",
                                                            "ulysses_attn"], 1, 2))

@@ -43,7 +43,8 @@ ANYRES_LENGTH = 64
 # (height, width) and where its tokens start, per image: each across a shard boundary of
 # 2 and 4 ranks (16: zigzag at 2, contiguous at 4; 32; 48 and 56)
 ANYRES_IMAGES = {"llava_next": (((4, 4), 12), ((3, 8), 26), ((8, 5), 44)),
-                 "llava_onevision": (((4, 4), 12), ((3, 8), 28), ((8, 8), 44))}
+                 "llava_onevision": (((4, 4), 12), ((3, 8), 28), ((8, 8), 44)),
+                 "mistral3": (((12, 16), 12), ((8, 12), 29), ((16, 16), 44))}
 
 
 def tiny_vlm(family: str, seed: int = 0):
@@ -121,11 +122,11 @@ def tiny_vlm(family: str, seed: int = 0):
             image_token_id=IMAGE, video_token_id=VIDEO, image_grid_pinpoints=PINPOINTS,
             vision_feature_layer=-1, vision_aspect_ratio="anyres_max_1")
         cls = tf.LlavaOnevisionForConditionalGeneration
-    elif family == "mistral3":  # Pixtral: images of any size padded into one batch: refused
+    elif family == "mistral3":  # Pixtral: images of any size padded into one batch, cropped
         config = tf.Mistral3Config(
             text_config={**TEXT, "model_type": "mistral"},
             vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
-                               num_hidden_layers=1, num_attention_heads=4, image_size=8,
+                               num_hidden_layers=1, num_attention_heads=4, image_size=16,
                                patch_size=2, head_dim=8),
             image_token_index=IMAGE, spatial_merge_size=2, vision_feature_layer=-1)
         cls = tf.Mistral3ForConditionalGeneration
@@ -355,14 +356,17 @@ def make_anyres_step(model, family: str, tiles_concatenated: bool = False, seed:
     """An any-resolution step (ANYRES_LENGTH tokens, ANYRES_IMAGES): each image's token count
     is what the model's own get_image_features gives that image alone; pixel values (N,
     tiles, C, 4, 4) padded per image, or (``tiles_concatenated``) every image's tiles in one
-    (tiles, C, 4, 4)."""
+    (tiles, C, 4, 4); Mistral 3: (N, C, 16, 16), each image padded to the largest."""
     from easy_context.integrations.vision import anyres_tiles
 
     gen = torch.Generator().manual_seed(seed)
     images = ANYRES_IMAGES[family]
     sizes = torch.tensor([size for size, _ in images])
-    tiles = anyres_tiles(model, sizes)
-    pixels = torch.randn(len(images), max(tiles), 3, 4, 4, generator=gen)
+    if family == "mistral3":  # one image per row, padded to the largest (16x16)
+        pixels = torch.randn(len(images), 3, 16, 16, generator=gen)
+    else:
+        tiles = anyres_tiles(model, sizes)
+        pixels = torch.randn(len(images), max(tiles), 3, 4, 4, generator=gen)
     ids = torch.randint(3, 89, (1, ANYRES_LENGTH), generator=gen)
     targets = torch.randint(3, 89, (1, ANYRES_LENGTH), generator=gen)
     targets[:, :3] = -100
@@ -382,7 +386,8 @@ def make_anyres_step(model, family: str, tiles_concatenated: bool = False, seed:
 def check_anyres(family: str, methods: list[str], tiles_concatenated: bool = False,
                  chunked_options=(True,)) -> dict:
     """As check_vlm, for an any-resolution tower (LLaVA-NeXT, OneVision): {case: (loss rel
-    error, grad rel error, vision grad, images encoded here, |image_newline grad|)}."""
+    error, grad rel error, vision grad, images encoded here, |image_newline grad| (None
+    without one: Mistral 3))}."""
     rank, world = dist.get_rank(), dist.get_world_size()
     base = tiny_vlm(family)
     step = make_anyres_step(base, family, tiles_concatenated)
@@ -406,11 +411,14 @@ def check_anyres(family: str, methods: list[str], tiles_concatenated: bool = Fal
                                      local["local_target_ids"], chunked=chunked,
                                      vision=local["vision"])
             loss.backward()
-            newline = model.model.image_newline.grad.clone()
-            dist.all_reduce(newline)
+            newline = getattr(model.model, "image_newline", None)  # None: Mistral 3's
+            if newline is not None:
+                newline = newline.grad.clone()
+                dist.all_reduce(newline)
+                newline = newline.abs().sum().item()
             encoded = sum(len(m.encoded) for m in local["vision"].media)
             report[f"{method} chunked={chunked}"] = (
                 abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
                 grad_error(model, ref), vision_grad_norm(model), encoded,
-                newline.abs().sum().item())
+                newline)
     return report

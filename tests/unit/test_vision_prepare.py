@@ -77,15 +77,18 @@ def test_a_rank_without_images_gives_the_tower_zero_gradients(family):
     assert not any(p is model.get_input_embeddings().weight for p in tower)
 
 
-def test_any_resolution_without_tile_packing_refused():
-    """Mistral 3's (Pixtral) tower needs image_sizes but packs no tiles with the model's own
-    pack_image_features (the tokens per image are not read from its code): refused up front,
-    naming what to change. LLaVA-NeXT and OneVision (which do) are accepted."""
+def test_tower_needing_more_than_image_sizes_refused():
+    """A tower whose get_image_features needs more than image_sizes (a stand-in: Mistral 3's
+    with another required argument) is refused up front, naming what to change.
+    LLaVA-NeXT and OneVision (tiles packed by pack_image_features) and Mistral 3 (a padded
+    batch its tower crops) are accepted."""
     from easy_context.integrations.vision import describe
 
-    with pytest.raises(ValueError, match="needs image_sizes .*images of one fixed size"):
-        describe(tiny_vlm("mistral3"))
-    for family in ("llava_next", "llava_onevision"):
+    model = tiny_vlm("mistral3")
+    model.get_image_features = lambda pixel_values, image_sizes, crop_boxes: None
+    with pytest.raises(ValueError, match="needs image_sizes, crop_boxes .*images of one fixed"):
+        describe(model)
+    for family in ("llava_next", "llava_onevision", "mistral3"):
         assert describe(tiny_vlm(family)).image_sizes
 
 
@@ -109,6 +112,19 @@ def test_any_resolution_tokens_are_the_models():
         assert len(set(own)) > 2, own  # the sizes give different counts
 
 
+def test_cropped_tokens_are_the_models():
+    """cropped_tokens gives each image of a cropping tower (Mistral 3) as many tokens as the
+    model's own get_image_features splits off for it."""
+    from easy_context.integrations.vision import cropped_tokens
+
+    model = tiny_vlm("mistral3")
+    sizes = torch.tensor([[16, 16], [12, 16], [8, 12], [4, 4]])
+    with torch.no_grad():
+        own = model.get_image_features(pixel_values=torch.randn(4, 3, 16, 16),
+                                       image_sizes=sizes, return_dict=True).pooler_output
+    assert cropped_tokens(model, sizes) == [len(o) for o in own] == [16, 12, 6, 1]
+
+
 def test_any_resolution_needs_matching_image_sizes():
     """An any-resolution tower's images without image_sizes, or with sizes whose tiles the
     pixel values do not hold, and image_sizes given to a fixed-size tower: refused."""
@@ -126,6 +142,10 @@ def test_any_resolution_needs_matching_image_sizes():
         prepare_vision_inputs(model, "ring_attn", ids, targets, 0, 2,
                               pixel_values=step["pixel_values"],
                               image_sizes=torch.tensor([[4, 4]] * 5))
+    with pytest.raises(ValueError, match="not one image per row, padded"):  # Mistral 3
+        prepare_vision_inputs(tiny_vlm("mistral3"), "ring_attn", ids, targets, 0, 2,
+                              pixel_values=torch.randn(5, 3, 8, 8),
+                              image_sizes=torch.tensor([[16, 8]] * 5))
     with pytest.raises(ValueError, match="takes no image_sizes"):
         prepare_vision_inputs(tiny_vlm("llava"), "ring_attn", ids, targets, 0, 2,
                               pixel_values=step["pixel_values"],
