@@ -30,9 +30,11 @@ the same way as the embeddings).
   every attention call of the decoder as ``image_spans`` (attention/documents.py plans them:
   no mask tensor). Models whose ``token_type_ids`` mean another mask (PaliGemma's
   bidirectional prefix) stay refused with images.
-- **Any-resolution tiles** (LLaVA-NeXT, LLaVA-OneVision: ``image_sizes``): an image's token
-  count is the model's own ``pack_image_features`` on stand-in features (``anyres_tokens``),
-  and a rank's images go through the model's ``get_image_features`` with their sizes.
+- **Images of any size** (``image_sizes``): LLaVA-NeXT's and OneVision's tiles, whose token
+  count per image is the model's own ``pack_image_features`` on stand-in features
+  (``anyres_tokens``), and Mistral 3's padded batch that its tower crops (``cropped_tokens``:
+  merged patches); a rank's images go through the model's ``get_image_features`` with their
+  sizes, and the features it gives are checked against the counts.
 """
 
 from __future__ import annotations
