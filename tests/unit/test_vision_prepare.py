@@ -174,3 +174,30 @@ def test_packed_conversations_number_their_positions_from_zero():
                                   document_ids=documents)
     want = torch.cat([torch.arange(20), torch.arange(28)])[None]
     assert torch.equal(local["local_position_ids"], want)
+
+
+def test_image_sizes_features_checked_against_the_counts():
+    """A tower that gives a rank's images another number of feature rows than counted for
+    them (a stand-in: Mistral 3's get_image_features with one extra row) is refused when
+    encoded, not scattered misaligned."""
+    from easy_context.integrations.vision import vision_embeddings
+
+    model = tiny_vlm("mistral3")
+    sizes = torch.tensor([[8, 8], [8, 12]])           # 4 and 6 tokens
+    ids = torch.randint(3, 89, (1, 16))
+    ids[0, 2:6] = 90
+    ids[0, 8:14] = 90
+    local = prepare_vision_inputs(model, "ring_attn", ids, ids, 0, 1,
+                                  pixel_values=torch.randn(2, 3, 16, 16), image_sizes=sizes)
+    embeds, _ = vision_embeddings(model, local["local_input_ids"], local["vision"])
+    assert embeds.shape == (1, 16, 32)
+    own = model.get_image_features
+
+    def one_more(**kw):
+        out = own(**kw)
+        out.pooler_output = tuple(out.pooler_output) + (out.pooler_output[0][:1],)
+        return out
+
+    model.get_image_features = one_more
+    with pytest.raises(ValueError, match="gave 11 feature rows .* not the 10 tokens"):
+        vision_embeddings(model, local["local_input_ids"], local["vision"])
