@@ -65,7 +65,8 @@ class VisionFamily:
     mrope: bool        # positions are (3, B, L) from the base model's get_rope_index
     deepstack: bool    # the decoder takes deepstack_visual_embeds (Qwen3-VL)
     image_spans: bool = False  # image tokens attend to each other both ways (Gemma 3)
-    image_sizes: bool = False  # any-resolution tiles by image_sizes (LLaVA-NeXT, OneVision)
+    image_sizes: bool = False  # the tower takes image_sizes: tiles (LLaVA-NeXT, OneVision)
+    # packed by pack_image_features, or a padded batch it crops (Mistral 3)
 
 
 def is_vision_language(model: nn.Module) -> bool:
@@ -392,9 +393,10 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
     processor gives them (``second_per_grid_ts``: Qwen2.5-VL's seconds per video grid step;
     ``token_type_ids``: Gemma 3's image-token marks, 1 on image tokens, required with its
     images: each run of marked tokens attends both ways, as in the model's own forward;
-    ``image_sizes``: (N, 2) each image's (height, width), required with the images of an
-    any-resolution tower (LLaVA-NeXT, OneVision), whose pixel values are then (N, tiles, C,
-    H, W) padded per image, or the images' tiles concatenated, (sum of tiles, C, H, W)).
+    ``image_sizes``: (N, 2) each image's (height, width), required with the images of a
+    tower that takes them: LLaVA-NeXT's and OneVision's pixel values are then (N, tiles, C,
+    H, W) padded per image, or the images' tiles concatenated, (sum of tiles, C, H, W);
+    Mistral 3's (N, C, H, W), each image padded to the largest).
     Returns ``local_input_ids``, ``local_position_ids`` ((3, B, S) for multimodal RoPE, else
     (B, S)), ``local_target_ids``, ``local_document_ids`` (None when not packed) and
     ``vision`` (a VisionShard for ``causal_lm_loss(..., vision=)``).
@@ -505,11 +507,12 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
 def _check_image_sizes(model: nn.Module, pixel_values: Tensor, image_sizes: Tensor | None
                        ) -> Tensor:
     """(N, 2) long ``image_sizes`` of an any-resolution tower's images, checked against its
-    pixel values: (N, tiles, C, H, W) or every image's tiles concatenated (tiles, C, H, W)."""
+    pixel values: (N, tiles, C, H, W) or every image's tiles concatenated (tiles, C, H, W);
+    for a cropping tower (Mistral 3), (N, C, H, W) large enough for every size."""
     name = type(model).__name__
     if image_sizes is None:
-        raise ValueError(f"{name} tiles each image by its size: pass image_sizes (N, 2) "
-                         "with its pixel values, as its processor gives them")
+        raise ValueError(f"{name} tiles or crops each image by its size: pass image_sizes "
+                         "(N, 2) with its pixel values, as its processor gives them")
     sizes = torch.as_tensor(image_sizes).to("cpu", torch.long)
     if sizes.dim() != 2 or sizes.size(1) != 2:
         raise ValueError(f"image_sizes must be (N, 2) (height, width), got {tuple(sizes.shape)}")
