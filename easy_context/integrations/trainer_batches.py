@@ -79,7 +79,7 @@ DOCUMENT_KEYS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "ma
 # (checked equal: shard_vision_batch).
 PIXEL_KEYS = frozenset({"pixel_values", "pixel_values_videos"})
 VISION_KEYS = PIXEL_KEYS | {"image_grid_thw", "video_grid_thw", "second_per_grid_ts",
-                            "mm_token_type_ids", "token_type_ids"}
+                            "mm_token_type_ids", "token_type_ids", "image_sizes"}
 
 
 def has_images(batch: dict) -> bool:
@@ -215,6 +215,7 @@ def _shard_vision(batch: dict, model, method: str, sp_rank: int, sp_size: int,
         pixel_values_videos=batch.get("pixel_values_videos"),
         video_grid_thw=batch.get("video_grid_thw"),
         second_per_grid_ts=batch.get("second_per_grid_ts"), document_ids=documents,
+        image_sizes=batch.get("image_sizes"),
         position_ids=given, ring_degree=ring_degree,
         token_type_ids=_cut_like(batch.get("token_type_ids"), input_ids))
     return ShardedBatch(local["local_input_ids"], local["local_position_ids"],
@@ -224,19 +225,19 @@ def _shard_vision(batch: dict, model, method: str, sp_rank: int, sp_size: int,
 
 def check_vision_batch(batch: dict, model) -> None:
     """Refuse a batch with images that ``model`` cannot be trained on exactly here: what
-    integrations.vision.describe refuses (Gemma 3, towers that need image_sizes), keys that
+    integrations.vision.describe refuses (PaliGemma, Gemma 4), image_sizes that do not
+    match the pixel values (towers that take them), keys that
     are not cut, position_ids beside multimodal RoPE, mm_token_type_ids that disagree with
     the placeholder ids. Pure (no collectives): every rank refuses together."""
     from .vision import describe
 
     family = describe(model)
-    if family.image_sizes and has_images(batch):
-        # the batch's image_sizes are not cut here yet (prepare_vision_inputs takes them)
-        raise ValueError(f"{type(model).__name__} tiles or crops each image by its "
-                         "image_sizes, which the Trainer path does not cut yet: train it "
-                         "with easy_context.prepare_vision_inputs(..., image_sizes=) and "
-                         "causal_lm_loss(..., vision=), or without sequence parallelism")
     check_batch_keys(batch, vision=True)
+    if family.image_sizes and batch.get("pixel_values") is not None:
+        from .vision import _check_image_sizes
+
+        # LLaVA-NeXT / OneVision tiles, Mistral 3 crops: the sizes must match the pixels
+        _check_image_sizes(model, batch["pixel_values"], batch.get("image_sizes"))
     if not has_images(batch):
         # text only: the placeholders would be embedded as text, where the model's own
         # forward refuses them

@@ -17,7 +17,8 @@ import pytest
 
 import torch  # noqa: E402
 
-from .trainer_vlm_cases import vlm_trainer_error, vlm_trainer_step  # noqa: E402
+from .trainer_vlm_cases import (vlm_trainer_anyres, vlm_trainer_error,  # noqa: E402
+                                vlm_trainer_step)
 
 TOL = 1e-5
 
@@ -82,7 +83,7 @@ def test_trainer_without_the_vision_path_differs(references, dist2):
 @pytest.mark.parametrize("family, extra, engine, message", [
     ("gemma3", {"token_type_ids": None}, "ddp", "token_type_ids"),
     ("paligemma", None, "ddp", "prefix"),
-    ("mistral3", {"image_sizes": torch.tensor([[4, 4]] * 5)}, "ddp", "does not cut yet"),
+    ("llava_next", {"image_sizes": torch.tensor([[8, 8]] * 5)}, "ddp", "not the tiles"),
     ("qwen2_5_vl", {"mm_token_type_ids": torch.zeros(2, 48, dtype=torch.long)}, "ddp",
      "mm_token_type_ids"),
     ("qwen2_5_vl", {"position_ids": torch.arange(48).expand(2, 48)}, "ddp", "position_ids"),
@@ -163,3 +164,17 @@ def test_a_video_beside_images(dist1, dist2, tmp_path):
                                             "ulysses_attn", batch)):
         errors = _errors(result, ref)
         assert all(e <= TOL for e in errors.values()), (rank, errors)
+
+
+@pytest.mark.parametrize("family", ["llava_next", "mistral3"])
+def test_trainer_step_image_sizes_towers(dist1, dist2, tmp_path, family):
+    """Towers that take image_sizes (LLaVA-NeXT's tiles, Mistral 3's cropped padded batch):
+    the batch's image_sizes are cut with its images; one zigzag step at 2 ranks equals the
+    one-process step (loss, grad norm, every gradient, eval loss)."""
+    ref = dist1.run(vlm_trainer_anyres, str(tmp_path), family, None)[0]
+    assert torch.isfinite(torch.tensor(ref["loss"])) and _vision_grad(ref) > 0
+    for rank, result in enumerate(dist2.run(vlm_trainer_anyres, str(tmp_path), family,
+                                            "zigzag_ring_attn")):
+        errors = _errors(result, ref)
+        assert all(e <= TOL for e in errors.values()), (rank, errors)
+        assert _vision_grad(result) > 0

@@ -44,6 +44,22 @@ def vlm_batch(family: str, seed: int = 1, video: bool = False) -> dict:
     return batch
 
 
+def anyres_batch(family: str) -> dict:
+    """A collator's batch for a tower that takes image_sizes (vlm_cases.make_anyres_step):
+    one row of 64 tokens, three images of different sizes, each across a 2-rank boundary."""
+    from .vlm_cases import make_anyres_step
+
+    step = make_anyres_step(tiny_vlm(family), family)
+    ids = step["input_ids"]
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
+            "pixel_values": step["pixel_values"], "image_sizes": step["image_sizes"]}
+
+
+def vlm_trainer_anyres(folder: str, family: str, method: str | None) -> dict:
+    """vlm_trainer_step on anyres_batch (``method`` None: the one-process reference)."""
+    return vlm_trainer_step(folder, family, method, batch=anyres_batch(family))
+
+
 class _Batches(torch.utils.data.Dataset):
     """Collated batches, one per item (the test's collator hands each on as it is)."""
 
