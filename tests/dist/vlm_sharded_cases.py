@@ -128,3 +128,16 @@ def sharded_vlm_step(family: str, engine: str, method: str = "ring_attn") -> dic
     return {"loss": abs(total.item() - ref_loss.item()) / abs(ref_loss.item()),
             "grads": worst.item(), "vision": vision, "sharded": sharded,
             "encoded": sum(len(m.encoded) for m in local["vision"].media)}
+
+
+def early_batch(family: str) -> dict:
+    """early_images_step as a Trainer batch (one row, no padding, the collator's keys): at 2
+    ranks of ring_attn the second rank's shard holds no image token."""
+    step = early_images_step(family)
+    ids = step["input_ids"]
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
+             "pixel_values": step["pixel_values"]}
+    if "image_grid_thw" in step:
+        batch["image_grid_thw"] = step["image_grid_thw"]
+        batch["mm_token_type_ids"] = (ids == IMAGE).long()
+    return batch
