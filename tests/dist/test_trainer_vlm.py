@@ -117,6 +117,26 @@ def test_sharded_tower_with_a_rank_without_images(dist1, dist2, tmp_path, family
         assert _vision_grad(result) > 0
 
 
+@pytest.mark.parametrize("engine", ["fsdp2", "deepspeed"])
+def test_sharded_tower_with_a_text_batch_beside(dist1, dist2, tmp_path, engine):
+    """Two data-parallel groups of one rank, the first's batch with images, the second's text
+    only: the second still runs the sharded tower once (text_through_tower), against one
+    process accumulating both batches."""
+    if engine == "deepspeed":
+        pytest.importorskip("deepspeed")
+    from .vlm_sharded_cases import early_batch, text_batch
+
+    batch, text = early_batch("qwen2_5_vl"), text_batch("qwen2_5_vl")
+    ref = dist1.run(vlm_trainer_step, str(tmp_path), "qwen2_5_vl", None, batch, False, "ddp",
+                    None, 2, second=text)[0]
+    for rank, result in enumerate(dist2.run(vlm_trainer_step, str(tmp_path), "qwen2_5_vl",
+                                            "ring_attn", batch, False, engine, 1, 1,
+                                            second=text)):
+        assert result["tower_sharded"], rank
+        errors = _errors(result, ref)
+        assert all(e <= TOL for e in errors.values()), (rank, errors)
+
+
 @pytest.mark.parametrize("method", ["zigzag_ring_attn", "ulysses_attn"])
 def test_trl_sft_vision_path_equals_one_process(dist1, dist2, tmp_path, method):
     """TRL's SFTTrainer on a vision dataset (images and text, its own vision collator with

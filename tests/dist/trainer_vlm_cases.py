@@ -64,11 +64,13 @@ def _collate(items: list[dict]) -> dict:
 def vlm_trainer_step(folder: str, family: str, method: str | None,
                      batch: dict | None = None, break_vision: bool = False,
                      engine: str = "ddp", sp_size: int | None = None, accum: int = 1,
-                     lora: bool = False, evaluate_only: bool = False) -> dict:
+                     lora: bool = False, evaluate_only: bool = False,
+                     second: dict | None = None) -> dict:
     """One Trainer step; returns the logged loss, grad norm and every parameter's gradient
     before the optimizer. ``method=None``: the one-process reference (the model's own
     forward and loss). ``break_vision``: a scratch break that hides the images from the
-    sequence-parallel loss (the test must then fail)."""
+    sequence-parallel loss (the test must then fail). ``second``: the second batch (another
+    data-parallel group's, or the second accumulated), instead of vlm_batch's seed 2."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     _env_for_accelerate()
@@ -99,7 +101,8 @@ def vlm_trainer_step(folder: str, family: str, method: str | None,
     # two data-parallel groups (or accumulation 2 in one process): a second batch
     two = sp_size is not None or accum > 1
     data = _Batches(*([batch if batch is not None else vlm_batch(family)]
-                      + ([vlm_batch(family, seed=2)] if two else [])))
+                      + ([second if second is not None else vlm_batch(family, seed=2)]
+                         if two else [])))
     trainer = Trainer(model=model, args=args, data_collator=_collate, callbacks=[Grab()],
                       train_dataset=data, eval_dataset=data)
     try:

@@ -141,3 +141,13 @@ def early_batch(family: str) -> dict:
         batch["image_grid_thw"] = step["image_grid_thw"]
         batch["mm_token_type_ids"] = (ids == IMAGE).long()
     return batch
+
+
+def text_batch(family: str) -> dict:
+    """A Trainer batch of text only (one row of 48 tokens; for Qwen a processor's
+    mm_token_type_ids, all zero): what another data-parallel group may hold in the step."""
+    ids = torch.randint(3, 89, (1, 48), generator=torch.Generator().manual_seed(11))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    if family.startswith("qwen"):
+        batch["mm_token_type_ids"] = torch.zeros_like(ids)
+    return batch
