@@ -54,6 +54,8 @@ class VisionShape:
     """per patch, the width of the merger's (projector's) first linear layer's output"""
     layer_scale: bool = False
     """learned per-channel scales on each block's two branches (InternViT)"""
+    pixel_width: int = 0
+    """values per patch in the pixel rows: channels x temporal patch x patch area"""
     image_patches: int = 0
     """patches of one fixed-size image, which the tower runs with a class token more (CLIP,
     InternViT); 0: images of any grid, no class token (Qwen)"""
@@ -107,10 +109,16 @@ class VisionShape:
         attention = 4 * h * a
         return patches * (2 * h * a + max(mlp, attention))
 
-    def activation_bytes(self, patches: int, a: int, pixel_width: int = 0) -> int:
+    def activation_bytes(self, patches: int, a: int, pixel_width: int | None = None) -> int:
         """The peak of the tower's own forward and backward above its parameters and
         gradients: what it stores, plus its backward's largest transient."""
-        return self.stored_bytes(patches, a, pixel_width) + self.backward_bytes(patches, a)
+        width = self.pixel_width if pixel_width is None else pixel_width
+        return self.stored_bytes(patches, a, width) + self.backward_bytes(patches, a)
+
+    def largest_unit(self) -> int:
+        """Parameters of the largest piece a sharding engine gathers at once: a block, or
+        the embedding or the merger(s) (as plan.states counts a decoder layer)."""
+        return max(self.block_params(), self.embedding_params, self.merger_params)
 
 
 def _area(size) -> int:
@@ -175,7 +183,7 @@ def vision_from_config(config) -> VisionShape | None:
                        gated_mlp=getattr(vc, "model_type", "") in LLAMA_STYLE_TOWERS,
                        embedding_params=embedding, merger_params=merger,
                        patches_per_token=per_token, mergers=mergers, out_hidden=int(out),
-                       merger_width=width,
+                       merger_width=width, pixel_width=pixel_width(config),
                        layer_scale=bool(getattr(vc, "layer_scale_init_value", None)),
                        image_patches=_area(image) // patch if image and not table else 0)
 
@@ -196,3 +204,25 @@ def tower_parameters(config) -> int | None:
     inside = {id(p) for p in decoder_of(model).parameters()}
     inside |= {id(p) for p in model.get_output_embeddings().parameters()}
     return sum(p.numel() for p in model.parameters() if id(p) not in inside)
+
+
+def load_vision(name_or_path: str) -> VisionShape:
+    """The VisionShape of a local model folder / config.json (read offline, as
+    plan.shapes.load_shape reads its text part), or a ValueError saying what to pass."""
+    import os
+
+    if not os.path.exists(name_or_path):
+        raise ValueError(f"--image-tokens plans a vision tower read from a model's config: "
+                         f"{name_or_path!r} is a built-in text shape; pass --model a local "
+                         "vision-language model folder or its config.json")
+    from transformers import AutoConfig
+
+    path = name_or_path
+    if os.path.isfile(path):
+        path = os.path.dirname(os.path.abspath(path))
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    vision = vision_from_config(config)
+    if vision is None:
+        raise ValueError(f"{name_or_path}'s config has no vision_config: --image-tokens is for "
+                         "vision-language models")
+    return vision
