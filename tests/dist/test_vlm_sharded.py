@@ -37,3 +37,12 @@ def test_sharded_tower_4_ranks(dist4, engine):
     results = dist4.run(sharded_vlm_step, "qwen2_5_vl", engine)
     assert [r["encoded"] for r in results] == [2, 1, 0, 0], results
     _check(results)
+
+
+def test_whole_tower_one_fsdp2_unit(dist2):
+    """fully_shard on the whole tower (one unit) instead of its blocks (Qwen2.5-VL; LLaVA's
+    CLIP tower as one unit loses transformers' captured hidden_states in
+    get_image_features, with or without images on the rank: not this package's path)."""
+    results = dist2.run(sharded_vlm_step, "qwen2_5_vl", "fsdp2", "ring_attn", "tower")
+    assert [r["encoded"] for r in results] == [2, 0], results
+    _check(results)

@@ -66,14 +66,15 @@ def _zero3(model):
     return engine
 
 
-def sharded_vlm_step(family: str, engine: str, method: str = "ring_attn") -> dict:
+def sharded_vlm_step(family: str, engine: str, method: str = "ring_attn",
+                     units: str = "blocks") -> dict:
     """One step of ``family`` on ``engine`` ("fsdp2", "zero3"), the loss through the model's
     forward (install_loss_forward, as the Trainer runs it, so the root unit is gathered):
     {"loss": relative error, "grads": the worst relative gradient error (every parameter, the
     tower's included), "vision": |tower gradient| in the one process, "encoded": images this
     rank encodes, "sharded": tower parameters were sharded}."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    base = tiny_vlm(family)
+    base = tiny_vlm(family)  # units="tower": FSDP2 on the whole tower, one unit
     step = early_images_step(family)
     ref = copy.deepcopy(base)
     ref_loss = reference_loss(ref, step)
@@ -94,8 +95,14 @@ def sharded_vlm_step(family: str, engine: str, method: str = "ring_attn") -> dic
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor import DTensor
 
-        for unit in _sharded_units(model):
-            fully_shard(unit)
+        if units == "tower":
+            inner = model.model
+            fully_shard(getattr(inner, "visual", None) or inner.vision_tower)
+            for layer in inner.language_model.layers:
+                fully_shard(layer)
+        else:
+            for unit in _sharded_units(model):
+                fully_shard(unit)
         fully_shard(model)
         sharded = any(isinstance(p, DTensor) for n, p in model.named_parameters()
                       if "visual" in n or "vision_tower" in n)
