@@ -32,7 +32,6 @@ sequence are refused up front. What changes:
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import math
 
@@ -84,8 +83,8 @@ class SequenceParallelState:
         if self.max_length:
             raise ValueError("max-length mode does not take images yet; enable sequence "
                              "parallelism without max_length=True for a batch with images")
-        # FSDP2 and ZeRO-3 gather the tower collectively when it runs: every rank runs it
-        # once per step, a rank without image tokens on a dummy image (vision_embeddings)
+        # (FSDP2 and ZeRO-3 train with images: every rank runs the tower once per step, a
+        # rank without image tokens on a dummy image: vision.vision_embeddings)
 
     def text_through_tower(self, batch: ShardedBatch) -> ShardedBatch:
         """A text batch of a vision-language model whose tower is sharded (FSDP2, ZeRO-3)

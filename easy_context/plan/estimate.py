@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from ..parallel import get_method
 from .shapes import ModelShape
 from .states import States, loss_head_grad_bytes, model_states
+from .vision import estimate_terms
 from ..attention.workspace import DEFAULT_SMS, backward_workspace, planned_family
 
 GIB = 2**30
@@ -514,16 +515,6 @@ def _chunk_rows(loss_chunk: int | str | None, shape: ModelShape, device: str) ->
     return loss_chunk
 
 
-def _vision_terms(vision, tokens: int, a: int) -> dict:
-    """MemoryEstimate's vision fields for ``tokens`` placeholder tokens encoded here."""
-    if vision is None:
-        return {}
-    patches = vision.patches(tokens) if tokens else 0
-    return {"vision_activations": vision.stored_bytes(patches, a, vision.pixel_width),
-            "vision_backward": vision.backward_bytes(patches, a),
-            "vision_parameters": vision.num_params(), "image_tokens": tokens}
-
-
 def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, method: str,
                     engine: str = "deepspeed", offload: str = "none", checkpointing: str = "full",
                     dtype: str = "bf16", *, loss_chunk: int | str | None = "auto",
@@ -621,7 +612,7 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
         window_layers=windows,
         window_communication_per_layer=window_communication_per_layer(
             model_shape, s, a, method, world_size, ring_degree) if windows else 0,
-        **_vision_terms(vision, min(image_tokens, s), a))
+        **estimate_terms(vision, min(image_tokens, s), a))
     if lora is not None:
         from .lora import with_lora
 

@@ -121,6 +121,17 @@ class VisionShape:
         return max(self.block_params(), self.embedding_params, self.merger_params)
 
 
+def estimate_terms(vision: VisionShape | None, tokens: int, a: int) -> dict:
+    """plan.estimate.MemoryEstimate's vision fields for ``tokens`` placeholder tokens
+    encoded on this rank ({} without a tower)."""
+    if vision is None:
+        return {}
+    patches = vision.patches(tokens) if tokens else 0
+    return {"vision_activations": vision.stored_bytes(patches, a, vision.pixel_width),
+            "vision_backward": vision.backward_bytes(patches, a),
+            "vision_parameters": vision.num_params(), "image_tokens": tokens}
+
+
 def _area(size) -> int:
     if isinstance(size, (list, tuple)):
         return int(size[0]) * int(size[1])
