@@ -46,3 +46,21 @@ def test_whole_tower_one_fsdp2_unit(dist2):
     results = dist2.run(sharded_vlm_step, "qwen2_5_vl", "fsdp2", "ring_attn", "tower")
     assert [r["encoded"] for r in results] == [2, 0], results
     _check(results)
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
+def test_deepstack_tower_2_ranks(dist2, engine):
+    """Qwen3-VL: the dummy call's deepstack features enter the loss times zero too, so its
+    deepstack mergers' reductions match."""
+    if engine == "zero3":
+        pytest.importorskip("deepspeed")
+    results = dist2.run(sharded_vlm_step, "qwen3_vl", engine)
+    assert [r["encoded"] for r in results] == [2, 0], results
+    _check(results)
+
+
+def test_images_and_video_one_call_fsdp2(dist2):
+    """Images and a video's frames on both ranks, encoded in one tower call per rank."""
+    results = dist2.run(sharded_vlm_step, "qwen2_5_vl", "fsdp2", "ring_attn", "blocks", True)
+    for rank, r in enumerate(results):
+        assert r["sharded"] and r["loss"] <= TOL and r["grads"] <= TOL, (rank, r)

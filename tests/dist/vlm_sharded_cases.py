@@ -67,7 +67,7 @@ def _zero3(model):
 
 
 def sharded_vlm_step(family: str, engine: str, method: str = "ring_attn",
-                     units: str = "blocks") -> dict:
+                     units: str = "blocks", video: bool = False) -> dict:
     """One step of ``family`` on ``engine`` ("fsdp2", "zero3"), the loss through the model's
     forward (install_loss_forward, as the Trainer runs it, so the root unit is gathered):
     {"loss": relative error, "grads": the worst relative gradient error (every parameter, the
@@ -75,7 +75,8 @@ def sharded_vlm_step(family: str, engine: str, method: str = "ring_attn",
     rank encodes, "sharded": tower parameters were sharded}."""
     rank, world = dist.get_rank(), dist.get_world_size()
     base = tiny_vlm(family)  # units="tower": FSDP2 on the whole tower, one unit
-    step = early_images_step(family)
+    # video: make_step's images and a two-frame video, every rank holding some of both
+    step = make_step(family, video=True) if video else early_images_step(family)
     ref = copy.deepcopy(base)
     ref_loss = reference_loss(ref, step)
     ref_loss.backward()
@@ -86,7 +87,10 @@ def sharded_vlm_step(family: str, engine: str, method: str = "ring_attn",
     install_loss_forward(model, LossSettings(group=None, chunked=engine == "fsdp2"))
     local = prepare_vision_inputs(model, method, step["input_ids"], step["target_ids"], rank,
                                   world, pixel_values=step["pixel_values"],
-                                  image_grid_thw=step.get("image_grid_thw"))
+                                  image_grid_thw=step.get("image_grid_thw"),
+                                  pixel_values_videos=step.get("pixel_values_videos"),
+                                  video_grid_thw=step.get("video_grid_thw"),
+                                  second_per_grid_ts=step.get("second_per_grid_ts"))
     inputs = dict(input_ids=local["local_input_ids"], position_ids=local["local_position_ids"],
                   easy_context_targets=local["local_target_ids"],
                   easy_context_vision=local["vision"])
