@@ -221,6 +221,10 @@ def layer_saved_per_token(shape: ModelShape, a: int, method: str, world_size: in
     norm = shape.hidden * (4 + 2 * a)
     m = get_method("local" if world_size == 1 else method)
     attn = m.saved_per_token(shape.attention_dims(), a, world_size, ring_degree)
+    width = latent_width(shape, method) if world_size > 1 else 0
+    if width:  # MLA sending its latent keeps the whole sequence's K/V and latent (hf_latent.py)
+        _, hkv, hd = shape.attention_dims()
+        attn += (world_size - 1) * 2 * hkv * hd * a + world_size * width * a
     return {"input_norm": norm, "attention": attn, "post_norm": norm,
             "mlp": (4 if shape.gated_mlp else 2) * shape.intermediate * a}
 
@@ -262,8 +266,11 @@ def attention_buffers(shape: ModelShape, s: int, a: int, method: str, world_size
     as the methods do at run time. One device (N = 1): none."""
     if world_size == 1:
         return 0
-    return get_method(method).buffers(shape.attention_dims(), s, a, world_size, ring_degree,
-                                      budget=_budget(device), workspace=workspace)
+    m, dims = get_method(method), shape.attention_dims()
+    if latent_width(shape, method):  # MLA's latent expands every head's K/V at once: one group
+        return m.group_buffers(dims, s, a, world_size, ring_degree, dims.kv_heads)
+    return m.buffers(dims, s, a, world_size, ring_degree, budget=_budget(device),
+                     workspace=workspace)
 
 
 def attention_workspace(shape: ModelShape, s: int, a: int, method: str, world_size: int,
@@ -272,6 +279,9 @@ def attention_workspace(shape: ModelShape, s: int, a: int, method: str, world_si
     """One backward kernel call's workspace, bytes, with the head groups the method picks
     (one device: the local call on the whole sequence)."""
     m = get_method("local" if world_size == 1 else method)
+    if world_size > 1 and latent_width(shape, method):  # every head in one call (hf_latent.py)
+        return m.workspace(shape.attention_dims(), s, a, world_size, ring_degree,
+                           shape.kv_heads, workspace)
     return m.call_workspace(shape.attention_dims(), s, a, world_size, ring_degree,
                             budget=_budget(device), workspace=workspace)
 
