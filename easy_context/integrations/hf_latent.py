@@ -1,7 +1,7 @@
 """Multi-head latent attention layers that send their latent, not K/V, under all-gather attention.
 
-transformers' MLA attention modules (DeepSeek-V2/V3, Kimi K2 / Moonlight, GLM-4-MoE-lite,
-MiniCPM3, Longcat-Flash, Mistral 4, Youtu, ...: every module with ``kv_b_proj`` and
+transformers' MLA attention modules (DeepSeek-V2/V3, Kimi K2 / Moonlight, Kimi Linear,
+GLM-4-MoE-lite, MiniCPM3, Longcat-Flash, Youtu, ...: every module with ``kv_b_proj`` and
 ``expand_kv``) compute per token the normalised compressed KV (``kv_lora_rank`` values) and
 the RoPE'd key part shared by the heads (``qk_rope_head_dim``), write those two to their
 cache, and then call ``self.expand_kv(kv_nope, k_rot)``, which up-projects them into every
