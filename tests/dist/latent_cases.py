@@ -141,3 +141,14 @@ def max_length_fallback(family: str = "deepseek_v3") -> dict:
         report = check_max_length(family, "allgather_attn", [(5, 2, "full", 1)],
                                   overrides=overrides)
     return {"errors": report, "sent": sent}
+
+
+def check_hybrid_latent(family: str = "kimi_linear") -> dict:
+    """A hybrid whose attention layers are MLA without RoPE (Kimi Linear: its KDA layers
+    routed to easy_context.recurrent) under allgather_attn, against float64 in one process:
+    {"errors": {method: (loss, grads)}, "sent": counted_sends}."""
+    from .hf_recurrent_cases import check_hybrid
+
+    with counted_sends() as sent:
+        errors = check_hybrid(family, ["allgather_attn"])
+    return {"errors": errors, "sent": sent}

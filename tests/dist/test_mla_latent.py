@@ -11,7 +11,7 @@ mode's head chunks move the expanded K/V.
 
 import pytest
 
-from .latent_cases import bytes_against_plan, check_mla, max_length_fallback
+from .latent_cases import bytes_against_plan, check_hybrid_latent, check_mla, max_length_fallback
 
 TOL = 1e-5
 
@@ -70,3 +70,12 @@ def test_max_length_head_chunks_take_the_expanded_path(dist2):
         for case, (loss_err, grad_err) in r["errors"].items():
             assert loss_err <= TOL and grad_err <= TOL, (case, loss_err, grad_err)
         assert r["sent"]["latent"] == [0, 0] and r["sent"]["expanded"][1] > 0, r["sent"]
+
+
+def test_hybrid_mla_layers_send_their_latent(dist2):
+    """Kimi Linear: MLA layers without RoPE between KDA layers, against float64 in one
+    process (as tests/dist/test_hf_recurrent.py)."""
+    for r in dist2.run(check_hybrid_latent):
+        for method, (loss_err, grad_err) in r["errors"].items():
+            assert loss_err <= TOL and grad_err <= TOL, (method, loss_err, grad_err)
+        assert r["sent"]["latent"][1] > 0 and r["sent"]["expanded"] == [0, 0], r["sent"]
