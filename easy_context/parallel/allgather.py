@@ -230,8 +230,10 @@ GQA_RATIO = 4  # heads / kv_heads from which all-gathering K/V is cheaper than a
 
 METHOD = Method(
     name="allgather_attn", attention=allgather_attn, layout="zigzag", short="AG", speed_rank=3,
-    summary="K/V gathered once per layer (Llama-3 style), zigzag query shards",
-    use_when="few KV heads (GQA): one gather moves little", aliases=("allgather",),
+    summary="K/V gathered once per layer (Llama-3 style), zigzag query shards; multi-head "
+            "latent attention layers gather their latent instead (integrations/hf_latent.py)",
+    use_when="few KV heads (GQA), or multi-head latent attention (its latent travels): one "
+             "gather moves little", aliases=("allgather",),
     unsuitable=allgather_unsuitable, group_buffers=allgather_buffers,
     kernel_call=lambda dims, s, world, rd: (s, s * world, dims),
     comm_bytes=allgather_comm, latent_comm_bytes=allgather_latent_comm)
