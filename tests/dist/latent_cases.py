@@ -74,15 +74,24 @@ def counted_sends():
 def _part_grads_present(ref) -> bool:
     """Whether the reference gives every MLA part a non-zero gradient (so comparing them
     means something)."""
-    return all(p.grad is not None and bool(p.grad.abs().max() > 0)
-               for n, p in ref.named_parameters() if any(part in n for part in MLA_PARTS))
+    parts = [p for n, p in ref.named_parameters()
+             if p.requires_grad and any(part in n for part in MLA_PARTS)]
+    return bool(parts) and all(p.grad is not None and bool(p.grad.abs().max() > 0)
+                               for p in parts)
 
 
-def check_mla(family: str, method: str = "allgather_attn", packed: bool = False) -> dict:
-    """{"loss": rel error, "grads": worst rel error (every parameter, summed over ranks),
-    "parts": whether the MLA parts have gradients, "sent": counted_sends}."""
+def check_mla(family: str, method: str = "allgather_attn", packed: bool = False,
+              lora: bool = False) -> dict:
+    """{"loss": rel error, "grads": worst rel error (every trained parameter, summed over
+    ranks), "parts": whether the trained MLA parts have gradients, "sent": counted_sends}.
+    ``lora``: a LoRA adapter on every linear layer of the decoder layers (kv_b_proj's
+    included), the base frozen."""
+    from .maxlen_cases import grad_errors, with_lora
+
     rank, world = dist.get_rank(), dist.get_world_size()
     base = mla_model(family)
+    if lora:
+        base = with_lora(base)
     length = 2 * world * 5
     inputs, positions, targets = make_batch(length, base.config.vocab_size)
     ref = copy.deepcopy(base)
@@ -106,7 +115,8 @@ def check_mla(family: str, method: str = "allgather_attn", packed: bool = False)
     with counted_sends() as sent:
         model, loss = sharded_loss(base, method, inputs, positions, targets)
     return {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
-            "grads": _grad_errors(model, ref), "parts": _part_grads_present(ref),
+            "grads": grad_errors(model, ref, world) if lora else _grad_errors(model, ref),
+            "parts": _part_grads_present(ref),
             "sent": sent, "rank": rank}
 
 

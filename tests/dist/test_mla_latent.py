@@ -36,6 +36,13 @@ def test_latent_exact_packed_documents(dist2):
     _assert_exact(dist2.run(check_mla, "deepseek_v3", "allgather_attn", True), latent=True)
 
 
+def test_latent_exact_with_lora(dist2):
+    """LoRA adapters on kv_b_proj (and every other linear layer): the up-projection each rank
+    runs on the gathered latent is the adapted one, and its adapters' gradients come back."""
+    _assert_exact(dist2.run(check_mla, "deepseek_v3", "allgather_attn", False, True),
+                  latent=True)
+
+
 @pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
 def test_latent_exact_4_ranks(dist4, family):
     _assert_exact(dist4.run(check_mla, family), latent=True)
