@@ -114,7 +114,8 @@ def _begin(module: nn.Module, args: tuple, kwargs: dict):
     call = None
     settings = module_settings(module)
     if (settings is not None and get_method(settings.method).latent_comm_bytes is not None
-            and getattr(module.config, "_attn_implementation", None) == getattr(module, NAME_ATTR)
+            and getattr(getattr(module, "config", None), "_attn_implementation", None)
+            == getattr(module, NAME_ATTR, None)
             and KV_CACHE_KWARG not in kwargs
             and all(kwargs.get(k) is None for k in CACHE_KWARGS)):
         world = group_size(settings.group)

@@ -12,7 +12,8 @@ with the layer's own differentiable ``expand`` (autograd carries the weight's gr
 attends its zigzag queries to them (allgather.gathered_forward); backward reduce-scatters the
 latents' float32 gradients. Each rank runs the up-projection for the whole sequence (N times
 the projection FLOPs of sending K/V: 2 r H (nope + v) per token, about S x 34 MFLOP per layer
-in DeepSeek-V3) and holds the whole expanded K/V as all-gather attention does anyway.
+in DeepSeek-V3) and holds the whole expanded K/V as all-gather attention does anyway
+(here for all heads at once, and kept for the layer's backward).
 
 The ring methods cannot without that cost growing with every step: a relayed latent would be
 expanded on each step by each rank (N times the projection, as here, but inside every
