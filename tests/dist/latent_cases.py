@@ -26,6 +26,11 @@ DEEPSEEK_V2 = dict(q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rop
                    v_head_dim=6, head_dim=4, num_key_value_heads=4, n_routed_experts=4,
                    num_experts_per_tok=2, first_k_dense_replace=1, moe_intermediate_size=16,
                    n_group=1, topk_group=1)
+# DeepSeek-V3 with what its module adds around the latent: biases on kv_a_proj_with_mqa and
+# q_a_proj, interleaved RoPE, YaRN (its mscale_all_dim changes the softmax scale)
+DEEPSEEK_V3_YARN = dict(attention_bias=True, rope_interleave=True, rope_parameters=dict(
+    rope_type="yarn", factor=4.0, original_max_position_embeddings=128, mscale_all_dim=1.0,
+    mscale=1.0, rope_theta=10000.0))
 MLA_PARTS = ("kv_b_proj", "kv_a_layernorm", "kv_a_proj_with_mqa")
 
 
@@ -38,6 +43,8 @@ def mla_model(family: str):
         config = AutoConfig.for_model("deepseek_v2", **{**COMMON, **DEEPSEEK_V2})
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+    if family == "deepseek_v3_yarn":
+        return tiny_model("deepseek_v3", **DEEPSEEK_V3_YARN)
     return tiny_model(family)
 
 

@@ -1,7 +1,8 @@
 """Multi-head latent attention sends its latent under all-gather attention, exactly.
 
-A tiny DeepSeek-V3 (query LoRA, MoE) and DeepSeek-V2 (q_proj, its complex RoPE) trained with
-allgather_attn on 1, 2 and 4 gloo ranks: the loss within 1e-5 relative of one process (fp32,
+A tiny DeepSeek-V3 (query LoRA, MoE; at 2 ranks also with biases, interleaved RoPE and YaRN's
+softmax scale) and DeepSeek-V2 (q_proj, its complex RoPE) trained with allgather_attn on 1, 2
+and 4 gloo ranks: the loss within 1e-5 relative of one process (fp32,
 eager attention), and every parameter's gradient (kv_b_proj, kv_a_layernorm and
 kv_a_proj_with_mqa included), summed over ranks, within 1e-5 relative of its max |grad|.
 The collectives of all-gather attention are counted: the latent path's only (nothing of the
@@ -27,7 +28,7 @@ def _assert_exact(reports, latent: bool):
             assert sent["latent"] == [0, 0], sent
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2", "deepseek_v3_yarn"])
 def test_latent_exact_2_ranks(dist2, family):
     _assert_exact(dist2.run(check_mla, family), latent=True)
 
