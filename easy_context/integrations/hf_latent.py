@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from ..mesh import group_size
-from ..parallel import get_method
+from ..parallel import METHODS, get_method
 from ..parallel.latent import gather_latent
 from ..parallel.settings import module_settings
 from .hf_recurrent import KV_CACHE_KWARG
@@ -181,8 +181,10 @@ def route_latent_layers(modules: list[nn.Module], method: str, attention_name: s
              f"rope {first.qk_rope_head_dim})" + (f" instead of {kv} of expanded K/V" if kv else ""))
     if m.latent_comm_bytes is None or world == 1:
         if world > 1:
-            log.info("%s: %d multi-head latent attention layers move their expanded K/V; "
-                     "allgather_attn would send their latent, %s", m.name, len(mla), sizes)
+            senders = [n for n, other in METHODS.items() if other.latent_comm_bytes is not None]
+            log.info("%s: %d multi-head latent attention layers move their expanded K/V; %s "
+                     "would send their latent, %s", m.name, len(mla), " or ".join(senders),
+                     sizes)
         return []
     for mod in mla:
         install_latent(mod, attention_name)

@@ -68,8 +68,13 @@ def test_a_copy_gathers_for_itself():
     model = _model("deepseek_v3")
     route_latent_layers(_attention(model), "allgather_attn", "allgather_attn", world=2)
     twin = copy.deepcopy(model)
+    kv_nope, k_rot = torch.randn(1, 1, 3, 16), torch.randn(1, 1, 3, 4)
     for m in _attention(twin):
-        assert m.expand_kv.__self__ is m
+        with torch.no_grad():
+            m.kv_b_proj.weight.add_(1.0)  # the twin's weights, no longer the original's
+            got = m.expand_kv(kv_nope, k_rot)  # no forward running: the expanded path
+            want = type(m).expand_kv(m, kv_nope, k_rot)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 def test_the_planner_counts_the_latent():
