@@ -24,12 +24,15 @@ import torch.distributed as dist
 from torch import nn
 from transformers import AttentionInterface
 
+from ..attention.variants import variant_of
 from ..mesh import SPGroup, group_size, process_group, usp_groups
 from ..parallel import METHODS, get_method
+from ..parallel.latent import attend_gathered
 from ..parallel.settings import SequenceParallelSettings, module_settings, store_settings
 from ..sequence_parallel import sequence_parallel_attention
 from ..utils.decoder import decoder_of, text_config
 from . import whole_sequence as ws
+from .hf_latent import gathered_call, route_latent_layers
 from .hf_recurrent import KV_CACHE_KWARG  # noqa: F401 - generate reads it from here
 from .hf_recurrent import RUNS as RECURRENT_RUNS, recurrent_layer_types, route_recurrent_layers
 
@@ -57,9 +60,11 @@ def hf_attention_name(method: str) -> str:
 
 
 
-def _unsupported(query: Tensor, key: Tensor, dropout: float) -> str | None:
-    """Why this attention call cannot run sequence-parallel, or None."""
-    if query.size(2) != key.size(2):
+def _unsupported(query: Tensor, key: Tensor, dropout: float,
+                 keys_gathered: bool = False) -> str | None:
+    """Why this attention call cannot run sequence-parallel, or None. ``keys_gathered``: the
+    keys are the whole sequence's (an MLA layer's gathered latent, hf_latent.py)."""
+    if query.size(2) != key.size(2) and not keys_gathered:
         return ("queries and keys differ in length (transformers' KV cache: decoding); "
                 "generate with easy_context.generate, which keeps a KV cache sharded over the "
                 "ranks, or in one process with attn_implementation='sdpa'")
@@ -125,7 +130,8 @@ def _make_attention(method: str):
         # GQA; what the layer adds comes as transformers hands it to flash attention:
         # sliding_window, softcap, s_aux (sinks); chunks from the config (layer_chunk).
         settings = module_settings(module)
-        reason = _unsupported(query, key, dropout) or (
+        latent = gathered_call(module, query, key)  # K/V from every rank's latent (hf_latent)
+        reason = _unsupported(query, key, dropout, latent is not None) or (
             _needs_apply(module, method) if settings is None else None)
         settings = settings or SequenceParallelSettings(method)
         if reason:
@@ -150,6 +156,14 @@ def _make_attention(method: str):
                 chunk_size=layer_chunk(module), softcap=kwargs.get("softcap"),
                 sinks=kwargs.get("s_aux"),
                 **({"image_spans": spans} if (spans := kwargs.get(IMAGE_SPANS_KWARG)) else {}))
+            return out, None
+        if latent is not None:  # this rank's queries against the whole sequence's K/V
+            out = attend_gathered(
+                query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                group=latent.group, causal=getattr(module, "is_causal", True),
+                softmax_scale=scaling, document_ids=kwargs.get("document_ids"),
+                variant=variant_of(kwargs.get("sliding_window"), layer_chunk(module),
+                                   kwargs.get("softcap")), sinks=kwargs.get("s_aux"))
             return out, None
         out = sequence_parallel_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), method,
@@ -372,6 +386,8 @@ def apply_sequence_parallel(model: nn.Module, method: str, group=None,
     settings = SequenceParallelSettings(m.name, group, ring_degree)
     for module in modules:
         store_settings(module, settings)
+    # MLA layers send their latent instead of K/V where the method can (hf_latent.py)
+    route_latent_layers(modules, m.name, hf_attention_name(m.name), world)
     route_recurrent_layers(model, settings)
     decoder = decoder_of(model)
     if getattr(decoder, _MASK_HOOK_ATTR, None) is not None:

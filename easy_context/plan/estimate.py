@@ -102,6 +102,9 @@ class MemoryEstimate:
     vision_backward: int = 0
     vision_parameters: int = 0  # the tower's and projector's parameter count (not bytes)
     image_tokens: int = 0  # placeholder tokens this rank encodes (the worst rank's)
+    # multi-head latent attention under a method that sends the latent (all-gather): the
+    # values a token's latent holds (kv_lora_rank + rope); 0: the expanded K/V travel
+    latent_values: int = 0
 
     COMPONENTS = ("parameters", "gradients", "gradients_in_backward", "optimizer",
                   "optimizer_step", "gathered_parameters", "stored_activations", "mlp_backward",
@@ -204,7 +207,9 @@ class MemoryEstimate:
             lines.append(f"  {'sent per layer (fwd+bwd)':24s} "
                          f"{self.communication_per_layer / GIB:10.2f} GiB"
                          + (f"   [each of {self.attention_layers} attention layers]"
-                            if self.recurrent_layers else ""))
+                            if self.recurrent_layers else "")
+                         + (f"   [MLA latent: {self.latent_values} values a token, not the "
+                            "expanded K/V]" if self.latent_values else ""))
         if self.window_layers and self.communication_per_layer:
             lines.append(f"  {'sent per window layer':24s} "
                          f"{self.window_communication_per_layer / GIB:10.2f} GiB   [each of "
@@ -237,6 +242,10 @@ def layer_saved_per_token(shape: ModelShape, a: int, method: str, world_size: in
     norm = shape.hidden * (4 + 2 * a)
     m = get_method("local" if world_size == 1 else method)
     attn = m.saved_per_token(shape.attention_dims(), a, world_size, ring_degree)
+    width = latent_width(shape, method) if world_size > 1 else 0
+    if width:  # MLA sending its latent keeps the whole sequence's K/V and latent (hf_latent.py)
+        _, hkv, hd = shape.attention_dims()
+        attn += (world_size - 1) * 2 * hkv * hd * a + world_size * width * a
     return {"input_norm": norm, "attention": attn, "post_norm": norm,
             "mlp": (4 if shape.gated_mlp else 2) * shape.intermediate * a}
 
@@ -278,8 +287,11 @@ def attention_buffers(shape: ModelShape, s: int, a: int, method: str, world_size
     as the methods do at run time. One device (N = 1): none."""
     if world_size == 1:
         return 0
-    return get_method(method).buffers(shape.attention_dims(), s, a, world_size, ring_degree,
-                                      budget=_budget(device), workspace=workspace)
+    m, dims = get_method(method), shape.attention_dims()
+    if latent_width(shape, method):  # MLA's latent expands every head's K/V at once: one group
+        return m.group_buffers(dims, s, a, world_size, ring_degree, dims.kv_heads)
+    return m.buffers(dims, s, a, world_size, ring_degree, budget=_budget(device),
+                     workspace=workspace)
 
 
 def attention_workspace(shape: ModelShape, s: int, a: int, method: str, world_size: int,
@@ -288,6 +300,9 @@ def attention_workspace(shape: ModelShape, s: int, a: int, method: str, world_si
     """One backward kernel call's workspace, bytes, with the head groups the method picks
     (one device: the local call on the whole sequence)."""
     m = get_method("local" if world_size == 1 else method)
+    if world_size > 1 and latent_width(shape, method):  # every head in one call (hf_latent.py)
+        return m.workspace(shape.attention_dims(), s, a, world_size, ring_degree,
+                           shape.kv_heads, workspace)
     return m.call_workspace(shape.attention_dims(), s, a, world_size, ring_degree,
                             budget=_budget(device), workspace=workspace)
 
@@ -300,10 +315,24 @@ def _budget(device: str) -> int:
 
 def communication_per_layer(shape: ModelShape, s: int, a: int, method: str, world_size: int,
                             ring_degree: int | None = None) -> int:
-    """Bytes one rank sends per layer, forward and backward (Method.comm_bytes)."""
+    """Bytes one rank sends per layer, forward and backward (Method.comm_bytes); for multi-head
+    latent attention under a method that moves the latent, its latent instead of K/V
+    (Method.latent_comm_bytes: kv_lora_rank + rope values a token, integrations/hf_latent.py)."""
     if world_size == 1:
         return 0
-    return get_method(method).comm_bytes(shape.attention_dims(), s, a, world_size, ring_degree)
+    m = get_method(method)
+    width = latent_width(shape, method)
+    if width:
+        return m.latent_comm_bytes(width, s, a, world_size)
+    return m.comm_bytes(shape.attention_dims(), s, a, world_size, ring_degree)
+
+
+def latent_width(shape: ModelShape, method: str) -> int:
+    """Values a token's latent holds where ``method`` sends multi-head latent attention's
+    latent (kv_lora_rank + qk_rope_head_dim), else 0 (it sends the expanded K/V)."""
+    if not shape.kv_lora_rank or get_method(method).latent_comm_bytes is None:
+        return 0
+    return shape.kv_lora_rank + (shape.rope_head_dim or 0)
 
 
 def window_communication_per_layer(shape: ModelShape, s: int, a: int, method: str,
@@ -610,6 +639,7 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
             model_shape, s, a, method, world_size, ring_degree),
         state_bytes_per_layer=state_bytes(model_shape, s, method, world_size, ring_degree),
         window_layers=windows,
+        latent_values=latent_width(model_shape, method) if world_size > 1 else 0,
         window_communication_per_layer=window_communication_per_layer(
             model_shape, s, a, method, world_size, ring_degree) if windows else 0,
         **estimate_terms(vision, min(image_tokens, s), a))
