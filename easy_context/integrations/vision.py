@@ -542,14 +542,31 @@ def vision_language_loss(model: nn.Module, head: nn.Linear | None, input_ids: Te
         raise ValueError(f"{type(model).__name__}'s logits are not a plain linear layer of the "
                          "decoder's last hidden state; sequence parallelism with images needs "
                          "one (its loss runs the decoder and the head itself)")
-    if max_length_settings(model) is not None:
-        raise ValueError("max-length mode does not take images yet; train the "
-                         "vision-language model without max_length")
+    settings = max_length_settings(model)
+    if settings is not None and settings.keep_every > 1 and describe(model).deepstack:
+        # the nested recompute regenerates a layer's input by running the layer before it,
+        # but the decoder adds the deepstack features to the hidden states between them
+        raise ValueError(f"max-length mode's nested recompute (keep_every={settings.keep_every}"
+                         f") cannot regenerate {type(model).__name__}'s layer inputs: its "
+                         "decoder adds deepstack image features between layers; use "
+                         "keep_every=1 (--keep-every 1) with images")
     from .hf import IMAGE_SPANS_KWARG
 
     embeds, more = vision_embeddings(model, input_ids, vision)
     if any(vision.image_spans):
         more[IMAGE_SPANS_KWARG] = vision.image_spans
+    if chunked and settings is not None:
+        # max-length mode: the decoder's tiled layers on the embeddings with this rank's
+        # image features scattered in, then the final norm folded into the loss's chunks
+        from ..memory.maxlen import max_length_loss
+        from ..utils.fsdp import unshard_for_direct_use
+
+        if chunk_size is None:
+            chunk_size = default_chunk_size(head.out_features, head.weight.device)
+        unshard_for_direct_use(head)  # read directly, never called (as the text loss)
+        return max_length_loss(model, head, None, position_ids, target_ids,
+                               {**extra, **more, "inputs_embeds": embeds}, chunk_size, group,
+                               num_items_in_batch, None, token_stats)
     hidden = decoder_of(model)(inputs_embeds=embeds, position_ids=position_ids, use_cache=False,
                                **extra, **more).last_hidden_state
     if chunked:
