@@ -80,19 +80,17 @@ class SequenceParallelState:
         check_vision_batch(batch, self.base_model)
         if not has_images(batch):  # text only (a processor's mm_token_type_ids): as text
             return
-        if self.max_length:
-            raise ValueError("max-length mode does not take images yet; enable sequence "
-                             "parallelism without max_length=True for a batch with images")
         # (FSDP2 and ZeRO-3 train with images: every rank runs the tower once per step, a
-        # rank without image tokens on a dummy image: vision.vision_embeddings)
+        # rank without image tokens on a dummy image: vision.vision_embeddings; max-length
+        # mode runs its tiled decoder on the embeddings with the images' features:
+        # vision.vision_language_loss)
 
     def text_through_tower(self, batch: ShardedBatch) -> ShardedBatch:
         """A text batch of a vision-language model whose tower is sharded (FSDP2, ZeRO-3)
         goes through the vision path with no images, so that this rank runs the tower once
         (on a dummy image) like the ranks of other data-parallel groups whose batches have
         images: their gathers and reductions would wait for it otherwise."""
-        if batch.vision is None and self.vision and not self.max_length and \
-                tower_sharded(self.base_model):
+        if batch.vision is None and self.vision and tower_sharded(self.base_model):
             return dataclasses.replace(batch, vision=VisionShard())
         return batch
 

@@ -70,6 +70,21 @@ def test_trainer_step_with_images_equals_one_process(references, dist2, family, 
         assert _vision_grad(result) > 0
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])
+def test_trainer_max_length_with_images_equals_one_process(references, dist2, family):
+    """max_length=True with an image batch: the decoder's layers tiled (MLP tiles of 5 tokens
+    against shards of 48), one query head per chunk, inputs offloaded, the final norm in the
+    loss's chunks; the tower as without it. The same step as the plain model's."""
+    folder, refs = references
+    ref = refs[family]
+    settings = {"mlp_tile": 5, "head_chunk": 1, "checkpointing": "offload"}
+    for rank, result in enumerate(dist2.run(vlm_trainer_step, folder, family,
+                                            "zigzag_ring_attn", max_length=settings)):
+        errors = _errors(result, ref)
+        assert all(e <= TOL for e in errors.values()), (rank, errors)
+        assert _vision_grad(result) > 0 and result["max_length_paths"] == ["fused", "fused"]
+
+
 def test_trainer_without_the_vision_path_differs(references, dist2):
     """The scratch break that the test above must catch: the images hidden from the loss
     (placeholder tokens embedded as text) give another loss and gradients."""

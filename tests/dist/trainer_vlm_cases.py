@@ -67,12 +67,14 @@ def vlm_trainer_step(folder: str, family: str, method: str | None,
                      batch: dict | None = None, break_vision: bool = False,
                      engine: str = "ddp", sp_size: int | None = None, accum: int = 1,
                      lora: bool = False, evaluate_only: bool = False,
-                     second: dict | None = None) -> dict:
+                     second: dict | None = None, max_length: dict | None = None) -> dict:
     """One Trainer step; returns the logged loss, grad norm and every parameter's gradient
     before the optimizer. ``method=None``: the one-process reference (the model's own
     forward and loss). ``break_vision``: a scratch break that hides the images from the
     sequence-parallel loss (the test must then fail). ``second``: the second batch (another
-    data-parallel group's, or the second accumulated), instead of vlm_batch's seed 2."""
+    data-parallel group's, or the second accumulated), instead of vlm_batch's seed 2.
+    ``max_length``: enable_sequence_parallel's max-length keywords (mlp_tile, head_chunk,
+    checkpointing), max_length=True."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     _env_for_accelerate()
@@ -115,7 +117,9 @@ def vlm_trainer_step(folder: str, family: str, method: str | None,
         if method is not None:
             from easy_context import enable_sequence_parallel
 
-            enable_sequence_parallel(trainer, method, sp_size)
+            enable_sequence_parallel(trainer, method, sp_size,
+                                     **({} if max_length is None
+                                        else {"max_length": True, **max_length}))
             if break_vision:
                 state = trainer._easy_context
                 shard = type(state).shard
@@ -130,13 +134,22 @@ def vlm_trainer_step(folder: str, family: str, method: str | None,
         return {"loss": history[0]["loss"], "grad_norm": history[0]["grad_norm"],
                 "grads": grads, "eval_loss": trainer.evaluate()["eval_loss"],
                 "tokens": trainer.state.num_input_tokens_seen,
-                "tower_sharded": tower_sharded(trainer.model)}
+                "tower_sharded": tower_sharded(trainer.model),
+                "max_length_paths": _max_length_paths(model)}
     finally:
         if engine == "deepspeed":  # later models in this process are built without zero.Init
             from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
             unset_hf_deepspeed_config()
         _env_for_accelerate()
+
+
+def _max_length_paths(model) -> list[str] | None:
+    """Each decoder layer's max-length path ("fused"/"generic"), None when the mode is off."""
+    from easy_context.memory.maxlen import max_length_settings
+
+    state = max_length_settings(model)
+    return None if state is None else list(state.paths)
 
 
 def _engine_args(engine: str) -> dict:
