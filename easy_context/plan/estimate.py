@@ -584,7 +584,7 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
     if vision is not None and (lora is not None or mlp_tile is not None
                                or heads_per_chunk is not None):
         raise ValueError("the planner counts a vision tower for full fine-tuning without "
-                         "max-length mode (which does not take images): plan LoRA or "
+                         "max-length mode (not yet beside its fused layers): plan LoRA or "
                          "max-length mode without the vision tower (--image-tokens)")
     if image_tokens and vision is None:
         raise ValueError("image_tokens need the model's vision tower (vision=): plan a "
