@@ -220,3 +220,24 @@ def test_a_video_beside_images(dist1, dist2, tmp_path):
                                             "ulysses_attn", batch)):
         errors = _errors(result, ref)
         assert all(e <= TOL for e in errors.values()), (rank, errors)
+
+
+def test_sharded_tower_max_length(dist1, dist2, tmp_path):
+    """max_length=True under FSDP2 with a sharded tower: a rank without image tokens (it runs
+    the tower on a dummy image), and two data-parallel groups of one rank, the second's batch
+    text only (text_through_tower: it still runs the tower once, also in max-length mode, or
+    the first rank's gathers would wait for it); each equal to one process."""
+    from .vlm_sharded_cases import early_batch, text_batch
+
+    settings = {"mlp_tile": 5, "head_chunk": 2, "checkpointing": "full"}
+    batch, text = early_batch("qwen2_5_vl"), text_batch("qwen2_5_vl")
+    ref = dist1.run(vlm_trainer_step, str(tmp_path), "qwen2_5_vl", None, batch)[0]
+    ref2 = dist1.run(vlm_trainer_step, str(tmp_path), "qwen2_5_vl", None, batch, False, "ddp",
+                     None, 2, second=text)[0]
+    for want, args, kw in ((ref, ("ring_attn", batch, False, "fsdp2"), {}),
+                           (ref2, ("ring_attn", batch, False, "fsdp2", 1, 1), {"second": text})):
+        for rank, result in enumerate(dist2.run(vlm_trainer_step, str(tmp_path), "qwen2_5_vl",
+                                                *args, max_length=settings, **kw)):
+            assert result["tower_sharded"] and result["max_length_paths"], rank
+            errors = _errors(result, want)
+            assert all(e <= TOL for e in errors.values()), (rank, errors)
