@@ -529,6 +529,30 @@ def vision_embeddings(model: nn.Module, input_ids: Tensor, vision: VisionShard
     return embeds, extra
 
 
+def _check_deepstack_max_length(model: nn.Module, keep_every: int) -> None:
+    """Refuse, on every rank alike (whether or not it holds images), what max-length mode
+    cannot do with deepstack features, which the decoder adds to the hidden states after
+    each of its first ``len(deepstack_visual_indexes)`` layers (Qwen3-VL)."""
+    if keep_every > 1:
+        # the nested recompute regenerates a layer's input by running the layer before it,
+        # without the features added between them
+        raise ValueError(f"max-length mode's nested recompute (keep_every={keep_every}) cannot "
+                         f"regenerate {type(model).__name__}'s layer inputs: its decoder adds "
+                         "deepstack image features between layers; use keep_every=1 "
+                         "(--keep-every 1) with images")
+    vision_config = getattr(model.config, "vision_config", None)
+    deep = len(getattr(vision_config, "deepstack_visual_indexes", None) or ())
+    layers = len(decoder_of(model).layers)
+    if deep >= layers:
+        # then the last layer's output changes before the final norm, which max-length mode
+        # applies inside the loss to that output (maxlen._fold_final_norm would stop the
+        # ranks with images mid-step)
+        raise ValueError(f"{type(model).__name__} adds deepstack image features after each of "
+                         f"its first {deep} decoder layers, the last ({layers}) included: "
+                         "max-length mode applies the final norm to the last layer's own "
+                         "output; train it without max-length mode")
+
+
 def vision_language_loss(model: nn.Module, head: nn.Linear | None, input_ids: Tensor,
                          position_ids: Tensor, target_ids: Tensor, vision: VisionShard,
                          extra: dict, chunked: bool, chunk_size: int | None, group,
@@ -543,13 +567,8 @@ def vision_language_loss(model: nn.Module, head: nn.Linear | None, input_ids: Te
                          "decoder's last hidden state; sequence parallelism with images needs "
                          "one (its loss runs the decoder and the head itself)")
     settings = max_length_settings(model)
-    if settings is not None and settings.keep_every > 1 and describe(model).deepstack:
-        # the nested recompute regenerates a layer's input by running the layer before it,
-        # but the decoder adds the deepstack features to the hidden states between them
-        raise ValueError(f"max-length mode's nested recompute (keep_every={settings.keep_every}"
-                         f") cannot regenerate {type(model).__name__}'s layer inputs: its "
-                         "decoder adds deepstack image features between layers; use "
-                         "keep_every=1 (--keep-every 1) with images")
+    if settings is not None and describe(model).deepstack:
+        _check_deepstack_max_length(model, settings.keep_every)
     from .hf import IMAGE_SPANS_KWARG
 
     embeds, more = vision_embeddings(model, input_ids, vision)

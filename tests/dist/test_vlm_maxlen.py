@@ -74,3 +74,9 @@ def test_qwen3_vl_deepstack_max_length(dist2):
     _assert(dist2.run(check_vlm_max_length, "qwen3_vl", "zigzag_ring_attn", CASES[:2]), True)
     for said in dist2.run(max_length_vlm_error, "qwen3_vl", "zigzag_ring_attn", 2):
         assert said.startswith("ValueError") and "deepstack" in said and "keep_every=1" in said
+    # one decoder layer: the features land on the last layer's output, before the final
+    # norm that the loss applies; refused up front, on every rank alike (without it a rank
+    # with images would stop mid-step, inside the decoder, and one without would go on)
+    for said in dist2.run(max_length_vlm_error, "qwen3_vl", "zigzag_ring_attn", 1,
+                          num_hidden_layers=1):
+        assert said.startswith("ValueError") and "the last (1) included" in said, said

@@ -38,9 +38,12 @@ STARTS = (4, 10, 22, 33, 40)
 GRIDS = ((1, 4, 4), (1, 4, 6), (1, 4, 4), (1, 6, 4), (1, 4, 4))
 
 
-def tiny_vlm(family: str, seed: int = 0):
-    """A tiny vision-language model (vision depth 1, hidden 32, 2x2 patches), fp32."""
+def tiny_vlm(family: str, seed: int = 0, **text):
+    """A tiny vision-language model (vision depth 1, hidden 32, 2x2 patches), fp32; ``text``:
+    entries of TEXT (the decoder's config) to override."""
     import transformers as tf
+
+    TEXT = {**globals()["TEXT"], **text}
 
     if family == "qwen2_5_vl":
         config = tf.Qwen2_5_VLConfig(

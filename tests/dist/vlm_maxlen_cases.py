@@ -21,10 +21,11 @@ from .vlm_cases import (_mm_kwargs, grad_error, make_step, reference_loss, tiny_
                         vision_grad_norm)
 
 
-def max_length_vlm_error(family: str, method: str, keep_every: int) -> str:
-    """What a max-length step with images says (``keep_every``: the nested recompute)."""
+def max_length_vlm_error(family: str, method: str, keep_every: int, **text) -> str:
+    """What a max-length step with images says (``keep_every``: the nested recompute;
+    ``text``: decoder config entries of the tiny model)."""
     try:
-        check_vlm_max_length(family, method, [(5, 2, "full", keep_every)])
+        check_vlm_max_length(family, method, [(5, 2, "full", keep_every)], **text)
     except ValueError as e:
         return f"ValueError: {e}"
     return "ran"
@@ -32,15 +33,16 @@ def max_length_vlm_error(family: str, method: str, keep_every: int) -> str:
 
 def check_vlm_max_length(family: str, method: str, cases: list[tuple],
                          packed: bool = False, path: str = "auto",
-                         drop_spans: bool = False) -> dict:
+                         drop_spans: bool = False, **text) -> dict:
     """{case: (loss rel error, grad rel error, vision grad, images encoded here, paths)} for
     each (mlp_tile, heads_per_chunk, checkpointing, keep_every) in ``cases``. ``packed``: two
     conversations, the second starting inside the second image's run (as vlm_cases);
-    ``drop_spans``: Gemma 3's image spans left out (what a test shows they change)."""
+    ``drop_spans``: Gemma 3's image spans left out (what a test shows they change);
+    ``text``: decoder config entries of the tiny model (vlm_cases.tiny_vlm)."""
     import torch
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    base = tiny_vlm(family)
+    base = tiny_vlm(family, **text)
     step = make_step(family)
     documents = None
     if packed:
