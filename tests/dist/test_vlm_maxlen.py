@@ -41,6 +41,13 @@ def test_vlm_max_length_one_rank(dist1, family):
     assert {p for v in reports[0].values() for p in v[4]} == PATHS[family], reports
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+def test_vlm_max_length_whole_logits(dist1, family):
+    """causal_lm_loss(chunked=False): the tiled layers, then the decoder's own final norm and
+    the head on the whole logits."""
+    _assert(dist1.run(check_vlm_max_length, family, "local", CASES[:1], chunked=False), False)
+
+
 def test_vlm_max_length_generic_path_multimodal_rope(dist1):
     """Qwen2.5-VL's layers forced onto the generic path: the multimodal RoPE tables reach the
     layer's own attention, and are computed again in backward."""

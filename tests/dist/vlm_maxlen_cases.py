@@ -33,11 +33,12 @@ def max_length_vlm_error(family: str, method: str, keep_every: int, **text) -> s
 
 def check_vlm_max_length(family: str, method: str, cases: list[tuple],
                          packed: bool = False, path: str = "auto",
-                         drop_spans: bool = False, **text) -> dict:
+                         drop_spans: bool = False, chunked: bool = True, **text) -> dict:
     """{case: (loss rel error, grad rel error, vision grad, images encoded here, paths)} for
     each (mlp_tile, heads_per_chunk, checkpointing, keep_every) in ``cases``. ``packed``: two
     conversations, the second starting inside the second image's run (as vlm_cases);
     ``drop_spans``: Gemma 3's image spans left out (what a test shows they change);
+    ``chunked``: False for the whole-logits loss (the final norm then runs in the decoder);
     ``text``: decoder config entries of the tiny model (vlm_cases.tiny_vlm)."""
     import torch
 
@@ -65,7 +66,7 @@ def check_vlm_max_length(family: str, method: str, cases: list[tuple],
         if drop_spans:
             local["vision"].image_spans = ()
         loss = ec.causal_lm_loss(model, local["local_input_ids"], local["local_position_ids"],
-                                 local["local_target_ids"], chunked=True, chunk_size=5,
+                                 local["local_target_ids"], chunked=chunked, chunk_size=5,
                                  document_ids=local["local_document_ids"],
                                  vision=local["vision"])
         loss.backward()
