@@ -178,3 +178,20 @@ def forced_fused_error(family: str) -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def train_flags_turn_it_on(family: str) -> tuple[bool, bool]:
+    """train's apply_memory_mode with --mlp-tile 4 --head-chunk 2 on this family: (whether it
+    says max-length mode is on, whether the model is in it). Kimi Linear's KDA is a mixer the
+    planner does not read: given numbers, nothing is planned."""
+    import torch
+
+    from easy_context.memory.maxlen import max_length_settings
+    from easy_context.train.config import TrainConfig
+    from easy_context.train.memory_mode import apply_memory_mode
+
+    model = tiny(family)
+    ec.apply_sequence_parallel(model, "local")
+    train = TrainConfig(model=f"{family}-tiny", dataset="d", mlp_tile="4", head_chunk="2")
+    on = apply_memory_mode(model, train, 1, torch.device("cpu"))
+    return on, max_length_settings(model) is not None

@@ -10,7 +10,8 @@ between two forwards and one backward (the ids Jamba's Mamba layers get are repl
 import pytest
 
 from .maxlen_hybrid_cases import (check_documents_between_forwards, check_hybrid_max_length,
-                                  forced_fused_error, hybrid_calls, hybrid_paths)
+                                  forced_fused_error, hybrid_calls, hybrid_paths,
+                                  train_flags_turn_it_on)
 
 TOL = 1e-5
 # (mlp_tile, heads_per_chunk, checkpointing, keep_every) on 4 query / 2 KV heads, shards of 12
@@ -82,3 +83,9 @@ def test_tiles_and_chunks_reach_the_modules(dist1, family):
 def test_fused_path_forced_on_a_recurrent_layer_is_refused(dist1):
     message = dist1.run(forced_fused_error, "granite_hybrid")[0]
     assert "GraniteMoeHybridMambaLayer" in message and "fused layer does not run" in message
+
+
+def test_train_flags_for_a_mixer_the_planner_does_not_read(dist1):
+    # the planner reads no KDA (nor Mamba-1) sizes: given tile and chunk as numbers, train
+    # turns max-length mode on without it (it refused with the planner's message)
+    assert dist1.run(train_flags_turn_it_on, "kimi_linear")[0] == (True, True)
