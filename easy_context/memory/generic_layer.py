@@ -26,6 +26,15 @@ MLP's (the normed input, q, k, v, the attention output, the residual, the normed
 a few hidden-sized tensors for that one layer. The MLP's I-wide tensors, the large ones,
 exist one tile at a time.
 
+Hybrid models: a layer holding a recurrent mixer (gated DeltaNet, KDA, Mamba-1/2, a short
+convolution) runs it whole, as its own forward calls it: routed to the sequence-parallel
+kernels (integrations.hf_recurrent), which exchange the state between ranks. That exchange
+is a collective inside the recompute; every rank recomputes the same layers in the same
+order (backward, the nested recompute), as for attention. State a layer's forward pre-hooks
+set for the call (Jamba's document ids: ``CALL_STATE``) is put back before each recompute.
+A layer of norms and token mixers only (Nemotron-H's Mamba and attention blocks) has no
+MLP to tile and runs whole.
+
 Exact: the same modules on the same numbers; MLP tiles and head chunks are independent
 (per-token MLPs, per-head attention), which :func:`mlp_mismatch` checks for the MLP on a
 few random tokens and the MoE checks below refuse where routing looks past one token.

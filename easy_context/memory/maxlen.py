@@ -35,7 +35,10 @@ adapters on the projections) takes the generic path (easy_context.memory.generic
 the layer's own forward, its MLP module in checkpointed sequence tiles, its attention
 function a chunk of heads at a time, its input kept as the fused layer's), unless that
 refuses it too (dropout, router logits for an auxiliary loss, expert capacities, an MLP
-that is not per token, recurrent mixers): then a ValueError says what does not fit.
+that is not per token): then a ValueError says what does not fit. A hybrid's layer holding
+a recurrent mixer (a state carried along the sequence) always takes the generic path, the
+mixer run whole (routed to easy_context.recurrent's sequence-parallel kernels as without
+max-length mode) and its MLP tiled.
 Generation with a KV cache runs the layers unchanged.
 """
 
