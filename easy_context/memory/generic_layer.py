@@ -251,7 +251,10 @@ def _one_mlp_mismatch(layer: nn.Module, name: str, mlp: nn.Module, tile: int) ->
     if not params or any(p.is_meta or hasattr(p, "ds_id") or type(p.data) is not torch.Tensor
                          or not p.is_floating_point() for p in params):
         return None
-    hidden = getattr(getattr(layer, "config", None), "hidden_size", None) or _width(layer)
+    # the MLP's own input width before the layer's first linear layer's (a recurrent mixer's
+    # may be wider: Qwen3.5's gated DeltaNet out_proj takes its value heads)
+    hidden = getattr(getattr(layer, "config", None), "hidden_size", None) or _width(mlp) \
+        or _width(layer)
     if hidden is None:
         return None
     p = params[0]

@@ -39,6 +39,13 @@ def test_one_rank(dist1, family):
     _assert(dist1.run(check_hybrid_max_length, family, "local", CASES))
 
 
+def test_mixer_wider_than_the_hidden_states(dist1):
+    # the MLP probe's width is the MLP's own: Qwen3.5's layers hold no config, and their
+    # first linear layer (the gated DeltaNet's) takes 8 value heads of 8 (64), not hidden 32
+    _assert(dist1.run(check_hybrid_max_length, "qwen3_5", "local", CASES[:1],
+                      linear_num_value_heads=8))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_two_ranks_zigzag(dist2, family):
     _assert(dist2.run(check_hybrid_max_length, family, "zigzag_ring_attn", CASES))
