@@ -26,6 +26,15 @@ MLP's (the normed input, q, k, v, the attention output, the residual, the normed
 a few hidden-sized tensors for that one layer. The MLP's I-wide tensors, the large ones,
 exist one tile at a time.
 
+Hybrid models: a layer holding a recurrent mixer (gated DeltaNet, KDA, Mamba-1/2, a short
+convolution) runs it whole, as its own forward calls it: routed to the sequence-parallel
+kernels (integrations.hf_recurrent), which exchange the state between ranks. That exchange
+is a collective inside the recompute; every rank recomputes the same layers in the same
+order (backward, the nested recompute), as for attention. State a layer's forward pre-hooks
+set for the call (Jamba's document ids: ``CALL_STATE``) is put back before each recompute.
+A layer of norms and token mixers only (Nemotron-H's Mamba and attention blocks) has no
+MLP to tile and runs whole.
+
 Exact: the same modules on the same numbers; MLP tiles and head chunks are independent
 (per-token MLPs, per-head attention), which :func:`mlp_mismatch` checks for the MLP on a
 few random tokens and the MoE checks below refuse where routing looks past one token.
@@ -50,7 +59,16 @@ from .layer_check import state_carrying_layers
 
 Tensor = torch.Tensor
 
-MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe")  # a decoder layer's MLP child
+# a decoder layer's MLP children (Granite 4 hybrids: an MoE block and a shared MLP, summed)
+MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "shared_mlp")
+# a child that is the layer's MLP when it is neither attention nor a recurrent mixer (Nemotron-H
+# blocks hold one "mixer": Mamba-2, attention, an MLP or an MoE, by the block's type)
+MIXER_NAMES = ("mixer",)
+# The attribute under which a decoder layer may hold ``snapshot(layer) -> restore()``: state
+# its forward pre-hooks set for this call and its forward reads (hf_recurrent's recording of
+# the document ids for Jamba's Mamba layers), put back before each recompute, which runs the
+# layer's forward without its __call__ and so without those hooks.
+CALL_STATE = "_easy_context_call_state"
 CHUNKED = "easy_context_head_chunked"  # the attention-interface name of the chunking wrapper
 # (inner implementation name, query heads per chunk) while a generic layer runs
 _CHUNKING: contextvars.ContextVar = contextvars.ContextVar("ec_head_chunking", default=None)
@@ -62,12 +80,38 @@ PROBE_TOKENS = 8
 
 
 def find_mlp(layer: nn.Module) -> tuple[str, nn.Module] | None:
-    """The layer's MLP child (its name and module), or None."""
-    for name in MLP_NAMES:
-        module = getattr(layer, name, None)
-        if isinstance(module, nn.Module):
-            return name, module
-    return None
+    """The layer's (first) MLP child (its name and module), or None."""
+    found = find_mlps(layer)
+    return found[0] if found else None
+
+
+def _token_mixer(module: nn.Module) -> bool:
+    """Attention (a module with ``is_causal``) or a layer carrying a state along the sequence,
+    or a module holding one: what mixes tokens, never tiled."""
+    return any(hasattr(m, "is_causal") for m in module.modules()) or \
+        bool(state_carrying_layers(module))
+
+
+def find_mlps(layer: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The layer's MLP children (name and module each): those of MLP_NAMES, and a child of
+    MIXER_NAMES that mixes no tokens (Nemotron-H's MLP and MoE blocks)."""
+    found = [(n, m) for n in MLP_NAMES if isinstance(m := getattr(layer, n, None), nn.Module)]
+    found += [(n, m) for n in MIXER_NAMES if isinstance(m := getattr(layer, n, None), nn.Module)
+              and not _token_mixer(m)]
+    return found
+
+
+def _mixer_only(layer: nn.Module) -> bool:
+    """A layer with nothing to tile: its children are norms (leaves holding one-dimensional
+    tensors only) and token mixers (attention, recurrent layers), as Nemotron-H's Mamba and
+    attention blocks and Zamba2's Mamba layers are. The generic path runs it whole."""
+    def norm(m: nn.Module) -> bool:
+        tensors = list(m.parameters()) + list(m.buffers())
+        return not list(m.children()) and all(t.dim() <= 1 for t in tensors)
+
+    children = list(layer.children())
+    return any(_token_mixer(c) for c in children) and \
+        all(norm(c) or _token_mixer(c) for c in children)
 
 
 def static_mismatch(layer: nn.Module, config) -> str | None:
@@ -78,14 +122,11 @@ def static_mismatch(layer: nn.Module, config) -> str | None:
         return ("max-length mode: config.output_router_logits is on: the router's auxiliary "
                 "loss would see the MLP's sequence tiles as separate calls, recorded without "
                 "grad; turn it off (router_aux_loss_coef=0)")
-    if find_mlp(layer) is None:
+    # a recurrent mixer (a state carried along the sequence) runs whole, in the layer's own
+    # forward, routed to the sequence-parallel kernels as without max-length mode
+    if not find_mlps(layer) and not _mixer_only(layer):
         return (f"max-length mode tiles a decoder layer's MLP child ({', '.join(MLP_NAMES)}); "
                 f"{name} has {sorted(n for n, _ in layer.named_children())}. Train this model "
-                "without --mlp-tile/--head-chunk")
-    stateful = state_carrying_layers(layer)
-    if stateful:
-        return (f"max-length mode: {name} holds {stateful[0]}, which carries a state along the "
-                "sequence; max-length mode runs attention layers only. Train this model "
                 "without --mlp-tile/--head-chunk")
     odd = unknown_arguments(layer)
     if odd:
@@ -115,7 +156,8 @@ def static_mismatch(layer: nn.Module, config) -> str | None:
 KNOWN_ARGUMENTS = frozenset({
     "hidden_states", "attention_mask", "position_ids", "position_embeddings", "cache",
     "past_key_values", "past_key_value", "use_cache", "cache_position", "output_attentions",
-    "output_router_logits", "kwargs", "args"})
+    "output_router_logits", "kwargs", "args",
+    "mamba_attention_mask"})  # Falcon-H1: its Mamba mixer's padding mask (None unpadded)
 
 
 def unknown_arguments(layer: nn.Module) -> list[str]:
@@ -195,13 +237,24 @@ def mlp_mismatch(layer: nn.Module, tile: int = 3) -> str | None:
     """Run the layer's MLP on a few random tokens whole and in tiles (no grad, eval mode)
     and say how far apart they are when they differ: a check that it is per token (an MoE
     whose routing looks at other tokens is not). Skipped (None) where the weights are not
-    whole and local (meta, ZeRO-3, DTensor) or not floating point."""
-    name, mlp = find_mlp(layer)
+    whole and local (meta, ZeRO-3, DTensor) or not floating point. Each MLP child of the
+    layer (find_mlps) is checked; none: None."""
+    for name, mlp in find_mlps(layer):
+        reason = _one_mlp_mismatch(layer, name, mlp, tile)
+        if reason:
+            return reason
+    return None
+
+
+def _one_mlp_mismatch(layer: nn.Module, name: str, mlp: nn.Module, tile: int) -> str | None:
     params = list(mlp.parameters())
     if not params or any(p.is_meta or hasattr(p, "ds_id") or type(p.data) is not torch.Tensor
                          or not p.is_floating_point() for p in params):
         return None
-    hidden = getattr(getattr(layer, "config", None), "hidden_size", None) or _width(layer)
+    # the MLP's own input width before the layer's first linear layer's (a recurrent mixer's
+    # may be wider: Qwen3.5's gated DeltaNet out_proj takes its value heads)
+    hidden = getattr(getattr(layer, "config", None), "hidden_size", None) or _width(mlp) \
+        or _width(layer)
     if hidden is None:
         return None
     p = params[0]
@@ -332,18 +385,30 @@ class GenericRun:
     input_recipe: Callable | None = None  # () -> x again (the first layer's: an embedding)
     tables: Callable | None = None  # () -> position_embeddings (kept, or their recipe)
     replay: list | None = None  # what the nested recompute's regenerate() recorded
+    restore: Callable | None = None  # () -> None: puts back the call's state (CALL_STATE)
+    rest: tuple | None = None  # the Nones a layer returns after its hidden states, if any
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.layer.parameters())
 
     def call(self, x: Tensor) -> Tensor:
-        """The layer's own forward on x, its MLP tiled and its attention head-chunked."""
+        """The layer's own forward on x, its MLPs tiled and its attention head-chunked (a
+        recurrent mixer runs whole: its kernels exchange the state between ranks, and a
+        recompute runs them on every rank in the same order, as it does attention)."""
         kwargs = dict(self.kwargs)
         if self.tables is not None:
             kwargs["position_embeddings"] = self.tables()
-        _, mlp = find_mlp(self.layer)
-        with mlp_tiled(mlp, self.tile), heads_chunked(self.layer, self.heads_per_chunk):
+        if self.restore is not None:
+            self.restore()  # this call's document ids, not the latest forward's
+        with contextlib.ExitStack() as stack:
+            for _, mlp in find_mlps(self.layer):
+                stack.enter_context(mlp_tiled(mlp, self.tile))
+            stack.enter_context(heads_chunked(self.layer, self.heads_per_chunk))
             out = self.forward(x, **kwargs)
+        if isinstance(out, tuple) and out and isinstance(out[0], Tensor) and \
+                all(o is None for o in out[1:]):
+            # (hidden states, attention weights None): Bamba's and Falcon-H1's layers
+            out, self.rest = out[0], out[1:]
         if not isinstance(out, Tensor):
             raise ValueError(f"max-length mode: {type(self.layer).__name__} returns "
                              f"{type(out).__name__}, not the hidden states alone")

@@ -35,7 +35,10 @@ adapters on the projections) takes the generic path (easy_context.memory.generic
 the layer's own forward, its MLP module in checkpointed sequence tiles, its attention
 function a chunk of heads at a time, its input kept as the fused layer's), unless that
 refuses it too (dropout, router logits for an auxiliary loss, expert capacities, an MLP
-that is not per token, recurrent mixers): then a ValueError says what does not fit.
+that is not per token): then a ValueError says what does not fit. A hybrid's layer holding
+a recurrent mixer (a state carried along the sequence) always takes the generic path, the
+mixer run whole (routed to easy_context.recurrent's sequence-parallel kernels as without
+max-length mode) and its MLP tiled.
 Generation with a KV cache runs the layers unchanged.
 """
 
@@ -164,14 +167,15 @@ def probe_mismatch(model: nn.Module, layer: nn.Module, spec: LayerSpec) -> str |
 
 
 def recurrent_reason(model: nn.Module) -> str | None:
-    """Why max-length mode can run none of ``model``'s paths: its layers that carry state
-    along the sequence (layer_check.state_carrying_layers), or None."""
+    """Why the fused layer cannot run ``model`` (a decoder layer, or a whole model): its
+    layers that carry state along the sequence (layer_check.state_carrying_layers), or None.
+    The generic path runs such layers (path_for), their recurrent mixer whole."""
     found = state_carrying_layers(model)
     if not found:
         return None
     return (f"{type(model).__name__} has layers that carry state along the sequence "
-            f"({', '.join(found)}), which max-length mode does not fuse or tile; train this "
-            "model without --mlp-tile/--head-chunk")
+            f"({', '.join(found)}), which max-length mode's fused layer does not run; let "
+            "them take the generic path (path 'auto' or 'generic')")
 
 
 PATHS = ("auto", "fused", "generic")
@@ -185,10 +189,14 @@ def path_for(layer: nn.Module, model: nn.Module | None = None, path: str = "auto
     whole model) lets the fused path's numerical probe run; ``path`` forces one of the two."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    reason = recurrent_reason(layer)  # a hybrid's mixer is neither attention nor per-token
-    if reason:
-        return reason
     config = _text_config(model) if model is not None else _layer_config(layer)
+    # a hybrid's recurrent mixer is neither attention nor per token: the generic path runs it
+    # whole (the layer's own forward), never the fused layer
+    recurrent = recurrent_reason(layer)
+    if recurrent:
+        if path == "fused":
+            return recurrent
+        path = "generic"
     if getattr(config, "output_router_logits", False):
         # on both paths the MoE block runs once per sequence tile, and in forward without
         # grad: the router logits recorded for the auxiliary loss would carry no gradient
@@ -233,9 +241,6 @@ def layer_paths(model: nn.Module, path: str = "auto") -> list[str]:
 
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why max-length mode cannot run this model's layers (fused or generic), or None."""
-    reason = recurrent_reason(model)
-    if reason:
-        return reason
     try:
         layer_paths(model)
     except (ValueError, AttributeError) as e:
@@ -316,13 +321,17 @@ def _generic_forward(self, hidden_states, *args, **kwargs):
         tables = state.rope_recipe(*pe)
         if tables is not None:
             del kwargs["position_embeddings"]  # computed again where backward needs them
+    snapshot = self.__dict__.get(generic_layer.CALL_STATE)  # e.g. Jamba's recorded documents
     run = GenericRun(self, self._ec_original_forward, kwargs, state.mlp_tile,
                      state.heads_per_chunk, state.keep_attention, state.storage, index,
                      lambda: _gathered(self),
-                     state.input_recipe(hidden_states) if index == 0 else None, tables)
+                     state.input_recipe(hidden_states) if index == 0 else None, tables,
+                     restore=snapshot(self) if snapshot is not None else None)
     if not torch.is_grad_enabled():
-        return state.output(index, run.call(hidden_states))
-    return state.output(index, GenericLayer.apply(run, hidden_states, *run.parameters()))
+        y = state.output(index, run.call(hidden_states))
+    else:
+        y = state.output(index, GenericLayer.apply(run, hidden_states, *run.parameters()))
+    return y if run.rest is None else (y, *run.rest)  # the layer's own output's shape
 
 
 @contextlib.contextmanager
@@ -385,9 +394,6 @@ def apply_max_length(model: nn.Module, mlp_tile: int, heads_per_chunk: int,
     if mlp_tile < 1 or heads_per_chunk < 1 or keep_every < 1:
         raise ValueError(f"mlp_tile ({mlp_tile}), heads_per_chunk ({heads_per_chunk}) "
                          f"and keep_every ({keep_every}) must be >= 1")
-    reason = recurrent_reason(model)
-    if reason:
-        raise ValueError(reason)
     config = _text_config(model)
     layers = decoder_layers(model)
     paths = layer_paths(model, path)
