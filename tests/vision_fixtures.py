@@ -112,17 +112,19 @@ def write_images(folder: Path, sizes: list[tuple[int, int]], seed: int = 0) -> l
 
 
 def conversations(images: list[str], seed: int = 0, n: int = 6) -> list[dict]:
-    """``n`` conversations: a user turn with 0-2 images among words, an assistant answer."""
+    """``n`` conversations: a user turn with 0-2 images among words, an assistant answer
+    (contents as lists of parts: an Arrow column takes one type)."""
     rng = np.random.default_rng(seed)
     words = lambda k: " ".join(str(x) for x in rng.integers(3, 88, k))  # noqa: E731
     out = []
     for i in range(n):
         mine = [images[(i + j) % len(images)] for j in range(i % 3)]
-        content = [{"type": "text", "text": words(3)}]
+        content = [{"type": "text", "text": words(3 + i % 2)}]
         for name in mine:
             content += [{"type": "image"}, {"type": "text", "text": words(2)}]
         out.append({"messages": [{"role": "user", "content": content},
-                                 {"role": "assistant", "content": words(4 + i % 3)}],
+                                 {"role": "assistant",
+                                  "content": [{"type": "text", "text": words(4 + i % 3)}]}],
                     "images": mine})
     return out
 
@@ -130,3 +132,33 @@ def conversations(images: list[str], seed: int = 0, n: int = 6) -> list[dict]:
 def write_jsonl(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
+
+
+SEQ_LENGTH = 64  # windows of 65 tokens: 2-rank zigzag shards cut at 16, 32 and 48
+
+
+def vision_workdir(root: Path) -> dict[str, Path]:
+    """Tiny Qwen2.5-VL and LLaVA folders (model + processor), PNG images of three sizes,
+    six conversations as jsonl (image paths relative to it), and the same conversations as
+    a saved dataset with a datasets image column."""
+    import datasets
+
+    root = Path(root)
+    qwen = tiny_vlm_dir(root / "qwen", "qwen2_5_vl")
+    llava = tiny_vlm_dir(root / "llava", "llava")
+    images = write_images(root / "data", [(8, 8), (8, 12), (12, 8)])
+    records = conversations(images)
+    jsonl = write_jsonl(root / "data" / "conv.jsonl", records)
+    from PIL import Image
+
+    saved = root / "saved"
+    datasets.Dataset.from_list([
+        {"messages": r["messages"],
+         "images": [Image.open(root / "data" / name) for name in r["images"]]}
+        for r in records], features=datasets.Features({
+            "messages": datasets.List({"role": datasets.Value("string"),
+                                       "content": datasets.List({
+                                           "type": datasets.Value("string"),
+                                           "text": datasets.Value("string")})}),
+            "images": datasets.List(datasets.Image())})).save_to_disk(str(saved))
+    return {"root": root, "qwen": qwen, "llava": llava, "jsonl": jsonl, "saved": saved}

@@ -64,9 +64,9 @@ def load_vision_processor(path: str):
     try:
         processor = AutoProcessor.from_pretrained(str(folder), trust_remote_code=False)
     except (OSError, ValueError, TypeError, KeyError) as e:
-        raise ValueError(f"--processor {path}: AutoProcessor cannot load it "
-                         f"({type(e).__name__}: {e}); pass a model folder with its processor "
-                         "files") from e
+        raise ValueError(f"--processor {path} holds no vision-language processor that "
+                         f"AutoProcessor can load ({type(e).__name__}: {e}); pass the folder of "
+                         "a vision-language model with its processor files") from e
     if getattr(processor, "image_processor", None) is None or \
             getattr(processor, "tokenizer", None) is None:
         raise ValueError(f"--processor {path} holds a {type(processor).__name__}, not a "

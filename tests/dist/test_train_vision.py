@@ -1,0 +1,106 @@
+"""``easy-context train`` on image conversations (prepare-data --processor) at 2 ranks.
+
+One optimizer step over every window of the prepared data (gradient accumulation over them
+all) against one process: the model's own forward on each conversation alone, with its
+images as its processor gives them (not read from the packed data), and the assistant turn
+as the targets. The logged loss and gradient norm (every parameter's, the vision tower's
+included) equal the reference within 1e-5 (fp32). Images straddle the 2-rank shard edges.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from easy_context.cli import main
+from tests.dist.vision_train_cases import vision_train_error, vision_train_run
+from tests.vision_fixtures import IMAGE, SEQ_LENGTH, conversations, vision_workdir
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    work = vision_workdir(tmp_path_factory.mktemp("vision_train"))
+    for family in ("qwen", "llava"):
+        out = work["root"] / f"packed_{family}"
+        assert main(["prepare-data", str(work["jsonl"]), "--processor", str(work[family]),
+                     "--seq-length", str(SEQ_LENGTH), "--output-dir", str(out)]) == 0
+        work[f"packed_{family}"] = out
+    return work
+
+
+def _reference(work, family: str) -> tuple[float, float]:
+    """(loss, gradient norm) of every conversation, each alone through the model's own
+    forward in this process: the token mean over the assistant turns."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(str(work[family]), dtype=torch.float32)
+    processor = AutoProcessor.from_pretrained(str(work[family]))
+    total, count = 0.0, 0
+    for record in conversations([f"img{i}.png" for i in range(3)]):
+        text = processor.apply_chat_template(record["messages"], tokenize=False)
+        images = [Image.open(work["root"] / "data" / n).convert("RGB") for n in record["images"]]
+        inputs = processor(text=[text], images=images or None, return_tensors="pt")
+        ids = inputs["input_ids"]
+        # the assistant turn: after the last "assistant" word to the end (its <|im_end|>)
+        first = int((ids[0] == 89).nonzero()[-1]) + 1
+        targets = torch.full_like(ids, -100)
+        targets[0, first - 1:-1] = ids[0, first:]
+        kwargs = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+        logits = model(input_ids=ids, **kwargs).logits
+        total = total + F.cross_entropy(logits[0], targets[0], ignore_index=-100,
+                                        reduction="sum")
+        count += int((targets != -100).sum())
+    loss = total / count
+    loss.backward()
+    norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters()
+                          if p.grad is not None))
+    return loss.item(), norm.item()
+
+
+@pytest.mark.parametrize("family,method", [("qwen", "ulysses_attn"),
+                                           ("llava", "zigzag_ring_attn")])
+def test_one_step_at_2_ranks_equals_one_process(dist2, work, family, method, tmp_path):
+    data = work[f"packed_{family}"]
+    windows = json.loads((data / "stats.json").read_text())["windows"]
+    import datasets
+
+    # some image sits across a 2-rank shard edge (zigzag: 16, 32, 48; contiguous: 32)
+    edges = (16, 32, 48) if method.startswith("zigzag") else (32,)
+    straddles = 0
+    for row in datasets.load_from_disk(str(data)):
+        image = torch.tensor(row["input_ids"][:SEQ_LENGTH]) == IMAGE
+        straddles += sum(bool(image[e - 1] and image[e]) for e in edges)
+    assert straddles > 0
+    got = dist2.run(vision_train_run, str(work[family]), str(data), str(tmp_path / "run"),
+                    parallel_mode=method, gradient_accumulate_every=windows, export=False)[0]
+    want_loss, want_norm = _reference(work, family)
+    assert math.isfinite(got[0]["loss"]) and math.isfinite(want_loss)
+    assert abs(got[0]["loss"] - want_loss) <= TOL * abs(want_loss), (got[0], want_loss)
+    assert abs(got[0]["grad_norm"] - want_norm) <= TOL * want_norm, (got[0], want_norm)
+
+
+def test_refusals(dist2, work, tmp_path):
+    """What the vision path does not take, refused in one line on every rank."""
+    from tests.train_fixtures import tiny_model_dir
+
+    text_model = tiny_model_dir(tmp_path / "text", vocab_size=97)
+    cases = [(dict(model=str(text_model)), "has no vision tower"),
+             (dict(engine="deepspeed"), "--engine deepspeed does not take vision-language"),
+             (dict(lora_rank=4), "--lora-rank does not take vision-language"),
+             (dict(seq_length=32), "train with --seq-length 64")]
+    for overrides, fragment in cases:
+        values = dict(model=str(work["qwen"]), dataset=str(work["packed_qwen"]),
+                      output=str(tmp_path / "bad"))
+        values.update(overrides)
+        for error in dist2.run(vision_train_error, values.pop("model"), values.pop("dataset"),
+                               values.pop("output"), **values):
+            assert fragment in error, error
+    shutil.rmtree(tmp_path / "bad", ignore_errors=True)
