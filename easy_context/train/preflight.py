@@ -70,7 +70,7 @@ def check_dataset(config: TrainConfig, world: int, check_model: bool = False) ->
                                 "`easy-context prepare-data`")
     ds = load_training_dataset(str(path))
     check_windows(ds, config.seq_length, config.batch_size, world // config.sp_size_for(world))
-    if check_model:
+    if check_model and _looks_local(config.model):  # a hub name's config is the ranks' to read
         from ..models import load_config
         from .vision import check_vision_run, has_images, is_vision_config
 
