@@ -104,3 +104,61 @@ def test_refusals(dist2, work, tmp_path):
                                values.pop("output"), **values):
             assert fragment in error, error
     shutil.rmtree(tmp_path / "bad", ignore_errors=True)
+
+
+def _text_reference(model_dir, data_dir) -> tuple[float, float]:
+    """(loss, gradient norm) of every packed text document of every window, each alone
+    through the vision-language model's own forward: the next token inside each document."""
+    import datasets
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32)
+    total, count = 0.0, 0
+    for row in datasets.load_from_disk(str(data_dir)):
+        ids, positions = torch.tensor(row["input_ids"]), torch.tensor(row["position_ids"])
+        starts = (positions == 0).nonzero().flatten().tolist() + [len(ids)]
+        for a, b in zip(starts, starts[1:]):
+            if b - a < 2:
+                continue
+            logits = model(input_ids=ids[None, a:b]).logits[0]
+            total = total + F.cross_entropy(logits[:-1], ids[a + 1:b], reduction="sum")
+            count += b - a - 1
+    loss = total / count
+    loss.backward()
+    norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters()
+                          if p.grad is not None))
+    return loss.item(), norm.item()
+
+
+def test_text_data_on_a_vision_model_at_2_ranks_equals_one_process(dist2, work, tmp_path):
+    """Packed text (no pixel columns) trains a vision-language model through the same path:
+    positions from the model's get_rope_index per document, the tower given zero gradients."""
+    from tests.train_fixtures import tiny_dataset_dir
+
+    data = tiny_dataset_dir(tmp_path / "text", SEQ_LENGTH, rows=2, vocab=64, packed=True)
+    got = dist2.run(vision_train_run, str(work["qwen"]), str(data), str(tmp_path / "run"),
+                    parallel_mode="zigzag_ring_attn", gradient_accumulate_every=2,
+                    export=False)[0]
+    want_loss, want_norm = _text_reference(work["qwen"], data)
+    assert math.isfinite(got[0]["loss"]) and math.isfinite(want_loss)
+    assert abs(got[0]["loss"] - want_loss) <= TOL * abs(want_loss), (got[0], want_loss)
+    assert abs(got[0]["grad_norm"] - want_norm) <= TOL * want_norm, (got[0], want_norm)
+
+
+def test_refusals_on_the_command_line(work, tmp_path, capsys):
+    """The launcher's checks say the same in one line, before any rank starts."""
+    from tests.train_fixtures import tiny_model_dir
+
+    text_model = tiny_model_dir(tmp_path / "text", vocab_size=97)
+    base = ["train", "--dataset", str(work["packed_qwen"]), "--output-dir", str(tmp_path / "o"),
+            "--nproc-per-node", "2"]
+    cases = [(["--model", str(text_model), "--seq-length", "64"], "has no vision tower"),
+             (["--model", str(work["qwen"]), "--seq-length", "64", "--lora-rank", "4"],
+              "--lora-rank does not take vision-language models"),
+             (["--model", str(work["qwen"]), "--seq-length", "32"], "train with --seq-length 64")]
+    for extra, fragment in cases:
+        code = main(base + extra)
+        err = [line for line in capsys.readouterr().err.splitlines()
+               if line.startswith("easy-context")]
+        assert code == 2 and len(err) == 1, err
+        assert err[0].startswith("easy-context train: error: ") and fragment in err[0], err[0]
