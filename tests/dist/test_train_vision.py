@@ -162,3 +162,19 @@ def test_refusals_on_the_command_line(work, tmp_path, capsys):
                if line.startswith("easy-context")]
         assert code == 2 and len(err) == 1, err
         assert err[0].startswith("easy-context train: error: ") and fragment in err[0], err[0]
+
+
+def test_preflight_refuses_before_any_rank_starts(work, tmp_path):
+    from easy_context.train.config import TrainConfig
+    from easy_context.train.preflight import preflight
+    from tests.train_fixtures import tiny_model_dir
+
+    text_model = tiny_model_dir(tmp_path / "text", vocab_size=97)
+    for model, extra, fragment in [(text_model, {}, "has no vision tower"),
+                                   (work["qwen"], {"engine": "deepspeed"},
+                                    "--engine deepspeed does not take")]:
+        config = TrainConfig(model=str(model), dataset=str(work["packed_qwen"]), seq_length=64,
+                             output_dir=str(tmp_path / "o"), nproc_per_node=2, **extra)
+        config.validate()
+        with pytest.raises(ValueError, match=fragment):
+            preflight(config)
