@@ -49,9 +49,6 @@ from .sources import SourceSpec, open_source, parse_source
 
 logger = logging.getLogger(__name__)
 
-PIXEL_COLUMNS = ("pixel_values", "pixel_values_shape", "image_grid_thw")
-
-
 def load_vision_processor(path: str):
     """The processor in the local folder ``path`` (AutoProcessor, no remote code), or a
     ValueError when it is not a vision-language processor."""

@@ -26,9 +26,6 @@ from ..integrations.hf import CausalLMLoss, causal_lm_loss
 from ..integrations.vision import VisionShard, is_vision_language, prepare_vision_inputs
 from ..utils.decoder import decoder_of
 
-PIXEL_COLUMNS = ("pixel_values", "pixel_values_shape", "image_grid_thw")
-
-
 def has_images(dataset) -> bool:
     """Whether a training dataset holds pixel values (``prepare-data --processor``)."""
     return "pixel_values" in dataset.column_names
@@ -127,6 +124,6 @@ def layers_to_shard(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module
     return [layer for layer in layers if id(layer) in inside]
 
 
-__all__ = ["PIXEL_COLUMNS", "VisionLMLoss", "check_vision_run", "has_images",
+__all__ = ["VisionLMLoss", "check_vision_run", "has_images",
            "is_vision_config", "layers_to_shard", "loss_module", "shard_vision_batch",
            "window_images"]
