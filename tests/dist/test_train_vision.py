@@ -192,3 +192,31 @@ def test_resumed_run_equals_an_uninterrupted_one(dist2, work, tmp_path):
                         resume=True, export=False)[0]
     assert [m["loss"] for m in resumed] == [m["loss"] for m in whole]
     assert len(whole) == 3
+
+
+def test_a_rank_share_lies_on_its_device(work):
+    """shard_vision_batch puts every tensor the loss reads on the rank's device, the vision
+    shard's too (a GPU's NCCL and kernels take no host tensors): checked with the meta
+    device standing in for a GPU. The batch holds the windows' images in row order."""
+    import dataclasses
+
+    import datasets
+    from transformers import AutoModelForImageTextToText
+
+    from easy_context.train.data import TrainBatches
+    from easy_context.train.vision import shard_vision_batch
+
+    model = AutoModelForImageTextToText.from_pretrained(str(work["qwen"]), dtype=torch.float32)
+    ds = datasets.load_from_disk(str(work["packed_qwen"]))
+    batches = TrainBatches(ds, SEQ_LENGTH, batch_size=2, dp=1, dp_rank=0, seed=0)
+    batch = batches.get(0)
+    rows = [ds[i] for i in batches._indices(0)]
+    want = torch.cat([torch.tensor(r["pixel_values"]).view(r["pixel_values_shape"])
+                      for r in rows if r["pixel_values_shape"][0]])
+    assert torch.equal(batch["pixel_values"], want)
+    local = shard_vision_batch(model, batch, "zigzag_ring_attn", 1, 2, None,
+                               torch.device("meta"))
+    tensors = [v for k, v in local.items() if k != "vision"]
+    for media in local["vision"].media:
+        tensors += [v for v in dataclasses.astuple(media) if isinstance(v, torch.Tensor)]
+    assert len(tensors) > 5 and all(t.device.type == "meta" for t in tensors)
