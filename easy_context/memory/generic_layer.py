@@ -50,7 +50,7 @@ from .layer_check import state_carrying_layers
 
 Tensor = torch.Tensor
 
-MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe")  # a decoder layer's MLP child
+MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "ffn")  # a decoder layer's MLP child
 CHUNKED = "easy_context_head_chunked"  # the attention-interface name of the chunking wrapper
 # (inner implementation name, query heads per chunk) while a generic layer runs
 _CHUNKING: contextvars.ContextVar = contextvars.ContextVar("ec_head_chunking", default=None)
@@ -70,6 +70,25 @@ def find_mlp(layer: nn.Module) -> tuple[str, nn.Module] | None:
     return None
 
 
+# A layer method that is its per-token feed-forward, where no child is: BERT-style layers
+# (BERT, RoBERTa, ELECTRA...) call ``self.feed_forward_chunk(attention_output)`` (their
+# ``intermediate`` and ``output`` children, the residual and LayerNorm included).
+FFN_METHODS = ("feed_forward_chunk",)
+
+
+def mlp_site(layer: nn.Module) -> tuple[str, object, str] | None:
+    """Where the layer's feed-forward is called: (its name, the object, the attribute that
+    max-length mode tiles): an MLP child's ``forward``, or a feed-forward method of the
+    layer; None when it has neither."""
+    found = find_mlp(layer)
+    if found is not None:
+        return found[0], found[1], "forward"
+    for name in FFN_METHODS:
+        if callable(getattr(layer, name, None)):
+            return name, layer, name
+    return None
+
+
 def static_mismatch(layer: nn.Module, config) -> str | None:
     """Why the generic path cannot run ``layer`` exactly (from its structure and the
     config), or None."""
@@ -78,8 +97,9 @@ def static_mismatch(layer: nn.Module, config) -> str | None:
         return ("max-length mode: config.output_router_logits is on: the router's auxiliary "
                 "loss would see the MLP's sequence tiles as separate calls, recorded without "
                 "grad; turn it off (router_aux_loss_coef=0)")
-    if find_mlp(layer) is None:
-        return (f"max-length mode tiles a decoder layer's MLP child ({', '.join(MLP_NAMES)}); "
+    if mlp_site(layer) is None:
+        return (f"max-length mode tiles a decoder layer's MLP child ({', '.join(MLP_NAMES)}) "
+                f"or feed-forward method ({', '.join(FFN_METHODS)}); "
                 f"{name} has {sorted(n for n, _ in layer.named_children())}. Train this model "
                 "without --mlp-tile/--head-chunk")
     stateful = state_carrying_layers(layer)
@@ -87,10 +107,11 @@ def static_mismatch(layer: nn.Module, config) -> str | None:
         return (f"max-length mode: {name} holds {stateful[0]}, which carries a state along the "
                 "sequence; max-length mode runs attention layers only. Train this model "
                 "without --mlp-tile/--head-chunk")
-    odd = unknown_arguments(layer)
-    if odd:
-        return (f"max-length mode: {name}'s forward takes {odd[0]}, which the generic path "
-                "does not know how to keep and recompute (e.g. state shared between layers); "
+    shared = kv_sharing(layer)
+    if shared:
+        return (f"max-length mode: {name}.{shared[0]} reuses another layer's keys and values "
+                "(shared_kv_states, num_kv_shared_layers > 0): the layer's recompute in "
+                "backward would not hand their gradient back to the layer that computed them; "
                 "train this model without --mlp-tile/--head-chunk")
     drop = [n for n, m in layer.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
     drop += [f"{n + '.' if n else ''}{a}" for n, m in layer.named_modules()
@@ -108,14 +129,29 @@ def static_mismatch(layer: nn.Module, config) -> str | None:
     return None
 
 
-# The arguments a decoder layer's forward may take besides the hidden states: the ones the
-# generic path hands on as they are (masks, positions, the RoPE tables) or drops (the cache
-# ones: a call with a cache runs the layer unchanged). Anything else (Gemma 4's per-layer
-# inputs and its KV shared between layers) is state the recompute would not reproduce.
+# The arguments a decoder layer's forward may take besides the hidden states that the generic
+# path knows by name: masks, positions, the RoPE tables, the cache ones (a call with a cache
+# runs the layer unchanged). Others are handed on too (_generic_forward: values as they are,
+# tensors that require grad as inputs of the layer's recompute, Gemma 4's per-layer inputs);
+# only K/V shared between layers is refused (kv_sharing).
 KNOWN_ARGUMENTS = frozenset({
     "hidden_states", "attention_mask", "position_ids", "position_embeddings", "cache",
     "past_key_values", "past_key_value", "use_cache", "cache_position", "output_attentions",
     "output_router_logits", "kwargs", "args"})
+
+
+# The attribute by which an attention module reads another layer's K/V instead of computing
+# its own (Gemma 3n / Gemma 4's KV sharing, through the shared_kv_states dict every layer is
+# handed): a gradient between layers, which a layer's own recompute cannot hand back. (The
+# layers that only store theirs there, "store_full_length_kv", as Gemma 4 does even when no
+# layer reuses them, for assistant models, are run: nothing in the model reads the store.)
+KV_SHARING_FLAG = "is_kv_shared_layer"
+
+
+def kv_sharing(layer: nn.Module) -> list[str]:
+    """The modules of ``layer`` that reuse another layer's K/V."""
+    return [n or "self" for n, m in layer.named_modules()
+            if getattr(m, KV_SHARING_FLAG, False) is True]
 
 
 def unknown_arguments(layer: nn.Module) -> list[str]:
@@ -177,18 +213,19 @@ def tiled(forward: Callable, tile: int) -> Callable:
 
 
 @contextlib.contextmanager
-def mlp_tiled(mlp: nn.Module, tile: int):
-    """``mlp`` runs in sequence tiles inside (its instance ``forward`` replaced, then put back)."""
-    had = "forward" in vars(mlp)
-    old = vars(mlp).get("forward")
-    mlp.forward = tiled(mlp.forward, tile)
+def mlp_tiled(mlp: nn.Module, tile: int, attr: str = "forward"):
+    """``mlp`` runs in sequence tiles inside (its instance ``forward``, or the method
+    ``attr``, replaced, then put back)."""
+    had = attr in vars(mlp)
+    old = vars(mlp).get(attr)
+    setattr(mlp, attr, tiled(getattr(mlp, attr), tile))
     try:
         yield
     finally:
         if had:
-            mlp.forward = old
+            setattr(mlp, attr, old)
         else:
-            del mlp.forward
+            delattr(mlp, attr)
 
 
 def mlp_mismatch(layer: nn.Module, tile: int = 3) -> str | None:
@@ -196,7 +233,7 @@ def mlp_mismatch(layer: nn.Module, tile: int = 3) -> str | None:
     and say how far apart they are when they differ: a check that it is per token (an MoE
     whose routing looks at other tokens is not). Skipped (None) where the weights are not
     whole and local (meta, ZeRO-3, DTensor) or not floating point."""
-    name, mlp = find_mlp(layer)
+    name, mlp, attr = mlp_site(layer)
     params = list(mlp.parameters())
     if not params or any(p.is_meta or hasattr(p, "ds_id") or type(p.data) is not torch.Tensor
                          or not p.is_floating_point() for p in params):
@@ -211,9 +248,9 @@ def mlp_mismatch(layer: nn.Module, tile: int = 3) -> str | None:
     try:
         mlp.train(False)
         with torch.no_grad():
-            want = mlp(x)
-            with mlp_tiled(mlp, tile):
-                got = mlp(x)
+            want = getattr(mlp, attr)(x)
+            with mlp_tiled(mlp, tile, attr):
+                got = getattr(mlp, attr)(x)
     except ValueError as e:
         return str(e)
     finally:
@@ -332,18 +369,34 @@ class GenericRun:
     input_recipe: Callable | None = None  # () -> x again (the first layer's: an embedding)
     tables: Callable | None = None  # () -> position_embeddings (kept, or their recipe)
     replay: list | None = None  # what the nested recompute's regenerate() recorded
+    grad_inputs: tuple = ()  # names of the kwargs that are tensors requiring grad
+    tail: tuple | None = None  # the Nones the layer returns after its hidden states, if any
+
+    def output(self, y: Tensor):
+        """The layer's output as its own forward returns it: y, or (y, None...)."""
+        return y if self.tail is None else (y, *self.tail)
+
+    def extra_inputs(self) -> list[Tensor]:
+        """The kwargs that require grad (Gemma 4's per_layer_input): inputs of the autograd
+        function beside the hidden states, so their gradients flow back."""
+        return [self.kwargs[k] for k in self.grad_inputs]
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.layer.parameters())
 
-    def call(self, x: Tensor) -> Tensor:
-        """The layer's own forward on x, its MLP tiled and its attention head-chunked."""
-        kwargs = dict(self.kwargs)
+    def call(self, x: Tensor, **override) -> Tensor:
+        """The layer's own forward on x, its MLP tiled and its attention head-chunked;
+        ``override``: kwargs replaced (backward's differentiable copies)."""
+        kwargs = {**self.kwargs, **override}
         if self.tables is not None:
             kwargs["position_embeddings"] = self.tables()
-        _, mlp = find_mlp(self.layer)
-        with mlp_tiled(mlp, self.tile), heads_chunked(self.layer, self.heads_per_chunk):
+        _, mlp, attr = mlp_site(self.layer)
+        with mlp_tiled(mlp, self.tile, attr), heads_chunked(self.layer, self.heads_per_chunk):
             out = self.forward(x, **kwargs)
+        if isinstance(out, tuple) and out and isinstance(out[0], Tensor) and all(
+                t is None for t in out[1:]):
+            # (hidden states, None...): Falcon's (output, attention weights) without weights
+            self.tail, out = out[1:], out[0]
         if not isinstance(out, Tensor):
             raise ValueError(f"max-length mode: {type(self.layer).__name__} returns "
                              f"{type(out).__name__}, not the hidden states alone")
@@ -367,10 +420,11 @@ class GenericRun:
 
 
 class GenericLayer(torch.autograd.Function):
-    """(run, x (B, S, H), *layer parameters) -> the layer's output (B, S, H)."""
+    """(run, x (B, S, H), *run.extra_inputs(), *layer parameters) -> the layer's output
+    (B, S, H)."""
 
     @staticmethod
-    def forward(ctx, run: GenericRun, x: Tensor, *params: Tensor) -> Tensor:
+    def forward(ctx, run: GenericRun, x: Tensor, *inputs: Tensor) -> Tensor:
         if run.keep_attention:
             y, rec = run.forward_recorded(x)
             ctx.layout = [len(result) for result in rec]
@@ -398,11 +452,13 @@ class GenericLayer(torch.autograd.Function):
         del kept
         params = run.parameters()
         xg = x.detach().requires_grad_(ctx.needs_input_grad[1])
+        extras = {k: v.detach().requires_grad_(ctx.needs_input_grad[2 + i])
+                  for i, (k, v) in enumerate(zip(run.grad_inputs, run.extra_inputs()))}
         with torch.enable_grad(), (replaying(recorded) if recorded is not None
                                    else contextlib.nullcontext()):
-            y = run.call(xg)
-        inputs = [xg, *params]
+            y = run.call(xg, **extras)
+        inputs = [xg, *extras.values(), *params]
         if not y.requires_grad or not any(t.requires_grad for t in inputs):
-            return (None, None, *([None] * len(params)))
+            return (None, *([None] * len(inputs)))
         got = _grad(y, inputs, dy)
-        return (None, got[0], *got[1:])
+        return (None, *got)

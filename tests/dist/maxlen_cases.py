@@ -27,9 +27,18 @@ SHAPE = dict(vocab_size=97, hidden_size=64, intermediate_size=112, num_hidden_la
              max_position_embeddings=512, attention_dropout=0.0)
 
 
+DROP = "<drop>"  # an override that removes a SHAPE entry (Falcon's head_dim is read-only)
+
+
 def tiny(family: str, seed: int = 0, **overrides):
     """A family of hf_cases at this shape (the attention-variant ones with their own eager
     attention as the reference: sdpa has no sinks or soft-capping)."""
+    dropped = [k for k, v in overrides.items() if v == DROP]
+    if dropped:
+        config = AutoConfig.for_model(family, **{k: v for k, v in {**SHAPE, **overrides}.items()
+                                                 if k not in dropped})
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
     if family in VARIANT_FAMILIES:
         extra = {k: v for k, v in VARIANT_FAMILIES[family].items()
                  if k not in ("num_key_value_heads", "head_dim")}
