@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 import sys
 from dataclasses import dataclass
@@ -196,6 +197,7 @@ def tiled(forward: Callable, tile: int) -> Callable:
         # copy is made inside the checkpoint, which keeps the view (of a kept tensor) only.
         return forward(x.contiguous())
 
+    @functools.wraps(forward)  # its signature: BERT's apply_chunking_to_forward counts it
     def run(hidden_states: Tensor, *args, **kwargs):
         if args or kwargs or hidden_states.dim() != 3 or hidden_states.size(1) <= tile:
             return forward(hidden_states, *args, **kwargs)

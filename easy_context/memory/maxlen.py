@@ -85,19 +85,21 @@ def layer_list(model: nn.Module) -> nn.ModuleList:
     if isinstance(layers, nn.ModuleList) and len(layers):
         return layers
     want = getattr(_text_config(model), "num_hidden_layers", None)
-    found, stack = [], list(decoder.named_children())
+    lists, stack = [], list(decoder.named_children())
     while stack:
         name, module = stack.pop(0)
         if isinstance(module, nn.ModuleList):
-            if len(module) and (want is None or len(module) == want):
-                found.append((name, module))
+            lists.append((name, module))
             continue  # a layer's own lists (experts) are not the decoder's
         stack += [(f"{name}.{n}", m) for n, m in module.named_children()]
+    found = [m for _, m in lists if len(m) and (want is None or len(m) == want)]
     if len(found) != 1:
+        seen = ", ".join(f"{n} ({len(m)})" for n, m in lists) or "none"
         raise ValueError(f"max-length mode: cannot tell {type(decoder).__name__}'s list of "
-                         f"decoder layers ({', '.join(n for n, _ in found) or 'none found'}); "
-                         "train this model without --mlp-tile/--head-chunk")
-    return found[0][1]
+                         f"decoder layers: one list of its {want} layers, run once each, is "
+                         f"needed (its lists: {seen}); train this model without "
+                         "--mlp-tile/--head-chunk")
+    return found[0]
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -349,12 +351,39 @@ def _fused_forward(self, hidden_states, *args, attention_mask=None, position_ids
     return state.output(index, FusedLayer.apply(run, hidden_states, cos, sin, *spec.parameters()))
 
 
+def _by_name(forward: Callable, hidden_states, args: tuple, kwargs: dict) -> dict | None:
+    """The positional arguments after the hidden states by their names in ``forward``'s
+    signature (Gemma 4 hands its per_layer_input positionally), or None if they do not bind."""
+    import inspect
+
+    try:
+        bound = inspect.signature(forward).bind(hidden_states, *args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    params = inspect.signature(forward).parameters
+    named: dict = {}
+    for i, (name, value) in enumerate(bound.arguments.items()):
+        kind = params[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                return None
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif i:  # the first is the hidden states
+            named[name] = value
+    return named
+
+
 def _generic_forward(self, hidden_states, *args, **kwargs):
     state, _, index = self._ec_max_length
-    if args or any(kwargs.get(k) is not None and kwargs.get(k) is not False
-                   for k in _CACHE_KEYS):
-        # generation with a cache, or a call we do not recognise: the layer as it was
-        return self._ec_original_forward(hidden_states, *args, **kwargs)
+    if args:
+        named = _by_name(self._ec_original_forward, hidden_states, args, kwargs)
+        if named is None:  # a call we do not recognise: the layer as it was
+            return self._ec_original_forward(hidden_states, *args, **kwargs)
+        kwargs = named
+    if any(kwargs.get(k) is not None and kwargs.get(k) is not False for k in _CACHE_KEYS):
+        # generation with a cache: the layer as it was
+        return self._ec_original_forward(hidden_states, **kwargs)
     kwargs = {k: v for k, v in kwargs.items() if k not in _CACHE_KEYS}
     # tensors that require grad (Gemma 4's per_layer_input) go in as inputs of the recompute
     grads = tuple(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad)

@@ -184,6 +184,32 @@ def generic_calls(family: str, tile: int, chunk: int, **overrides) -> dict:
     return seen
 
 
+def tiled_layer_runs(family: str, **overrides) -> tuple[int, int]:
+    """(how many layer calls ran max-length mode's own forward (fused or generic) in one
+    forward of one process, how many layers the model has): a layer called in a way the
+    patched forward does not recognise runs as it was, untiled, and must not pass unseen."""
+    from easy_context.memory import maxlen
+
+    model = tiny(family, **overrides)
+    ec.apply_sequence_parallel(model, "local")
+    apply_max_length(model, 5, 1, "full")
+    runs = []
+    for cls in (maxlen.GenericLayer, maxlen.FusedLayer):
+        apply = cls.apply
+
+        def counted(*args, _apply=apply):
+            runs.append(1)
+            return _apply(*args)
+
+        cls.apply = counted
+    try:
+        inputs, positions, targets = make_batch(24, model.config.get_text_config().vocab_size)
+        ec.causal_lm_loss(model, inputs, positions, targets, chunked=True)
+    finally:
+        del maxlen.GenericLayer.apply, maxlen.FusedLayer.apply
+    return len(runs), len(maxlen.decoder_layers(model))
+
+
 def max_length_error(family: str, method: str, chunk: int, ring_degree: int | None = None,
                      path: str = "auto", **overrides) -> str:
     """The ValueError apply_max_length raises for this model / method / chunk."""

@@ -11,7 +11,7 @@ from torch import nn
 from easy_context.memory.generic_layer import mlp_mismatch
 
 from .maxlen_cases import (DROP, check_max_length, fused_layer_work, generic_calls,
-                           max_length_error, paths_of)
+                           max_length_error, paths_of, tiled_layer_runs)
 
 TOL = 1e-5
 # (mlp_tile, heads_per_chunk, checkpointing, keep_every) on 8 query / 4 KV heads: tiles that do
@@ -171,6 +171,8 @@ BERT = dict(is_decoder=True, hidden_dropout_prob=0.0, attention_probs_dropout_pr
     # very same numbers as plain SP there)
     ("gemma4_text", GEMMA4, False)])
 def test_other_decoders(dist1, dist2, family, overrides, two_ranks):
+    runs, layers = dist1.run(tiled_layer_runs, family, **overrides)[0]
+    assert runs == layers, f"{runs} of {layers} layers ran max-length mode's forward"
     _assert(dist1.run(check_max_length, family, "local", GENERIC[:3], overrides=overrides))
     if two_ranks:
         _assert(dist2.run(check_max_length, family, "zigzag_ring_attn", GENERIC[:2],
