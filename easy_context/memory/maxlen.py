@@ -472,13 +472,18 @@ def apply_max_length(model: nn.Module, mlp_tile: int, heads_per_chunk: int,
     layers = decoder_layers(model)
     paths = layer_paths(model, path)
     zero3 = [i for i, (layer, p) in enumerate(zip(layers, paths)) if p == "generic"
-             and any(hasattr(q, "ds_id") for q in layer.parameters())]
+             and any(hasattr(q, "ds_id") for q in layer.parameters())
+             and not all(q.requires_grad for q in layer.parameters())]
     if zero3:
-        # not yet working: the layer's own attention forward fails under DeepSpeed's
-        # ZeRO-3 here (its kernels wrapper finds no _kernel_funcs); the fused layer runs
+        # not yet working: with frozen parameters in the layer (LoRA's base weights) the
+        # backward fails under ZeRO-3 ("size of tensor a (0) must match ... (32)" when a
+        # gradient is accumulated into a released partition); cause not yet found. (The
+        # earlier failure, no _kernel_funcs, came from zero.Init undoing kernels'
+        # use_kernelized_func; train/model.py builds outside it first since d2b328d.)
         raise ValueError(f"max-length mode's generic path (layer {zero3[0]}, "
-                         f"{type(layers[zero3[0]]).__name__}) does not run under DeepSpeed "
-                         "ZeRO-3 yet; use --engine fsdp, or train without --mlp-tile/--head-chunk")
+                         f"{type(layers[zero3[0]]).__name__}, with frozen parameters such as "
+                         "LoRA's) does not run under DeepSpeed ZeRO-3 yet; use --engine fsdp, "
+                         "or train without --mlp-tile/--head-chunk")
     specs = [layer_spec(layer, config) if p == "fused" else None
              for layer, p in zip(layers, paths)]
     heads, kv_heads = (specs[0].heads, specs[0].kv_heads) if specs[0] else _heads(config)
