@@ -198,3 +198,22 @@ def test_a_final_norm_with_weights_after_it_is_not_folded():
     the decoder applies its own norm and projection, and the loss takes their output."""
     model = _model("opt", pad_token_id=0, word_embed_proj_dim=16)
     assert decoder_of(model).project_out is not None and final_norm(model) is None
+
+
+def test_a_decoder_that_changes_its_final_norms_output_is_refused():
+    """The loss applies the folded final norm to what the decoder returns: a decoder that
+    does more after that norm (here a hook doubling its output) would have the norm applied
+    to the changed states (the old code did so silently); it is refused at the step."""
+    import easy_context as ec
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    model = _model("llama")
+    ec.apply_sequence_parallel(model, "local")
+    apply_max_length(model, 4, 2)
+    ids = torch.randint(0, 97, (1, 8))
+    pos = torch.arange(8)[None]
+    ec.causal_lm_loss(model, ids, pos, ids, chunked=True)  # as it is: runs
+    decoder_of(model).register_forward_hook(
+        lambda m, a, out: BaseModelOutputWithPast(last_hidden_state=out.last_hidden_state * 2))
+    with pytest.raises(ValueError, match="changes the output of its final norm"):
+        ec.causal_lm_loss(model, ids, pos, ids, chunked=True)
