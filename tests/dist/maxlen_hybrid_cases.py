@@ -16,24 +16,14 @@ import torch.distributed as dist
 
 import easy_context as ec
 from easy_context.memory.maxlen import apply_max_length, decoder_layers, path_for
-from easy_context.utils.decoder import decoder_of
 
 from .hf_cases import _grad_errors, make_batch
 from .hf_recurrent_cases import _loss64, _packed_batch, _packed_reference, tiny_hybrid
 
-# The final norm under the names these families give it. Max-length mode applies the decoder's
-# ``norm`` inside the loss; until it finds the others (a change of its own), the tests name
-# the same module ``norm`` too (one module: the decoder still calls it by its own name).
-FINAL_NORMS = ("final_layernorm", "norm_f", "embedding_norm")
-
-
 def tiny(family: str, **config):
-    """tiny_hybrid's model, its final norm reachable as the decoder's ``norm``."""
-    model = tiny_hybrid(family, **config)
-    decoder = decoder_of(model)
-    if not isinstance(getattr(decoder, "norm", None), torch.nn.Module):
-        decoder.norm = next(getattr(decoder, n) for n in FINAL_NORMS if hasattr(decoder, n))
-    return model
+    """tiny_hybrid's model (its final norm under its own name: max-length mode finds it by
+    what it is, maxlen.final_norm)."""
+    return tiny_hybrid(family, **config)
 
 
 def _world() -> tuple[int, int]:
