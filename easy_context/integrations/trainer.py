@@ -411,13 +411,14 @@ class SequenceParallelMixin:
             return
         from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
-        from ..utils.decoder import decoder_of
+        from ..memory.maxlen import loss_modules
         from .hf import output_head
 
         root = getattr(self.model_wrapped, "module", self.model_wrapped)
-        params = list(output_head(state.base_model)[0].parameters(recurse=False))
+        head = output_head(state.base_model)[0]  # None for a BERT-style head: loss_modules
+        params = list(head.parameters(recurse=False)) if head is not None else []
         if state.max_length:
-            params += list(decoder_of(state.base_model).norm.parameters())
+            params += [p for m in loss_modules(state.base_model) for p in m.parameters()]
         for p in params:
             register_external_parameter(root, p)
 
