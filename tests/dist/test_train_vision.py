@@ -220,3 +220,20 @@ def test_a_rank_share_lies_on_its_device(work):
     for media in local["vision"].media:
         tensors += [v for v in dataclasses.astuple(media) if isinstance(v, torch.Tensor)]
     assert len(tensors) > 5 and all(t.device.type == "meta" for t in tensors)
+
+
+@pytest.mark.parametrize("family,method", [("qwen", "zigzag_ring_attn"),
+                                           ("llava", "ulysses_attn")])
+def test_max_length_mode_with_images_equals_one_process(dist2, work, family, method, tmp_path):
+    """--mlp-tile 5 --head-chunk 2 (max-length mode: the decoder's layers tiled and
+    head-chunked, the final norm in the loss's chunks) on the image conversations: the same
+    step as the reference (vision.vision_language_loss runs the tiled decoder)."""
+    data = work[f"packed_{family}"]
+    windows = json.loads((data / "stats.json").read_text())["windows"]
+    got = dist2.run(vision_train_run, str(work[family]), str(data), str(tmp_path / "run"),
+                    parallel_mode=method, gradient_accumulate_every=windows, export=False,
+                    mlp_tile="5", head_chunk="2")[0]
+    want_loss, want_norm = _reference(work, family)
+    assert math.isfinite(got[0]["loss"]) and math.isfinite(want_loss)
+    assert abs(got[0]["loss"] - want_loss) <= TOL * abs(want_loss), (got[0], want_loss)
+    assert abs(got[0]["grad_norm"] - want_norm) <= TOL * want_norm, (got[0], want_norm)
