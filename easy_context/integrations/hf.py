@@ -638,6 +638,13 @@ def causal_lm_loss(model: nn.Module, input_ids: Tensor, position_ids: Tensor, ta
     if vision is not None:
         from .vision import vision_language_loss
 
+        if transform is not None:
+            # (a composite model's head gives None above; one of its own config with a
+            # soft-cap or scale would be dropped by the vision loss: refused, not guessed)
+            raise ValueError(f"{type(model).__name__} transforms its logits ({transform}); "
+                             "the vision-language loss does not apply that: train it without "
+                             "images")
+
         return vision_language_loss(model, head, input_ids, position_ids, target_ids, vision,
                                     extra, chunked, chunk_size, group, num_items_in_batch,
                                     token_stats)

@@ -165,3 +165,22 @@ def test_a_rank_without_images_runs_a_sharded_tower_on_a_dummy(family, monkeypat
     # every parameter the tower's forward uses (LLaVA's CLIP post_layernorm is not)
     assert len(used) >= len(params) - 2 and all(torch.isfinite(p.grad).all() and
                                                 not p.grad.any() for p in used)
+
+
+def test_a_logit_transform_is_refused_with_images(monkeypatch):
+    """The vision loss applies no soft-cap or scale: a model whose head reports one (a
+    vision-language model with a config of its own, not a composite one) is refused, not
+    trained on untransformed logits."""
+    import easy_context.integrations.hf as hf
+    from easy_context.memory.loss import LogitTransform
+
+    model = tiny_vlm("qwen2_5_vl")
+    step = make_step("qwen2_5_vl")
+    local = prepare_vision_inputs(model, "zigzag_ring_attn", step["input_ids"],
+                                  step["target_ids"], 0, 1, pixel_values=step["pixel_values"],
+                                  image_grid_thw=step["image_grid_thw"])
+    head = model.get_output_embeddings()
+    monkeypatch.setattr(hf, "output_head", lambda m: (head, LogitTransform(2.0, None)))
+    with pytest.raises(ValueError, match="transforms its logits"):
+        hf.causal_lm_loss(model, local["local_input_ids"], local["local_position_ids"],
+                          local["local_target_ids"], vision=local["vision"])
