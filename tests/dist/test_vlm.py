@@ -30,7 +30,7 @@ def _assert(reports, straddles: bool = True):
         assert 5 < sum(encoded), encoded
 
 
-FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava", "internvl", "gemma3"]
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava", "internvl", "gemma3", "gemma4"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -99,3 +99,18 @@ def test_own_forward_with_images_refused(dist2):
     for family in ("qwen2_5_vl", "llava"):
         for said in dist2.run(own_forward_with_images, family, "zigzag_ring_attn"):
             assert said.startswith("ValueError") and "prepare_vision_inputs" in said, said
+
+
+def test_gemma4_at_4_ranks(dist4):
+    """Gemma 4 (images bidirectional on its sliding layers only, per-layer inputs, padded
+    patch rows per image) at 4 ranks, plain and packed."""
+    _assert(dist4.run(check_vlm, "gemma4", ["zigzag_ring_attn", "usp_attn"], 1, False, (True,)))
+    _assert(dist4.run(check_vlm, "gemma4", ["ring_attn", "ulysses_attn"], 1, True, (True,)))
+
+
+def test_gemma4_without_spans_differs(dist2):
+    """The Gemma 4 cases are ones where the spans matter (its sliding layer's images attend
+    both ways): with them dropped, the loss is off."""
+    reports = dist2.run(check_vlm, "gemma4", ["zigzag_ring_attn"], 1, False, (True,), False,
+                        False, True)
+    assert all(not (le <= TOL) for rep in reports for le, *_ in rep.values()), reports
