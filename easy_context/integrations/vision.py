@@ -447,14 +447,12 @@ def vision_embeddings(model: nn.Module, input_ids: Tensor, vision: VisionShard
     their features, and the decoder's extra keyword arguments (deepstack)."""
     family = describe(model)
     extra = {}
-    decoder = decoder_of(model)
-    if getattr(decoder, "hidden_size_per_layer_input", None) and \
-            "per_layer_inputs" in inspect.signature(decoder.forward).parameters:
+    if _takes_per_layer_inputs(model):
         # Gemma 4: the decoder adds per-layer embeddings of the token ids, where the model's
         # own forward gives every placeholder (image, video, audio) the pad token's; the
         # decoder cannot recover them from embeddings holding image features
         input_ids = _placeholders_padded(model, input_ids)
-        extra["per_layer_inputs"] = decoder.get_per_layer_inputs(input_ids, None)
+        extra["per_layer_inputs"] = decoder_of(model).get_per_layer_inputs(input_ids, None)
     embeds = model.get_input_embeddings()(input_ids)
     visual_mask = torch.zeros_like(input_ids, dtype=torch.bool)
     deep_parts: list[tuple[Tensor, list[Tensor]]] = []
@@ -483,6 +481,21 @@ def vision_embeddings(model: nn.Module, input_ids: Tensor, vision: VisionShard
             joint.append(rows)
         extra.update(visual_pos_masks=visual_mask, deepstack_visual_embeds=joint)
     return embeds, extra
+
+
+def _takes_per_layer_inputs(model: nn.Module) -> bool:
+    decoder = decoder_of(model)
+    return bool(getattr(decoder, "hidden_size_per_layer_input", None)) and \
+        "per_layer_inputs" in inspect.signature(decoder.forward).parameters
+
+
+def decoder_input_ids(model: nn.Module, input_ids: Tensor) -> Tensor:
+    """The ids a vision-language model's own forward hands its decoder: Gemma 4's (a decoder
+    with per-layer inputs) turns every multimodal placeholder into the pad token first, a
+    generated one included; the others' as given."""
+    if is_vision_language(model) and _takes_per_layer_inputs(model):
+        return _placeholders_padded(model, input_ids)
+    return input_ids
 
 
 def _placeholders_padded(model: nn.Module, input_ids: Tensor) -> Tensor:

@@ -94,3 +94,15 @@ def test_video_prompt_two_ranks(dist2, family):
     its seconds per grid step, Qwen3-VL with its frames between timestamp text)."""
     _assert_equal(dist2.run(compare_image_prompt, family, ["zigzag_ring_attn", "ulysses_attn"],
                             1, 2, True))
+
+
+def test_gemma4_image_prompt(dist2):
+    """Gemma 4 (images both ways on its sliding layers only, per-layer inputs, padded patch
+    rows): every method at 2 ranks, and a left-padded batch of two rows."""
+    _assert_equal(dist2.run(compare_image_prompt, "gemma4", METHODS, 1, 2))
+    _assert_equal(dist2.run(compare_image_prompt, "gemma4", ["zigzag_ring_attn"], 2))
+
+
+def test_gemma4_needs_mm_token_type_ids(dist1):
+    for said in dist1.run(refused, "gemma4", mm_token_type_ids=None):
+        assert said.startswith("ValueError") and "mm_token_type_ids" in said, said
