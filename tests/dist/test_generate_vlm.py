@@ -3,7 +3,8 @@ within 1e-5, relative) what transformers' greedy ``generate(**inputs)`` gives in
 for tiny Qwen2.5-VL (multimodal RoPE: positions from get_rope_index, decode positions past
 rope_deltas), Qwen3-VL (and its deepstack features) and LLaVA, every method at 1 and 2 ranks
 and two at 4, with images straddling the shard boundaries; Qwen3.5 and InternVL with two
-methods at 2; a left-padded batch of two rows; and the up-front refusals."""
+methods at 2; Gemma 3 and Gemma 4 (images both ways: every layer, sliding layers only); a
+left-padded batch of two rows; and the up-front refusals."""
 
 from __future__ import annotations
 

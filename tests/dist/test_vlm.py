@@ -2,7 +2,8 @@
 
 Tiny Qwen2.5-VL (multimodal RoPE), Qwen3-VL (multimodal RoPE and deepstack features),
 Qwen3.5 (its text layers gated DeltaNet and attention), LLaVA (a CLIP tower and a projector
-before a Llama decoder) and InternVL (tiles, pixel shuffle, a Qwen2 decoder), with images
+before a Llama decoder), InternVL (tiles, pixel shuffle, a Qwen2 decoder), Gemma 3 (images
+both ways) and Gemma 4 (images both ways on its sliding layers only), with images
 straddling shard boundaries, a video, a batch of two rows, and packed conversations: for
 every method at 2 ranks (and at 4 ranks for some), the loss within 1e-5 relative of the
 model's own forward on the whole step, and every parameter's gradient, vision tower
