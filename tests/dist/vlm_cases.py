@@ -111,6 +111,9 @@ def tiny_vlm(family: str, seed: int = 0):
             text_config={**TEXT, "global_head_dim": 8, "hidden_size_per_layer_input": 8,
                          "vocab_size_per_layer_input": 97, "sliding_window": 3,
                          "final_logit_softcapping": None, "use_bidirectional_attention": "vision",
+                         # the last layer reuses the K/V of the full one before it (as the
+                         # small Gemma 4 models share their last layers' K/V)
+                         "num_kv_shared_layers": 1,
                          # a full layer before the last (which Gemma 4 makes full): its
                          # images' rows reach the loss (the last layer's reach only images'
                          # targets, all ignored)
