@@ -412,16 +412,19 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
             "vision": shard}
 
 
-def _features(model: nn.Module, family: VisionFamily, media: LocalMedia):
-    """(features (n_rows, H), [deepstack features (n_rows, H)] or None) of the encoded items."""
+def _features(model: nn.Module, family: VisionFamily, pixel_values: Tensor,
+              grid_thw: Tensor | None, positions: Tensor | None = None):
+    """(features (n_rows, H), [deepstack features (n_rows, H)] or None) of the items in
+    ``pixel_values``: one call of the tower. Qwen's towers encode a video frame as an image
+    of one temporal step (their get_video_features is get_image_features on the tower), so
+    images and frames go through ``get_image_features`` together."""
     if family.grids:
-        get = model.get_image_features if media.modality == "image" else model.get_video_features
-        out = get(media.pixel_values, media.grid_thw, return_dict=True)
-    elif media.position_ids is not None:  # Gemma 4: each image's padded patch rows alone
-        out = model.get_image_features(pixel_values=media.pixel_values,
-                                       image_position_ids=media.position_ids, return_dict=True)
+        out = model.get_image_features(pixel_values, grid_thw, return_dict=True)
+    elif positions is not None:  # Gemma 4: padded patch rows, one image each, and positions
+        out = model.get_image_features(pixel_values=pixel_values,
+                                       image_position_ids=positions, return_dict=True)
     else:
-        out = model.get_image_features(pixel_values=media.pixel_values, return_dict=True)
+        out = model.get_image_features(pixel_values=pixel_values, return_dict=True)
     pooled = out.pooler_output
     features = torch.cat(list(pooled), dim=0) if isinstance(pooled, (list, tuple)) else pooled
     features = features.reshape(-1, features.size(-1))
@@ -431,20 +434,108 @@ def _features(model: nn.Module, family: VisionFamily, media: LocalMedia):
     return features, deep
 
 
-def tower_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters outside the decoder and the output head: the vision tower and its
-    projector (whatever the family names them)."""
+def _outside_decoder(model: nn.Module) -> list[nn.Parameter]:
+    """Every parameter outside the decoder and the output head (the tower, its projector)."""
     inside = {id(p) for p in decoder_of(model).parameters()}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None:
         inside |= {id(p) for p in head.parameters()}
-    return [p for p in model.parameters() if id(p) not in inside and p.requires_grad]
+    return [p for p in model.parameters() if id(p) not in inside]
+
+
+def tower_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters outside the decoder and the output head: the vision tower and its
+    projector (whatever the family names them), those that train."""
+    return [p for p in _outside_decoder(model) if p.requires_grad]
+
+
+def tower_sharded(model: nn.Module) -> bool:
+    """Whether the tower's parameters are gathered collectively when it runs: FSDP2's
+    DTensors (a unit of its own, e.g. each vision block, as accelerate wraps the model's
+    _no_split_modules) or DeepSpeed ZeRO-3's partitioned parameters (``ds_id``), frozen ones
+    included (their forward all-gathers happen all the same). Parameters of a unit that is
+    running (FSDP2's root, inside its forward) are plain tensors: gathered already."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - a torch without DTensor shards nothing this way
+        DTensor = ()
+    return any(isinstance(p, DTensor) or hasattr(p, "ds_id") for p in _outside_decoder(model))
+
+
+def dummy_image(model: nn.Module, family: VisionFamily, device) -> tuple[Tensor, Tensor | None]:
+    """The smallest input the tower takes, zeros: (pixel rows, grid (1, 3)) of one merge
+    window (grids: spatial_merge_size x spatial_merge_size patches, one temporal step), or
+    one fixed-size image (1, C, H, W). What a rank with nothing to encode runs the tower on
+    when the tower is sharded, so that its gathers (and, the output multiplied by zero into
+    the loss, its gradient reductions) match the other ranks'. Read from the vision config;
+    a ValueError says what is missing."""
+    vc = getattr(model.config, "vision_config", None)
+    name = type(model).__name__
+    dtype = next((p.dtype for p in _outside_decoder(model) if p.is_floating_point()),
+                 torch.float32)
+    if family.grids:
+        need = ("in_channels", "patch_size", "spatial_merge_size")
+        if vc is None or any(getattr(vc, k, None) is None for k in need):
+            raise ValueError(f"{name}'s vision_config does not give {', '.join(need)}, from "
+                             "which a rank without images builds the input it runs the "
+                             "sharded tower on; train with DDP (the tower not sharded)")
+        side = int(vc.spatial_merge_size)
+        width = (int(vc.in_channels) * int(getattr(vc, "temporal_patch_size", 1) or 1)
+                 * int(vc.patch_size) ** 2)
+        grid = torch.tensor([[1, side, side]], device=device)
+        return torch.zeros(side * side, width, dtype=dtype, device=device), grid
+    size = getattr(vc, "image_size", None)
+    if size is None:
+        raise ValueError(f"{name}'s vision_config gives no image_size, from which a rank "
+                         "without images builds the input it runs the sharded tower on; "
+                         "train with DDP (the tower not sharded)")
+    height, width = (size, size) if isinstance(size, int) else tuple(size)
+    channels = int(getattr(vc, "num_channels", 3) or 3)
+    return torch.zeros(1, channels, int(height), int(width), dtype=dtype, device=device), None
+
+
+def _encode(model: nn.Module, family: VisionFamily, vision: VisionShard, device,
+            sharded: bool):
+    """[(media, features, deep)] of this rank's encoded items, from ONE tower call (all
+    modalities together), and a zero (a scalar in the graph of the tower's output) when the
+    rank has nothing to encode and the tower is sharded: then the tower runs once on
+    ``dummy_image``, so every rank calls the tower exactly once per step, whatever it holds,
+    and every tower parameter gets a (zero) gradient, reduced like the others' ranks'."""
+    parts = [m for m in vision.media if m.encoded]
+    if not parts:
+        if not sharded:
+            return [], None
+        pixels, grid = dummy_image(model, family, device)
+        features, deep = _features(model, family, pixels, grid)
+        zero = features.sum() * 0.0
+        for d in deep or ():
+            zero = zero + d.sum() * 0.0
+        return [], zero
+    dtype = parts[0].pixel_values.dtype
+    pixels = torch.cat([m.pixel_values.to(dtype) for m in parts])
+    grid = torch.cat([m.grid_thw for m in parts]) if family.grids else None
+    patched = all(m.position_ids is not None for m in parts)
+    positions = torch.cat([m.position_ids for m in parts]) if patched else None
+    features, deep = _features(model, family, pixels, grid, positions)
+    if family.grids:
+        sizes = [int((m.grid_thw.prod(-1) // family.merge).sum()) for m in parts]
+    elif patched:  # Gemma 4: each image's soft tokens from its real patches
+        sizes = [sum(_patch_tokens(model, m.pixel_values, m.position_ids)) for m in parts]
+    else:
+        sizes = [features.size(0) // sum(len(m.encoded) for m in parts) * len(m.encoded)
+                 for m in parts]
+    split = lambda t: torch.split(t, sizes)  # noqa: E731
+    deeps = list(zip(*[split(d) for d in deep])) if deep is not None else [None] * len(parts)
+    return list(zip(parts, split(features), deeps)), None
 
 
 def vision_embeddings(model: nn.Module, input_ids: Tensor, vision: VisionShard
                       ) -> tuple[Tensor, dict]:
     """This rank's input embeddings (B, S_local, H), its image and video tokens replaced by
-    their features, and the decoder's extra keyword arguments (deepstack)."""
+    their features, and the decoder's extra keyword arguments (deepstack). The tower runs
+    once (images and video frames together); with a sharded tower (FSDP2, ZeRO-3,
+    ``tower_sharded``) it runs once on every rank, on a dummy image where the rank has
+    nothing to encode (its output times zero in the embeddings)."""
     family = describe(model)
     extra = {}
     if _takes_per_layer_inputs(model):
@@ -453,22 +544,24 @@ def vision_embeddings(model: nn.Module, input_ids: Tensor, vision: VisionShard
         # decoder cannot recover them from embeddings holding image features
         input_ids = _placeholders_padded(model, input_ids)
         extra["per_layer_inputs"] = decoder_of(model).get_per_layer_inputs(input_ids, None)
+    sharded = tower_sharded(model)
+    if sharded:  # every rank reads it, so that a config without it is refused by all alike
+        dummy_image(model, family, input_ids.device)
     embeds = model.get_input_embeddings()(input_ids)
     visual_mask = torch.zeros_like(input_ids, dtype=torch.bool)
     deep_parts: list[tuple[Tensor, list[Tensor]]] = []
-    for media in vision.media:
-        if not media.encoded:
-            continue
-        features, deep = _features(model, family, media)
-        features = features.to(embeds.dtype)
-        mine = features[media.rows]                      # (n_local_tokens, H) in mask order
+    encoded, zero = _encode(model, family, vision, input_ids.device, sharded)
+    for media, features, deep in encoded:
+        mine = features.to(embeds.dtype)[media.rows]     # (n_local_tokens, H) in mask order
         embeds = embeds.masked_scatter(media.token_mask.unsqueeze(-1), mine)
         visual_mask = visual_mask | media.token_mask
         if deep is not None:
             deep_parts.append((media.token_mask, [d[media.rows].to(embeds.dtype) for d in deep]))
-    if not any(media.encoded for media in vision.media):
-        # no image token here: still give the tower a (zero) gradient, so that DDP's and
-        # FSDP's reductions see the same parameters with gradients on every rank
+    if zero is not None:
+        embeds = embeds + zero.to(embeds.dtype)
+    elif not encoded:
+        # no image token here: still give the tower a (zero) gradient, so that DDP's
+        # reduction sees the same parameters with gradients on every rank
         embeds = embeds + sum(p.view(-1)[:1].sum() for p in tower_parameters(model)) * 0.0
     if family.deepstack and deep_parts:
         # one (n_visual_local, H) per deepstack layer, in the order of the joint visual mask
@@ -535,8 +628,11 @@ def vision_language_loss(model: nn.Module, head: nn.Linear | None, input_ids: Te
     hidden = decoder_of(model)(inputs_embeds=embeds, position_ids=position_ids, use_cache=False,
                                **extra, **more).last_hidden_state
     if chunked:
+        from ..utils.fsdp import unshard_for_direct_use
+
         if chunk_size is None:
             chunk_size = default_chunk_size(head.out_features, head.weight.device)
+        unshard_for_direct_use(head)  # read directly below, never called (as the text loss)
         return chunked_cross_entropy(hidden, head.weight, target_ids, head.bias,
                                      chunk_size=chunk_size, group=group,
                                      num_items_in_batch=num_items_in_batch, stats=token_stats)

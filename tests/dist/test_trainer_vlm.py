@@ -88,8 +88,6 @@ def test_trainer_without_the_vision_path_differs(references, dist2):
     ("qwen2_5_vl", {"mm_token_type_ids": torch.zeros(2, 48, dtype=torch.long)}, "ddp",
      "mm_token_type_ids"),
     ("qwen2_5_vl", {"position_ids": torch.arange(48).expand(2, 48)}, "ddp", "position_ids"),
-    ("llava", None, "fsdp2", "DDP only"),
-    ("llava", None, "fsdp2 evaluate", "DDP only"),  # evaluate() alone
 ])
 def test_trainer_images_refused_with_one_line(references, dist2, family, extra, engine,
                                               message):
@@ -97,6 +95,50 @@ def test_trainer_images_refused_with_one_line(references, dist2, family, extra, 
     engine, *alone = engine.split()
     for said in dist2.run(vlm_trainer_error, folder, family, extra, engine, bool(alone)):
         assert said.startswith("ValueError") and message in said and "\n" not in said, said
+
+
+@pytest.mark.parametrize("family, engine", [
+    ("qwen2_5_vl", "fsdp2"), ("llava", "fsdp2"), ("qwen2_5_vl", "deepspeed"),
+    ("llava", "deepspeed"),
+])
+def test_sharded_tower_with_a_rank_without_images(dist1, dist2, tmp_path, family, engine):
+    """FSDP2 (accelerate's wrap: each vision block and decoder layer, and the root) and
+    DeepSpeed ZeRO-3 (every parameter partitioned) with images: the batch's images all in the
+    first rank's shard (ring_attn), so the second runs the tower on a dummy image; one step
+    and evaluate() equal one process."""
+    if engine == "deepspeed":
+        pytest.importorskip("deepspeed")
+    from .vlm_sharded_cases import early_batch
+
+    batch = early_batch(family)
+    ref = dist1.run(vlm_trainer_step, str(tmp_path), family, None, batch)[0]
+    assert _vision_grad(ref) > 0
+    for rank, result in enumerate(dist2.run(vlm_trainer_step, str(tmp_path), family,
+                                            "ring_attn", batch, False, engine)):
+        assert result["tower_sharded"], rank  # the engine did shard it
+        errors = _errors(result, ref)
+        assert all(e <= TOL for e in errors.values()), (rank, errors)
+        assert _vision_grad(result) > 0
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "deepspeed"])
+def test_sharded_tower_with_a_text_batch_beside(dist1, dist2, tmp_path, engine):
+    """Two data-parallel groups of one rank, the first's batch with images, the second's text
+    only: the second still runs the sharded tower once (text_through_tower), against one
+    process accumulating both batches."""
+    if engine == "deepspeed":
+        pytest.importorskip("deepspeed")
+    from .vlm_sharded_cases import early_batch, text_batch
+
+    batch, text = early_batch("qwen2_5_vl"), text_batch("qwen2_5_vl")
+    ref = dist1.run(vlm_trainer_step, str(tmp_path), "qwen2_5_vl", None, batch, False, "ddp",
+                    None, 2, second=text)[0]
+    for rank, result in enumerate(dist2.run(vlm_trainer_step, str(tmp_path), "qwen2_5_vl",
+                                            "ring_attn", batch, False, engine, 1, 1,
+                                            second=text)):
+        assert result["tower_sharded"], rank
+        errors = _errors(result, ref)
+        assert all(e <= TOL for e in errors.values()), (rank, errors)
 
 
 @pytest.mark.parametrize("method", ["zigzag_ring_attn", "ulysses_attn"])
