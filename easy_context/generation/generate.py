@@ -33,7 +33,7 @@ from ..integrations.hf import (IMAGE_SPANS_KWARG, KV_CACHE_KWARG, RESCALING_ROPE
                                 token_mixing_types)
 from ..integrations.hf_recurrent import (RUNS as RECURRENT_RUNS, recurrent_layer_types,
                                          unroutable_stateful_layers, unrouted_stateful_layers)
-from ..integrations.vision import vision_embeddings
+from ..integrations.vision import decoder_input_ids, vision_embeddings
 from ..mesh import group_size, process_group
 from ..parallel import get_method
 from ..parallel.comm import gather_shards
@@ -232,7 +232,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
              pixel_values_videos: Tensor | None = None, video_grid_thw: Tensor | None = None,
              second_per_grid_ts: Tensor | None = None,
              mm_token_type_ids: Tensor | None = None,
-             token_type_ids: Tensor | None = None) -> Tensor | GenerationResult:
+             token_type_ids: Tensor | None = None,
+             image_position_ids: Tensor | None = None) -> Tensor | GenerationResult:
     """Generate up to ``max_new_tokens`` after each of the (B, L) prompts, sequence-parallel.
 
     Every rank of the group calls this with the same ``input_ids`` (and ``attention_mask``,
@@ -318,7 +319,7 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
     # the prompt's images (vision-language models): refused up front where not exact
     media = dict(pixel_values=pixel_values, image_grid_thw=image_grid_thw,
                  pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw,
-                 second_per_grid_ts=second_per_grid_ts)
+                 second_per_grid_ts=second_per_grid_ts, image_position_ids=image_position_ids)
     vision = check_vision_prompt(model, media, mm_token_type_ids, input_ids, attention_mask,
                                  copies, _parameters_sharded(model), token_type_ids)
 
@@ -397,11 +398,12 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
         start = time.perf_counter()
         cache.start_prefill(pos_l, valid_l, lengths)
         if images is None:
-            hidden = decoder(input_ids=ids_l, position_ids=pos_l, use_cache=False,
+            hidden = decoder(input_ids=decoder_input_ids(model, ids_l), position_ids=pos_l,
+                             use_cache=False,
                              **{KV_CACHE_KWARG: cache}).last_hidden_state  # (B, S_local, D)
         else:  # this shard's embeddings with its images' features; the model's positions
             embeds, extra = vision_embeddings(model, ids_l, images.shard)
-            if any(images.shard.image_spans):  # Gemma 3: the prompt's images both ways
+            if any(images.shard.image_spans):  # Gemma 3, 4: the prompt's images both ways
                 extra[IMAGE_SPANS_KWARG] = images.shard.image_spans
             hidden = decoder(inputs_embeds=embeds, position_ids=images.positions,
                              use_cache=False, **extra,
@@ -452,7 +454,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
             # a done group's forward keeps nothing and its logits are not used
             cache.start_decode(step, query, keep=not finished)
             rotary = query if images is None else query + images.deltas  # (B,)
-            hidden = decoder(input_ids=token[:, None], position_ids=rotary[:, None],
+            hidden = decoder(input_ids=decoder_input_ids(model, token[:, None]),
+                             position_ids=rotary[:, None],
                              use_cache=False, **{KV_CACHE_KWARG: cache}).last_hidden_state[:, -1]
             cache.finish_decode()
             logits = _next_logits(model, hidden)

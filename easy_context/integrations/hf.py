@@ -48,7 +48,8 @@ Tensor = torch.Tensor
 IMAGE_SPANS_KWARG = "image_spans"
 """The keyword argument under which a vision-language step hands its image spans (per batch
 row, whole-sequence (first, stop) of each image whose tokens attend to each other both ways:
-Gemma 3) through the decoder to every attention call (integrations/vision.py)."""
+Gemma 3, Gemma 4) through the decoder to every attention call, which applies them where the
+model does (``layer_image_spans``: Gemma 4's sliding layers only; integrations/vision.py)."""
 
 
 def hf_attention_name(method: str) -> str:
@@ -108,6 +109,26 @@ def layer_chunk(module: nn.Module) -> int | None:
     return getattr(config, "attention_chunk_size", None)
 
 
+def layer_image_spans(module: nn.Module, spans):
+    """The image spans this attention layer applies: all of them, or none where the model
+    makes images bidirectional on its sliding layers only (Gemma 4's
+    ``use_bidirectional_attention == "vision"``: its full-attention layers stay causal over
+    images, transformers' ``create_masks_for_vision_model``). Read from the layer's config
+    and type, as the model decides it."""
+    if not spans:
+        return None
+    config = getattr(module, "config", None)
+    if getattr(config, "use_bidirectional_attention", None) != "vision":
+        return spans
+    types = getattr(config, "layer_types", None) or []
+    index = getattr(module, "layer_idx", None)
+    if index is None or index >= len(types):
+        raise ValueError(f"{type(module).__name__} makes images bidirectional on its sliding "
+                         "layers only, and its layer type cannot be read (layer_idx, "
+                         "config.layer_types)")
+    return spans if types[index] == "sliding_attention" else None
+
+
 def _one_dtype(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v in one dtype. Under autocast they arrive mixed: the projections give bf16,
     RoPE's fp32 cos/sin promote q and k back to fp32, v stays bf16. torch's sdpa then runs in
@@ -147,6 +168,7 @@ def _make_attention(method: str):
                                  "position (attn_temperature_tuning) and got no positions")
             scales = ws.temperature_scales(positions.to(query.device), *temperature)
             query = (query * scales).to(query.dtype)  # (B, Hq, S, D) * (B, 1, S, 1)
+        spans = layer_image_spans(module, kwargs.get(IMAGE_SPANS_KWARG))
         cache = kwargs.get(KV_CACHE_KWARG)
         if cache is not None:  # easy_context.generate: prefill or decode, the cache's call
             out = cache.attend(
@@ -155,7 +177,7 @@ def _make_attention(method: str):
                 softmax_scale=scaling, sliding_window=kwargs.get("sliding_window"),
                 chunk_size=layer_chunk(module), softcap=kwargs.get("softcap"),
                 sinks=kwargs.get("s_aux"),
-                **({"image_spans": spans} if (spans := kwargs.get(IMAGE_SPANS_KWARG)) else {}))
+                **({"image_spans": spans} if spans else {}))
             return out, None
         if latent is not None:  # this rank's queries against the whole sequence's K/V
             out = attend_gathered(
@@ -172,7 +194,7 @@ def _make_attention(method: str):
             document_ids=kwargs.get("document_ids"),
             sliding_window=kwargs.get("sliding_window"), chunk_size=layer_chunk(module),
             softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"),
-            image_spans=kwargs.get(IMAGE_SPANS_KWARG))
+            image_spans=spans)
         return out, None  # (B, S, Hq, Dv), no attention weights
 
     attention.__name__ = f"{method}_hf_attention"

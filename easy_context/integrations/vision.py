@@ -59,7 +59,10 @@ class VisionFamily:
     merge: int         # patches merged into one token (Qwen's spatial_merge_size ** 2)
     mrope: bool        # positions are (3, B, L) from the base model's get_rope_index
     deepstack: bool    # the decoder takes deepstack_visual_embeds (Qwen3-VL)
-    image_spans: bool = False  # image tokens attend to each other both ways (Gemma 3)
+    image_spans: bool = False  # image tokens attend to each other both ways (Gemma 3, 4)
+    spans_from: str = "token_type_ids"  # the marks they come from (Gemma 4: mm_token_type_ids)
+    patch_positions: bool = False  # the tower takes padded patch rows and their (x, y)
+    # positions per image (Gemma 4: image_position_ids), one image per row
 
 
 def is_vision_language(model: nn.Module) -> bool:
@@ -87,13 +90,15 @@ def describe(model: nn.Module) -> VisionFamily:
                          "sequence-parallel on text only (no pixel_values), or without "
                          "sequence parallelism")
     text = getattr(config, "text_config", None) or config
-    if getattr(text, "use_bidirectional_attention", None) == "vision":
-        # Gemma 4: image and video spans bidirectional on its sliding layers only
-        # (mm_token_type_ids); not routed per layer here
-        raise ValueError(f"{name} lets image tokens attend bidirectionally on its sliding "
-                         "layers only (use_bidirectional_attention='vision'), which "
-                         "sequence parallelism does not route per layer yet; train it "
-                         "sequence-parallel on text only, or without sequence parallelism")
+    bidirectional = getattr(text, "use_bidirectional_attention", None)
+    if bidirectional == "all":
+        raise ValueError(f"{name} attends bidirectionally everywhere "
+                         "(use_bidirectional_attention='all'): not a causal language model")
+    spans_from = "token_type_ids"
+    if bidirectional == "vision":
+        # Gemma 4: image and video tokens (mm_token_type_ids 1, 2) attend both ways inside
+        # each run, on its sliding layers only (hf.layer_image_spans routes them per layer)
+        image_spans, spans_from = True, "mm_token_type_ids"
     token_ids = {}
     for modality in MODALITIES:
         value = getattr(config, f"{modality}_token_id", None)
@@ -105,6 +110,7 @@ def describe(model: nn.Module) -> VisionFamily:
         raise ValueError(f"{name}'s config names no image_token_id")
     params = inspect.signature(model.get_image_features).parameters
     grids = "image_grid_thw" in params
+    patch_positions = "image_position_ids" in params
     required = [n for n, p in params.items() if p.default is inspect.Parameter.empty
                 and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and n != "pixel_values"]
     if required:
@@ -124,7 +130,8 @@ def describe(model: nn.Module) -> VisionFamily:
         decoder_of(model).forward).parameters
     if not grids:
         token_ids.pop("video", None)  # fixed-size towers here take images only
-    return VisionFamily(token_ids, grids, merge, mrope, deepstack, image_spans)
+    return VisionFamily(token_ids, grids, merge, mrope, deepstack, image_spans, spans_from,
+                        patch_positions)
 
 
 def _groups_images(model: nn.Module) -> bool:
@@ -165,6 +172,7 @@ class LocalMedia:
     token_mask: Tensor         # (B, S_local) bool: this rank's placeholder tokens
     rows: Tensor               # (n_local_tokens,) feature row of each, in token_mask order
     encoded: tuple[int, ...]   # global indices of the encoded items (images, video frames)
+    position_ids: Tensor | None = None  # (n_encoded, P, 2) their patch positions (Gemma 4)
 
 
 @dataclass
@@ -187,6 +195,22 @@ def _tokens_per_item(family: VisionFamily, grid: Tensor | None, count: int, tota
         raise ValueError(f"{total} {modality} tokens do not split evenly over {count} "
                          f"{modality}s")
     return [total // count] * count
+
+
+def _patch_tokens(model: nn.Module, pixel_values: Tensor, positions: Tensor | None
+                  ) -> list[int]:
+    """Soft tokens per image of a tower that takes padded patch rows (Gemma 4): its real
+    patches (positions not (-1, -1)) over the pooling kernel's k*k, as the model splits them."""
+    if positions is None:
+        raise ValueError(f"{type(model).__name__}'s vision tower takes each image's patch "
+                         "positions: pass image_position_ids (its processor gives them)")
+    if pixel_values.dim() != 3 or positions.shape != (*pixel_values.shape[:2], 2):
+        raise ValueError(f"pixel values {tuple(pixel_values.shape)} and image_position_ids "
+                         f"{tuple(positions.shape)} must be (N, P, C) and (N, P, 2): one "
+                         "image per row")
+    kernel = int(model.config.vision_config.pooling_kernel_size) ** 2
+    k_squared = int((positions.size(1) // (pixel_values.size(1) // kernel)) ** 0.5) ** 2
+    return ((positions != -1).all(-1).sum(-1) // k_squared).tolist()
 
 
 def _pixel_rows(pixel_values: Tensor, grid: Tensor | None) -> list[int]:
@@ -275,7 +299,9 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
                           position_ids: Tensor | None = None,
                           second_per_grid_ts: Tensor | None = None,
                           ring_degree: int | None = None,
-                          token_type_ids: Tensor | None = None) -> dict:
+                          token_type_ids: Tensor | None = None,
+                          mm_token_type_ids: Tensor | None = None,
+                          image_position_ids: Tensor | None = None) -> dict:
     """This rank's shard of a vision-language step, in ``method``'s layout. Pure: no
     collectives; every rank holds the whole step's ids and pixel values and computes its own.
 
@@ -284,7 +310,9 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
     conversation say the same): (B, L) of the whole step; pixel values and grids as the model's
     processor gives them (``second_per_grid_ts``: Qwen2.5-VL's seconds per video grid step;
     ``token_type_ids``: Gemma 3's image-token marks, 1 on image tokens, required with its
-    images: each run of marked tokens attends both ways, as in the model's own forward).
+    images: each run of marked tokens attends both ways, as in the model's own forward;
+    ``mm_token_type_ids``: Gemma 4's, 1 on image and 2 on video tokens, the same on its
+    sliding layers; ``image_position_ids``: Gemma 4's (N, P, 2) patch positions).
     Returns ``local_input_ids``, ``local_position_ids`` ((3, B, S) for multimodal RoPE, else
     (B, S)), ``local_target_ids``, ``local_document_ids`` (None when not packed) and
     ``vision`` (a VisionShard for ``causal_lm_loss(..., vision=)``).
@@ -312,15 +340,18 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
     local_ids = cut(input_ids)
     shard = VisionShard()
     if family.image_spans and pixel_values is not None:
-        if token_type_ids is None:
+        types = token_type_ids if family.spans_from == "token_type_ids" else mm_token_type_ids
+        if types is None:
             # the model's own forward makes image tokens bidirectional only where they are
             # marked: without marks it attends causally; so say which is meant
             raise ValueError(f"{type(model).__name__}'s image tokens attend to each other "
-                             "both ways where token_type_ids marks them (its processor gives "
-                             "them): pass token_type_ids (1 on image tokens)")
-        marks = token_type_ids == 1
+                             f"both ways where {family.spans_from} marks them (its processor "
+                             f"gives them): pass {family.spans_from} (1 on image tokens)")
+        # Gemma 4 groups image (1) and video (2) tokens alike (get_block_sequence_ids_for_mask)
+        marks = (types == 1) if family.spans_from == "token_type_ids" else \
+            (types == 1) | (types == 2)
         if marks.shape != input_ids.shape:
-            raise ValueError(f"token_type_ids {tuple(marks.shape)} must be shaped like "
+            raise ValueError(f"{family.spans_from} {tuple(marks.shape)} must be shaped like "
                              f"input_ids {tuple(input_ids.shape)}")
         shard.image_spans = image_spans_of(marks)
     for modality, token_id in family.token_ids.items():
@@ -338,12 +369,14 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
             # encodes only the frames its tokens hold, never the whole video
             grid = grid.repeat_interleave(grid[:, 0], dim=0)
             grid[:, 0] = 1
-        if grid is None and values_m.dim() != 4:
+        patched = family.patch_positions and modality == "image"
+        if grid is None and values_m.dim() != 4 and not patched:
             raise ValueError(f"{type(model).__name__}'s pixel values are "
                              f"{tuple(values_m.shape)}; sequence parallelism takes one image "
                              "(or tile) per row, (N, C, H, W)")
         count = grid.size(0) if grid is not None else values_m.size(0)
-        per_item = _tokens_per_item(family, grid, count, total, modality)
+        per_item = (_patch_tokens(model, values_m, image_position_ids) if patched else
+                    _tokens_per_item(family, grid, count, total, modality))
         if sum(per_item) != total:
             raise ValueError(f"{modality} tokens ({total}) and features "
                              f"({sum(per_item)}) do not match")
@@ -370,7 +403,8 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
             modality=modality,
             pixel_values=torch.cat(picked) if picked else values_m[:0],
             grid_thw=grid[encoded] if grid is not None else None,
-            token_mask=local_mask, rows=rows, encoded=tuple(encoded)))
+            token_mask=local_mask, rows=rows, encoded=tuple(encoded),
+            position_ids=image_position_ids[encoded] if patched else None))
     return {"local_input_ids": local_ids,
             "local_position_ids": cut(positions, positions.dim() - 1),
             "local_target_ids": cut(target_ids),
@@ -379,13 +413,16 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
 
 
 def _features(model: nn.Module, family: VisionFamily, pixel_values: Tensor,
-              grid_thw: Tensor | None):
+              grid_thw: Tensor | None, positions: Tensor | None = None):
     """(features (n_rows, H), [deepstack features (n_rows, H)] or None) of the items in
     ``pixel_values``: one call of the tower. Qwen's towers encode a video frame as an image
     of one temporal step (their get_video_features is get_image_features on the tower), so
     images and frames go through ``get_image_features`` together."""
     if family.grids:
         out = model.get_image_features(pixel_values, grid_thw, return_dict=True)
+    elif positions is not None:  # Gemma 4: padded patch rows, one image each, and positions
+        out = model.get_image_features(pixel_values=pixel_values,
+                                       image_position_ids=positions, return_dict=True)
     else:
         out = model.get_image_features(pixel_values=pixel_values, return_dict=True)
     pooled = out.pooler_output
@@ -477,9 +514,13 @@ def _encode(model: nn.Module, family: VisionFamily, vision: VisionShard, device,
     dtype = parts[0].pixel_values.dtype
     pixels = torch.cat([m.pixel_values.to(dtype) for m in parts])
     grid = torch.cat([m.grid_thw for m in parts]) if family.grids else None
-    features, deep = _features(model, family, pixels, grid)
+    patched = all(m.position_ids is not None for m in parts)
+    positions = torch.cat([m.position_ids for m in parts]) if patched else None
+    features, deep = _features(model, family, pixels, grid, positions)
     if family.grids:
         sizes = [int((m.grid_thw.prod(-1) // family.merge).sum()) for m in parts]
+    elif patched:  # Gemma 4: each image's soft tokens from its real patches
+        sizes = [sum(_patch_tokens(model, m.pixel_values, m.position_ids)) for m in parts]
     else:
         sizes = [features.size(0) // sum(len(m.encoded) for m in parts) * len(m.encoded)
                  for m in parts]
@@ -496,6 +537,13 @@ def vision_embeddings(model: nn.Module, input_ids: Tensor, vision: VisionShard
     ``tower_sharded``) it runs once on every rank, on a dummy image where the rank has
     nothing to encode (its output times zero in the embeddings)."""
     family = describe(model)
+    extra = {}
+    if _takes_per_layer_inputs(model):
+        # Gemma 4: the decoder adds per-layer embeddings of the token ids, where the model's
+        # own forward gives every placeholder (image, video, audio) the pad token's; the
+        # decoder cannot recover them from embeddings holding image features
+        input_ids = _placeholders_padded(model, input_ids)
+        extra["per_layer_inputs"] = decoder_of(model).get_per_layer_inputs(input_ids, None)
     sharded = tower_sharded(model)
     if sharded:  # every rank reads it, so that a config without it is refused by all alike
         dummy_image(model, family, input_ids.device)
@@ -515,7 +563,6 @@ def vision_embeddings(model: nn.Module, input_ids: Tensor, vision: VisionShard
         # no image token here: still give the tower a (zero) gradient, so that DDP's
         # reduction sees the same parameters with gradients on every rank
         embeds = embeds + sum(p.view(-1)[:1].sum() for p in tower_parameters(model)) * 0.0
-    extra = {}
     if family.deepstack and deep_parts:
         # one (n_visual_local, H) per deepstack layer, in the order of the joint visual mask
         layers = len(deep_parts[0][1])
@@ -525,7 +572,7 @@ def vision_embeddings(model: nn.Module, input_ids: Tensor, vision: VisionShard
             for mask, deep in deep_parts:
                 rows = rows.masked_scatter(mask[visual_mask].unsqueeze(-1), deep[layer])
             joint.append(rows)
-        extra = {"visual_pos_masks": visual_mask, "deepstack_visual_embeds": joint}
+        extra.update(visual_pos_masks=visual_mask, deepstack_visual_embeds=joint)
     return embeds, extra
 
 
@@ -551,6 +598,34 @@ def _check_deepstack_max_length(model: nn.Module, keep_every: int) -> None:
                          f"its first {deep} decoder layers, the last ({layers}) included: "
                          "max-length mode applies the final norm to the last layer's own "
                          "output; train it without max-length mode")
+
+
+def _takes_per_layer_inputs(model: nn.Module) -> bool:
+    decoder = decoder_of(model)
+    return bool(getattr(decoder, "hidden_size_per_layer_input", None)) and \
+        "per_layer_inputs" in inspect.signature(decoder.forward).parameters
+
+
+def decoder_input_ids(model: nn.Module, input_ids: Tensor) -> Tensor:
+    """The ids a vision-language model's own forward hands its decoder: Gemma 4's (a decoder
+    with per-layer inputs) turns every multimodal placeholder into the pad token first, a
+    generated one included; the others' as given."""
+    if is_vision_language(model) and _takes_per_layer_inputs(model):
+        return _placeholders_padded(model, input_ids)
+    return input_ids
+
+
+def _placeholders_padded(model: nn.Module, input_ids: Tensor) -> Tensor:
+    """input_ids with every multimodal placeholder (the config's image, video and audio token
+    ids) replaced by the text config's pad token, as Gemma 4's forward does before embedding."""
+    config = model.config
+    pad = (getattr(config, "text_config", None) or config).pad_token_id
+    ids = [getattr(config, f"{m}_token_id", None) for m in ("image", "video", "audio")]
+    placeholder = torch.zeros_like(input_ids, dtype=torch.bool)
+    for token in ids:
+        if token is not None:
+            placeholder |= input_ids == token
+    return torch.where(placeholder, torch.full_like(input_ids, pad), input_ids)
 
 
 def vision_language_loss(model: nn.Module, head: nn.Linear | None, input_ids: Tensor,

@@ -51,7 +51,7 @@ def _vision_grad(result: dict) -> float:
 def references(dist1, tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("vlm_trainer"))
     return folder, {family: dist1.run(vlm_trainer_step, folder, family, None)[0]
-                    for family in ("qwen2_5_vl", "llava", "qwen3_vl", "gemma3")}
+                    for family in ("qwen2_5_vl", "llava", "qwen3_vl", "gemma3", "gemma4")}
 
 
 @pytest.mark.parametrize("family, method", [
@@ -59,6 +59,7 @@ def references(dist1, tmp_path_factory):
     ("llava", "zigzag_ring_attn"), ("llava", "ulysses_attn"),
     ("qwen3_vl", "zigzag_ring_attn"),  # deepstack features beside multimodal RoPE
     ("gemma3", "zigzag_ring_attn"),  # images both ways inside (token_type_ids), a window
+    ("gemma4", "zigzag_ring_attn"),  # the same on its sliding layers only, patch positions
 ])
 def test_trainer_step_with_images_equals_one_process(references, dist2, family, method):
     folder, refs = references
@@ -96,6 +97,7 @@ def test_trainer_without_the_vision_path_differs(references, dist2):
 
 @pytest.mark.parametrize("family, extra, engine, message", [
     ("gemma3", {"token_type_ids": None}, "ddp", "token_type_ids"),
+    ("gemma4", {"mm_token_type_ids": None}, "ddp", "mm_token_type_ids"),
     ("paligemma", None, "ddp", "prefix"),
     ("llava_next", {"image_sizes": torch.tensor([[4, 4]] * 5)}, "ddp", "needs image_sizes"),
     ("qwen2_5_vl", {"mm_token_type_ids": torch.zeros(2, 48, dtype=torch.long)}, "ddp",

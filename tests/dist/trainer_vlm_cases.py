@@ -40,6 +40,9 @@ def vlm_batch(family: str, seed: int = 1, video: bool = False) -> dict:
             batch[key] = step[key]
     if family == "gemma3":  # its processor's image marks
         batch["token_type_ids"] = (ids == IMAGE).long()
+    if family == "gemma4":  # its processor's image marks and patch positions
+        batch["mm_token_type_ids"] = (ids == IMAGE).long()
+        batch["image_position_ids"] = step["image_position_ids"]
     if "image_grid_thw" in step:  # a Qwen processor's keys
         batch["image_grid_thw"] = step["image_grid_thw"]
         batch["mm_token_type_ids"] = (ids == IMAGE).long() + 2 * (ids == VIDEO).long()
