@@ -171,7 +171,10 @@ def import_baseline(world: int) -> int:
 
 
 def shape(name: str):
-    from easy_context.plan import ModelShape
+    from easy_context.plan import ModelShape, load_shape
+
+    if name not in ("llama3-tiny", "qwen2-tiny"):  # read from the model's config (its layer
+        return load_shape(str(model_dir(name)))  # kinds and max-length paths)
 
     return ModelShape(name=name, hidden=SHAPE["hidden_size"], layers=SHAPE["num_hidden_layers"],
                       heads=SHAPE["num_attention_heads"], kv_heads=SHAPE["num_key_value_heads"],

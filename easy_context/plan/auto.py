@@ -165,9 +165,9 @@ def fastest_tiling(shape: ModelShape, seq_len: int, devices: int, setup: Setup,
     (None, estimate of the most frugal one) when nothing fits. A LoRA setup is tiled like
     any other (its layers take max-length mode's generic path, which runs the adapters; the
     fused layer's terms plan it, with LoRA's own changes: plan/lora.py)."""
-    if allow_untiled or not shape.fusable:
+    if allow_untiled or not shape.tileable:
         ok, est = _fits(shape, seq_len, devices, setup, device_bytes, host_bytes, dtype)
-        if ok or not shape.fusable:  # never tiled (shapes.fusable)
+        if ok or not shape.tileable:  # never tiled (shapes.tileable)
             return (setup if ok else None), est
     s = seq_len // devices
     tiles = [tile] if tile else sorted({min(t, s) for t in TILES}, reverse=True)
@@ -214,8 +214,8 @@ def plan_longest(shape: ModelShape, devices: int, device_bytes: int,
         frugal = [base] + [replace(base, mlp_tile=1024, heads_per_chunk=c, keep_every=k)
                            for c in chunk_choices(shape, base, devices)[-1:] for k in KEEP_EVERY
                            if k == 1 or (base.checkpointing != "attention" and k <= shape.layers)
-                           if shape.fusable]  # untiled only: models whose layers the
-        # fused layer's terms do not describe (shapes.fusable)
+                           if shape.tileable]  # untiled only: models some layer of
+        # which max-length mode does not run (shapes.tileable)
         for setup in frugal:
             length, _ = max_sequence_length(shape, devices, device_bytes, setup.method,
                                             setup.ring_degree, granularity, limit=1 << 31,
