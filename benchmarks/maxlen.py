@@ -96,7 +96,9 @@ def _peak(row: dict) -> int:
     return max(row["rank_peaks_bytes"])
 
 
-def part_alst(lengths: list[int], systems: list[str], model: str = "llama3-tiny") -> dict:
+def part_alst(lengths: list[int], systems: list[str], model: str = "llama3-tiny",
+              on_row=None) -> dict:
+    """``on_row(rows)``: called after each run with the rows so far (to save them)."""
     rows = []
     for i, L in enumerate(lengths):
         order = systems[i % len(systems):] + systems[:i % len(systems)]
@@ -108,6 +110,8 @@ def part_alst(lengths: list[int], systems: list[str], model: str = "llama3-tiny"
             state = (f"peak {_peak(row) / MB:.0f} MB, step {row['step_s']:.0f} s" if row["ok"]
                      else "FAILED " + row.get("error", "")[-300:])
             print(f"[alst] {model} {system:20s} L={L:6d}: {state}", flush=True)
+            if on_row is not None:
+                on_row(rows)
     growth, first = {}, {}
     for row in rows:
         if row["ok"] and row["seq_len"] == lengths[0]:
@@ -193,15 +197,20 @@ def run_shape(args, old: dict, argv: list[str]) -> int:
     """The alst part for another shape, merged into the file under ``shapes.<shape>`` with its
     own command, machine record (commit, load) and date; the rest of the file as it was."""
     started, load_before = time.perf_counter(), common.load_average()
+
+    def save(part: dict) -> str:
+        part.update(command="python benchmarks/maxlen.py " + " ".join(argv),
+                    model=f"{args.shape} (benchmarks/trainer_runs.py)", world=2,
+                    machine=common.machine_info(), load_average_before=load_before,
+                    load_average_after=common.load_average(), date=common.now_iso(),
+                    total_s=time.perf_counter() - started)
+        now = common.load_results(args.output) or old  # another shape's run may have written
+        payload = {**now, "shapes": {**now.get("shapes", {}), args.shape: part}}
+        return common.write_results(args.output, payload)
+
     part = part_alst([int(x) for x in args.lengths.split(",")], args.systems.split(","),
-                     model=args.shape)
-    part.update(command="python benchmarks/maxlen.py " + " ".join(argv),
-                model=f"{args.shape} (benchmarks/trainer_runs.py)", world=2,
-                machine=common.machine_info(), load_average_before=load_before,
-                load_average_after=common.load_average(), date=common.now_iso(),
-                total_s=time.perf_counter() - started)
-    payload = {**old, "shapes": {**old.get("shapes", {}), args.shape: part}}
-    print(f"wrote {common.write_results(args.output, payload)}")
+                     model=args.shape, on_row=lambda rows: save({"rows": rows, "partial": True}))
+    print(f"wrote {save(part)}")
     return 0
 
 

@@ -275,8 +275,9 @@ def run_auto(args, shape, budget: int, lora: LoRASpec | None = None) -> int:
             f"{args.gpu_memory:g} GiB (planning with {budget / GIB:.1f} GiB each)"
             + (f", {args.host_memory:g} GiB host memory per device" if host else
                ", host memory not limited (--host-memory)"))
-    lines, result = [head], {"model": shape.name, "devices": n, "budget_gib": budget / GIB,
-                            "host_gib": args.host_memory}
+    lines, result = [head, shape.describe_paths()], {
+        "model": shape.name, "devices": n, "budget_gib": budget / GIB,
+        "host_gib": args.host_memory, "maxlen_paths": [p for _, p in shape.maxlen_paths()]}
     plans = []
     bases = [replace(b, deterministic=bool(getattr(args, "deterministic", False)))
              for b in _bases(shape, n, lora=lora)]

@@ -85,6 +85,21 @@ class ModelShape:
         """[(LayerKind, path)] of every kind of layer (:meth:`maxlen_path`)."""
         return [(k, self.maxlen_path(k)) for k, _ in self.layer_counts()]
 
+    def describe_paths(self) -> str:
+        """One line: the path max-length mode takes for each kind of layer."""
+        def name(k) -> str:
+            parts = [{"global": "attention", "window": "sliding-window attention",
+                      "chunk": "chunked attention"}.get(k.attention, "")]
+            parts += ["recurrent" if k.recurrent else "", {"dense": "MLP", "moe": "experts"}
+                      .get(k.mlp, "")]
+            return " + ".join(p for p in parts if p)
+
+        def say(p: str) -> str:
+            return p if p in ("fused", "generic") else f"not run ({p})"
+
+        return "max-length mode's layers: " + "; ".join(
+            f"{name(k)}: {say(p)}" for k, p in self.maxlen_paths())
+
     @property
     def tileable(self) -> bool:
         """Whether max-length mode runs (and the planner plans) every layer, on either path."""
