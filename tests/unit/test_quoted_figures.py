@@ -13,6 +13,8 @@ import re
 import statistics
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -564,6 +566,46 @@ def _maxlen_alst_lines() -> list[str]:
     lines.append(growth_row(f"growth {mid // 1024}K -> {last // 1024}K",
                             part["growth_between_longest_mb"]))
     return lines
+
+
+def _maxlen_shape_lines(name: str) -> list[str]:
+    """The page's table for another shape (maxlen.json `shapes`): peak / step per length and
+    system, then the growth rows (bold where a max-length setting is at or below ALST's)."""
+    part = _results("maxlen.json")["shapes"][name]
+    systems = [s for s in ("alst", "ours-maxlen", "ours-maxlen-frugal")
+               if any(r["system"] == s for r in part["rows"])]
+    cell = {(r["system"], r["seq_len"]): r for r in part["rows"] if r["ok"]}
+    lengths = sorted({L for _, L in cell})
+    lines = ["| " + " | ".join(
+        [f"{L // 1024}K"] + [f"{max(cell[(s, L)]['rank_peaks_bytes']) / 2**20:.0f} MB / "
+                             f"{cell[(s, L)]['step_s']:.0f} s" if (s, L) in cell else "-"
+                             for s in systems]) + " |" for L in lengths]
+    for L in lengths[1:]:
+        g = {s: part["growth_mb"].get(s, {}).get(str(L)) for s in systems}
+        out = []
+        for s in systems:
+            if g[s] is None:
+                out.append("-")
+                continue
+            text = f"{g[s]:.1f} MB"
+            better = s != "alst" and g["alst"] is not None and g[s] <= g["alst"]
+            out.append(f"**{text}**" if better else text)
+        lines.append(f"| growth {lengths[0] // 1024}K -> {L // 1024}K | " + " | ".join(out) + " |")
+    return lines
+
+
+@pytest.mark.parametrize("name", ["gemma3-tiny", "deepseek3-tiny"])
+def test_maxlen_shape_tables(name):
+    """The benchmarks page's tables for the Gemma 3 and DeepSeek-V3 shapes are maxlen.json's
+    `shapes` rows, with the load averages the runs recorded."""
+    shapes = _results("maxlen.json").get("shapes", {})
+    if name not in shapes:
+        pytest.skip(f"maxlen.json has no {name} rows")
+    page = (REPO / "docs" / "benchmarks.md").read_text()
+    for line in _maxlen_shape_lines(name):
+        assert line in page, line
+    loads = [r["load_average_after"][0] for r in shapes[name]["rows"]]
+    assert f"`{name}`: 1-minute load average {min(loads):.1f}-{max(loads):.1f}" in page
 
 
 def test_maxlen_alst_table_and_readme_row():
