@@ -126,30 +126,30 @@ def _rows():
 
 
 @pytest.mark.parametrize("name", ["gemma3-tiny", "deepseek3-tiny"])
-def test_planned_growth_against_the_measured_rows(name):
-    """maxlen.json's rows for the shape (2 ranks, zigzag ring, fp32, FSDP): the planner's
-    growth of the per-rank peak from 2K to each longer length, for each of our systems, within
-    GROWTH_TOL of the measured growth (or GROWTH_FLOOR_MB, for growths of a few MB)."""
+def test_planned_peaks_against_the_measured_rows(name):
+    """maxlen.json's rows for the shape (2 ranks, zigzag ring, fp32, FSDP, 2K-32K tokens):
+    for each of our max-length runs, the planner's peak (benchmarks/trainer_runs.py predict,
+    on the generic terms) against the measured per-rank peak above a rank's imports (the
+    file's rank_baseline_mb: 468.3 MB; the probe gave 468.6 MB again on 2026-12-06): never
+    more than PEAK_UNDER below it, at most PEAK_OVER above."""
     from benchmarks.maxlen import SYSTEMS
     from benchmarks.trainer_runs import TrainRun, predict
 
-    part = _rows().get(name)
+    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    part = data.get("shapes", {}).get(name)
     if part is None:
         pytest.skip(f"maxlen.json has no {name} rows")
-    growth = part["growth_mb"]
     checked = 0
-    for system, by_length in growth.items():
-        if not system.startswith("ours-"):
+    for row in part["rows"]:
+        if not (row["ok"] and row["system"].startswith("ours-")):
             continue
-        first = predict(TrainRun(name, 2, 2048, **SYSTEMS[system]))[1]
-        for length, measured in by_length.items():
-            planned = (predict(TrainRun(name, 2, int(length), **SYSTEMS[system]))[1]
-                       - first) / 2**20
-            assert abs(planned - measured) <= max(GROWTH_TOL * measured, GROWTH_FLOOR_MB), (
-                system, length, planned, measured)
-            checked += 1
+        measured = max(row["rank_peaks_bytes"]) / 2**20 - data["rank_baseline_mb"]
+        planned = predict(TrainRun(name, 2, row["seq_len"], **SYSTEMS[row["system"]]))[1] / 2**20
+        assert -PEAK_UNDER * measured <= planned - measured <= PEAK_OVER * measured, (
+            row["system"], row["seq_len"], planned, measured)
+        checked += 1
     assert checked
 
 
-GROWTH_TOL = 0.35
-GROWTH_FLOOR_MB = 10.0
+PEAK_UNDER = 0.05
+PEAK_OVER = 0.15

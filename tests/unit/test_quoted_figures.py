@@ -570,7 +570,8 @@ def _maxlen_alst_lines() -> list[str]:
 
 def _maxlen_shape_lines(name: str) -> list[str]:
     """The page's table for another shape (maxlen.json `shapes`): peak / step per length and
-    system, then the growth rows (bold where a max-length setting is at or below ALST's)."""
+    system, then the growth rows (bold where a max-length setting is at or below ALST's;
+    the same figures as the part's growth_mb when the run finished)."""
     part = _results("maxlen.json")["shapes"][name]
     systems = [s for s in ("alst", "ours-maxlen", "ours-maxlen-frugal")
                if any(r["system"] == s for r in part["rows"])]
@@ -580,8 +581,10 @@ def _maxlen_shape_lines(name: str) -> list[str]:
         [f"{L // 1024}K"] + [f"{max(cell[(s, L)]['rank_peaks_bytes']) / 2**20:.0f} MB / "
                              f"{cell[(s, L)]['step_s']:.0f} s" if (s, L) in cell else "-"
                              for s in systems]) + " |" for L in lengths]
-    for L in lengths[1:]:
-        g = {s: part["growth_mb"].get(s, {}).get(str(L)) for s in systems}
+    peak = {k: max(r["rank_peaks_bytes"]) / 2**20 for k, r in cell.items()}
+    for L in lengths[1:]:  # from the rows themselves: a run stopped part-way has no growth_mb
+        g = {s: peak[(s, L)] - peak[(s, lengths[0])] if (s, L) in peak and
+             (s, lengths[0]) in peak else None for s in systems}
         out = []
         for s in systems:
             if g[s] is None:
@@ -606,6 +609,15 @@ def test_maxlen_shape_tables(name):
         assert line in page, line
     loads = [r["load_average_after"][0] for r in shapes[name]["rows"]]
     assert f"`{name}`: 1-minute load average {min(loads):.1f}-{max(loads):.1f}" in page
+    # the prose below the tables: our peak below ALST's at every length, our growth above
+    peak = {(r["system"], r["seq_len"]): max(r["rank_peaks_bytes"]) for r in shapes[name]["rows"]
+            if r["ok"]}
+    lengths = sorted({L for _, L in peak})
+    if "max-length mode's peak is below ALST's at every length" in page:
+        assert all(peak[("ours-maxlen", L)] < peak[("alst", L)] for L in lengths)
+    if "but its growth is\nabove ALST's" in page:
+        assert all(peak[("ours-maxlen", L)] - peak[("ours-maxlen", lengths[0])]
+                   > peak[("alst", L)] - peak[("alst", lengths[0])] for L in lengths[1:])
 
 
 def test_maxlen_alst_table_and_readme_row():
