@@ -27,8 +27,11 @@ the scores it chooses from: 12 E), the top-k gathered inputs and weighted output
 (2 k H a) and its active experts' gated intermediates (6 (k I_e + I_shared) a, the
 dense tile's 6 I a).
 
-The two halves of plan/fused.py then hold G instead of R: the generic layer's terms are the
-fused layer's plus s x (G - R), and the MLP tile of the widest MLP kind. Where any layer of a
+The two halves of plan/fused.py then hold G instead of R: the generic layer's MLP half is the
+fused layer's plus s x (G - R), with the MLP tile of the widest MLP kind; its attention half
+the fused one's plus s x (G_attn - R), G_attn being the part of G that precedes the attention
+output (the input norm, q/k norms, MLA's projections, the method's saved tensors): the
+backward has freed the rest by the time it reaches the attention. Where any layer of a
 model takes the generic path the planner prices every layer so (the generic terms are the
 larger); a model whose layers all verify on the fused path keeps the fused terms.
 """
@@ -47,27 +50,38 @@ def norm_per_token(shape: ModelShape, a: int) -> int:
     return h * (4 + 2 * a) - (4 * h if a == 4 else 0) + 4
 
 
-def graph_per_token(shape: ModelShape, kind, a: int, method: str, world: int,
-                    ring_degree: int | None) -> int:
-    """G: the bytes per local token that a generic layer's recompute graph holds (its input
-    apart) while the layer is differentiated (see the module docstring)."""
+def attention_graph_per_token(shape: ModelShape, a: int, method: str, world: int,
+                              ring_degree: int | None) -> int:
+    """The part of G that is still there when the layer's backward reaches its attention
+    (what follows the attention has been differentiated and freed): the input norm, q/k
+    norms, MLA's projections and what the method keeps (module docstring)."""
     from ..parallel import get_method
 
-    h, hq, hkv, d = shape.hidden, shape.heads, shape.kv_heads, shape.hd
+    hq, hkv, d = shape.heads, shape.kv_heads, shape.hd
     vd = shape.v_head_dim or d
-    x = h * a
-    norms = shape.layer_norms if kind.attention and kind.mlp else max(shape.layer_norms // 2, 1)
-    g = norms * norm_per_token(shape, a) + max(norms - 2, 0) * x
-    if kind.attention is None:
-        return g
-    g += x  # the residual after attention (the next norm's input)
+    g = norm_per_token(shape, a)
     if shape.qk_norm:
         g += 2 * (hq + hkv) * d * a
     if shape.kv_lora_rank:
         r, rope, rq = shape.kv_lora_rank, shape.rope_head_dim or 0, shape.q_lora_rank or 0
         g += (3 * rq + hq * d) * a + (r + rope + 2 * r + hq * (d - rope + vd)) * a
     m = get_method("local" if world == 1 else method)
-    g += m.saved_per_token(shape.attention_dims(), a, world, ring_degree)
+    return g + m.saved_per_token(shape.attention_dims(), a, world, ring_degree)
+
+
+def graph_per_token(shape: ModelShape, kind, a: int, method: str, world: int,
+                    ring_degree: int | None) -> int:
+    """G: the bytes per local token that a generic layer's recompute graph holds (its input
+    apart) when the layer's backward starts (see the module docstring)."""
+    h, hq = shape.hidden, shape.heads
+    vd = shape.v_head_dim or shape.hd
+    x = h * a
+    norms = shape.layer_norms if kind.attention and kind.mlp else max(shape.layer_norms // 2, 1)
+    g = norms * norm_per_token(shape, a) + max(norms - 2, 0) * x
+    if kind.attention is None:
+        return g
+    g += x  # the residual after attention (the next norm's input)
+    g += attention_graph_per_token(shape, a, method, world, ring_degree) - norm_per_token(shape, a)
     return g + hq * vd * a  # the chunks' output, concatenated
 
 
@@ -92,12 +106,16 @@ def generic_terms(shape: ModelShape, s: int, a: int, method: str, world: int,
                      ring_degree, keep_every, workspace=workspace, budget=budget)
     kinds = [k for k, _ in shape.layer_counts()]
     g = max(graph_per_token(shape, k, a, method, world, ring_degree) for k in kinds)
-    extra = s * max(g - results_per_token(shape, a, method, world, ring_degree), 0)
+    results = results_per_token(shape, a, method, world, ring_degree)
+    extra = s * max(g - results, 0)
+    extra_attention = s * max(attention_graph_per_token(shape, a, method, world, ring_degree)
+                              - results, 0)
     t = min(mlp_tile, s)
     dense = 3 * shape.hidden * a + shape.hidden * (4 + 2 * a) + 6 * shape.intermediate * a
     tile = t * max((tile_per_token(shape, k, a) for k in kinds if k.mlp), default=dense)
     return replace(ft, mlp_half=ft.mlp_half + extra + tile - t * dense,
-                   attention_half=ft.attention_half + extra)
+                   attention_half=ft.attention_half + extra_attention)
 
 
-__all__ = ["generic_terms", "graph_per_token", "norm_per_token", "tile_per_token"]
+__all__ = ["attention_graph_per_token", "generic_terms", "graph_per_token", "norm_per_token",
+           "tile_per_token"]
