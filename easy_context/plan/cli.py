@@ -176,7 +176,8 @@ def run_plan(args) -> int:
                 if "vision" in kw else "")
              + f", {shape.layers} layers, "
              f"{shape.heads} heads / {shape.kv_heads} KV heads; {n} x {args.gpu_memory:g} GiB "
-             f"(planning with {budget / GIB:.1f} GiB each)"]
+             f"(planning with {budget / GIB:.1f} GiB each)", shape.describe_paths()]
+    result["maxlen_paths"] = [p for _, p in shape.maxlen_paths()]
     if args.seq_len:
         if method is None:
             choice = choose_method(shape, args.seq_len, n, budget, **kw)

@@ -18,7 +18,8 @@ method's communication buffers). runtime: the CUDA context / CPU runtime, a cons
 
 In max-length mode (easy_context.memory.maxlen: ``mlp_tile``, ``heads_per_chunk``,
 ``keep_every``) the stored activations and the layer's two halves are those of the fused
-layer instead (plan/fused.py), and the loss phase keeps the un-normed last hidden states,
+layer instead (plan/fused.py), or of the generic layer (plan/generic.py) where a layer kind
+takes that path (ModelShape.maxlen_path), and the loss phase keeps the un-normed last hidden states,
 whose gradient its backward writes over them.
 
 Batch size 1 (one packed sequence per step), as long-context training does; token counts are
@@ -593,19 +594,24 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
     workspace = kernel_workspace(device, a, kernel, deterministic, sms)
     loss = loss_bytes(model_shape, s, a, _chunk_rows(loss_chunk, model_shape, device))
     fused = mlp_tile is not None or heads_per_chunk is not None
-    if fused and not model_shape.fusable:
-        raise ValueError(f"{model_shape.name}: max-length mode's fused layers (--mlp-tile, "
-                         "--head-chunk) are planned for layers of attention and a dense MLP; "
-                         "this model has recurrent, expert, MLA or MLP-only layers: plan it "
+    paths = [p for _, p in model_shape.maxlen_paths()] if fused else []
+    refused = [p for p in paths if p not in ("fused", "generic")]
+    if refused:
+        raise ValueError(f"{model_shape.name}: max-length mode (--mlp-tile, --head-chunk) "
+                         f"does not run every layer of this model ({refused[0]}): plan it "
                          "untiled")
     if fused:
+        # each kind of layer on the path max-length mode takes for it (shapes.maxlen_path):
+        # the fused layer's terms, or the generic layer's where any layer takes that path
         from .fused import fused_terms
+        from .generic import generic_terms
 
+        terms = generic_terms if "generic" in paths else fused_terms
         mlp_tile = s if mlp_tile is None else mlp_tile
         heads_per_chunk = model_shape.heads if heads_per_chunk is None else heads_per_chunk
-        ft = fused_terms(model_shape, s, a, method, world_size, checkpointing, mlp_tile,
-                         heads_per_chunk, ring_degree, keep_every, workspace=workspace,
-                         budget=_budget(device))
+        ft = terms(model_shape, s, a, method, world_size, checkpointing, mlp_tile,
+                   heads_per_chunk, ring_degree, keep_every, workspace=workspace,
+                   budget=_budget(device))
         stored, mlp_w, attn_w, act_host = ft.stored + ft.head, ft.mlp_half, ft.attention_half, ft.host
         # The loss keeps the un-normed last hidden states and its backward writes their
         # gradient over them (tiled_loss.py): the one s x H tensor loss_bytes counts.
