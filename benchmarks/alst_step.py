@@ -4,8 +4,13 @@ The peer of ``easy-context train`` in benchmarks/maxlen.py, built as ALST's reci
 (DeepSpeed 0.19.8, ``deepspeed.runtime.sequence_parallel.ulysses_sp``), unpatched:
 - ``UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", N, ...)``: Ulysses
   all-to-alls around transformers' sdpa attention;
-- ``TiledMLP``: every decoder layer's MLP computed over ceil(seq_local / hidden) sequence
-  shards and recomputed shard by shard in backward (its docstring's monkey patch);
+- ``TiledMLP``: every decoder layer's MLP (a gated MLP or an MoE block, router and shared
+  expert included) computed over ceil(seq_local / hidden) sequence shards and recomputed
+  shard by shard in backward (its docstring's monkey patch, on each layer's MLP module);
+- ALST's Ulysses drops the attention mask (it relies on sdpa's causal flag and position ids),
+  so sliding-window layers (Gemma 3's) attend to the whole causal prefix there: more work,
+  the same memory order with sdpa; for MLA (DeepSeek-V3) the value heads are padded to the
+  query-key head size, which Ulysses' all-to-all requires;
 - ``TiledFusedLogitsLoss``: the head and the loss over shards of about 64 MiB of float32
   logits, backward run inside forward;
 - ZeRO-3 (``deepspeed.initialize``, a torch AdamW client optimizer) and transformers'
@@ -32,22 +37,48 @@ import time
 LOGITS_SHARD_BYTES = 64 * 2**20
 
 
-def _tiled_mlp_forward(self, x):
-    # ALST's patch (TiledMLP's docstring): shards of about `hidden` tokens, the same count on
-    # every rank (max over ranks) so that ZeRO-3's parameter gathers stay in step.
-    import torch
-    import torch.distributed as dist
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+def _tiled(forward):
+    """ALST's patch of an MLP class's forward (TiledMLP's docstring), for any MLP module (a
+    gated MLP, an MoE block with its router and shared expert): shards of about `hidden`
+    tokens, the same count on every rank (max over ranks) so that ZeRO-3's parameter gathers
+    stay in step; every parameter of the module is handed to TiledMLP."""
 
-    bs, seqlen, hidden = x.shape
-    shards = torch.tensor(math.ceil(seqlen / hidden), device=x.device)
-    dist.all_reduce(shards, op=dist.ReduceOp.MAX)
-    params = [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight]
+    def tiled_forward(self, x):
+        import torch
+        import torch.distributed as dist
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
-    def mlp_forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        bs, seqlen, hidden = x.shape
+        shards = torch.tensor(math.ceil(seqlen / hidden), device=x.device)
+        dist.all_reduce(shards, op=dist.ReduceOp.MAX)
+        return TiledMLP.apply(forward, self, x, int(shards.item()), list(self.parameters()))
 
-    return TiledMLP.apply(mlp_forward, self, x, int(shards.item()), params)
+    return tiled_forward
+
+
+def _patch_mlps(model) -> None:
+    # per instance, not per class: an MoE's shared expert is of the dense MLP's class and runs
+    # inside the tiled MoE block, on its shard
+    import types
+
+    for layer in model.model.layers:
+        layer.mlp.forward = types.MethodType(_tiled(type(layer.mlp).forward), layer.mlp)
+
+
+def _pad_values(attention, qk_dim: int, v_dim: int):
+    """Ulysses' all-to-all takes one head size for q, k and v: a value head narrower than the
+    query-key head (MLA's) is padded with zeros to it and the output cut back (what
+    transformers itself does for flash attention on DeepSeek-V3)."""
+    import torch.nn.functional as F
+
+    def padded(module, query, key, value, attention_mask, *args, **kwargs):
+        value = F.pad(value, (0, qk_dim - v_dim))
+        out, weights = attention(module, query, key, value, attention_mask, *args, **kwargs)
+        # Ulysses returns (B, S_local, heads * qk_dim), heads flattened
+        out = out.unflatten(-1, (-1, qk_dim))[..., :v_dim]  # (B, S_local, heads, v_dim)
+        return out.contiguous(), weights
+
+    return padded
 
 
 def _loss_sum(model, hidden, shift_labels):
@@ -72,16 +103,27 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> None:
     from deepspeed.runtime.sequence_parallel.ulysses_sp import (TiledFusedLogitsLoss,
                                                                 UlyssesSPAttentionHF)
     from transformers import AutoModelForCausalLM
-    from transformers.models.llama import modeling_llama
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(args["model"], dtype=torch.float32,
                                                  attn_implementation="sdpa")
+    config = model.config
+    qk_dim, v_dim = getattr(config, "qk_head_dim", None), getattr(config, "v_head_dim", None)
+    mla = qk_dim is not None and v_dim is not None
+    head_dim = getattr(config, "head_dim", None)
+    if mla:  # Ulysses sizes its buffers from config.head_dim: MLA's query-key head, for it
+        config.head_dim = qk_dim
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=world,
         micro_batch_size=1, seq_length=args["seq_len"], seq_length_is_variable=True)
-    modeling_llama.LlamaMLP.forward = _tiled_mlp_forward
+    if mla:
+        config.head_dim = head_dim
+        if qk_dim != v_dim:
+            ALL_ATTENTION_FUNCTIONS["sdpa"] = _pad_values(ALL_ATTENTION_FUNCTIONS["sdpa"],
+                                                          qk_dim, v_dim)
+    _patch_mlps(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()  # from_pretrained returns eval mode, where transformers skips checkpointing
     ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
@@ -118,7 +160,10 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> None:
     if rank == 0:
         print("RESULT " + json.dumps({"step_s": elapsed, "loss": value.item(), "world": world,
                                       "seq_len": L, "loss_shards": shards}), flush=True)
-    dist.destroy_process_group()
+    dist.barrier()
+    # measured and printed: leave without tearing down (on the MoE shape DeepSpeed's teardown
+    # aborts, "terminate called without an active exception", after a finished step)
+    os._exit(0)
 
 
 def main(argv=None) -> int:

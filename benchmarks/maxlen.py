@@ -28,6 +28,12 @@ sequence of L tokens. Step times are each system's own per-step wall time (slowe
 
     python benchmarks/maxlen.py                      # all three parts -> results/maxlen.json
     python benchmarks/maxlen.py --parts ratio --repeats 5
+    python benchmarks/maxlen.py --shape gemma3-tiny --systems alst,ours-maxlen,ours-maxlen-frugal
+    python benchmarks/maxlen.py --shape deepseek3-tiny --systems alst,ours-maxlen,ours-maxlen-frugal
+
+``--shape`` runs part 1 for another tiny model of benchmarks/trainer_runs.py (Gemma 3's
+sliding + global layers, DeepSeek-V3's MLA and MoE; both run max-length mode's generic path),
+written into the file's ``shapes`` entry with its own command, commit and load.
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common  # noqa: E402
-from benchmarks.trainer_runs import TrainRun, import_baseline, model_dir, predict, run_train  # noqa: E402
+from benchmarks.trainer_runs import (MODELS, TrainRun, import_baseline, model_dir,  # noqa: E402
+                                     predict, run_train)
 
 # the modules whose change makes these results stale: `easy-context train` end to end (its
 # imports), the planner for the fit part
@@ -62,11 +69,13 @@ SYSTEMS = {
 }
 
 
-def run_alst(seq_len: int, world: int = 2, timeout_s: float = 7200) -> dict:
+def run_alst(seq_len: int, world: int = 2, timeout_s: float = 7200,
+             model: str = "llama3-tiny") -> dict:
     cmd = [sys.executable, str(Path(__file__).with_name("alst_step.py")), "--model",
-           str(model_dir("llama3-tiny")), "--seq-len", str(seq_len), "--nproc", str(world)]
+           str(model_dir(model)), "--seq-len", str(seq_len), "--nproc", str(world)]
     r = common.watch_ranks(cmd, env=common.bench_env(), timeout_s=timeout_s)
-    row = {"system": "alst", "seq_len": seq_len, "world": world, "ok": r["returncode"] == 0,
+    row = {"system": "alst", "model": model, "seq_len": seq_len, "world": world,
+           "ok": r["returncode"] == 0,
            "wall_s": r["wall_s"], "rank_peaks_bytes": r["rank_peaks_bytes"][:world]}
     result = [line for line in r["stdout"].splitlines() if line.startswith("RESULT ")]
     if row["ok"] and result:
@@ -78,8 +87,8 @@ def run_alst(seq_len: int, world: int = 2, timeout_s: float = 7200) -> dict:
     return row
 
 
-def run_ours(system: str, seq_len: int, world: int = 2) -> dict:
-    row = run_train(TrainRun("llama3-tiny", world, seq_len, **SYSTEMS[system]))
+def run_ours(system: str, seq_len: int, world: int = 2, model: str = "llama3-tiny") -> dict:
+    row = run_train(TrainRun(model, world, seq_len, **SYSTEMS[system]))
     return {**row, "system": system}
 
 
@@ -87,17 +96,22 @@ def _peak(row: dict) -> int:
     return max(row["rank_peaks_bytes"])
 
 
-def part_alst(lengths: list[int], systems: list[str]) -> dict:
+def part_alst(lengths: list[int], systems: list[str], model: str = "llama3-tiny",
+              on_row=None) -> dict:
+    """``on_row(rows)``: called after each run with the rows so far (to save them)."""
     rows = []
     for i, L in enumerate(lengths):
         order = systems[i % len(systems):] + systems[:i % len(systems)]
         for system in order:
-            row = run_alst(L) if system == "alst" else run_ours(system, L)
+            row = (run_alst(L, model=model) if system == "alst"
+                   else run_ours(system, L, model=model))
             row["load_average_after"] = common.load_average()
             rows.append(row)
             state = (f"peak {_peak(row) / MB:.0f} MB, step {row['step_s']:.0f} s" if row["ok"]
                      else "FAILED " + row.get("error", "")[-300:])
-            print(f"[alst] {system:20s} L={L:6d}: {state}", flush=True)
+            print(f"[alst] {model} {system:20s} L={L:6d}: {state}", flush=True)
+            if on_row is not None:
+                on_row(rows)
     growth, first = {}, {}
     for row in rows:
         if row["ok"] and row["seq_len"] == lengths[0]:
@@ -179,6 +193,27 @@ def part_fit(length: int, budget: int, granularity: int = 1024) -> dict:
             "tiled_longest_planned": lo, "tiled_predicted_mb": predicted(lo) / MB, "row": row}
 
 
+def run_shape(args, old: dict, argv: list[str]) -> int:
+    """The alst part for another shape, merged into the file under ``shapes.<shape>`` with its
+    own command, machine record (commit, load) and date; the rest of the file as it was."""
+    started, load_before = time.perf_counter(), common.load_average()
+
+    def save(part: dict) -> str:
+        part.update(command="python benchmarks/maxlen.py " + " ".join(argv),
+                    model=f"{args.shape} (benchmarks/trainer_runs.py)", world=2,
+                    machine=common.machine_info(), load_average_before=load_before,
+                    load_average_after=common.load_average(), date=common.now_iso(),
+                    total_s=time.perf_counter() - started)
+        now = common.load_results(args.output) or old  # another shape's run may have written
+        payload = {**now, "shapes": {**now.get("shapes", {}), args.shape: part}}
+        return common.write_results(args.output, payload)
+
+    part = part_alst([int(x) for x in args.lengths.split(",")], args.systems.split(","),
+                     model=args.shape, on_row=lambda rows: save({"rows": rows, "partial": True}))
+    print(f"wrote {save(part)}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="alst,ratio,fit")
@@ -187,9 +222,14 @@ def main(argv=None) -> int:
     ap.add_argument("--ratio-length", type=int, default=16384)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--output", default=str(common.RESULTS_DIR / "maxlen.json"))
+    ap.add_argument("--shape", default="llama3-tiny", choices=sorted(MODELS),
+                    help="the tiny model (benchmarks/trainer_runs.py MODELS); any other than "
+                         "llama3-tiny runs the alst part only, into the file's `shapes` entry")
     args = ap.parse_args(argv)
     parts = args.parts.split(",")
     old = common.load_results(args.output) or {}
+    if args.shape != "llama3-tiny":
+        return run_shape(args, old, argv if argv is not None else sys.argv[1:])
     started, load_before = time.perf_counter(), common.load_average()
     payload = {**old, "benchmark": "maxlen", "command": "python benchmarks/maxlen.py "
                + " ".join(argv if argv is not None else sys.argv[1:]),

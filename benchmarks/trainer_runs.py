@@ -27,13 +27,31 @@ if __package__ in (None, ""):
 
 from benchmarks import common  # noqa: E402
 
-MODELS = {
-    "llama3-tiny": dict(family="llama", attention_bias=False),
-    "qwen2-tiny": dict(family="qwen2", use_sliding_window=False),
-}
 SHAPE = dict(vocab_size=32000, hidden_size=256, intermediate_size=896, num_hidden_layers=4,
              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=131072,
              attention_dropout=0.0, tie_word_embeddings=False)
+MODELS = {
+    "llama3-tiny": dict(family="llama", attention_bias=False),
+    "qwen2-tiny": dict(family="qwen2", use_sliding_window=False),
+    # Gemma 3's layer (sandwich norms, q/k norms, a query scale of its own, GELU-tanh MLP of
+    # 4x the width as in Gemma 3 4B) at the same width: three sliding-window layers of 1024
+    # tokens, then a global one (its 5:1 pattern cut to 4 layers); soft-caps as the real
+    # config has them (none: Gemma 3 dropped Gemma 2's for q/k norms). Runs the generic path.
+    "gemma3-tiny": dict(family="gemma3_text", head_dim=32, query_pre_attn_scalar=32,
+                        intermediate_size=1024, sliding_window=1024,
+                        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                        final_logit_softcapping=None, attn_logit_softcapping=None),
+    # DeepSeek-V3's layer: multi-head latent attention (q LoRA rank 64, KV latent 32, a rope /
+    # nope split of the query-key head of 16 + 32, a value head of 32 of its own), 8 heads
+    # with their own K/V; the first layer dense (896), the others an MoE of 8 routed experts
+    # (intermediate 128, 2 per token, sigmoid routing in 2 groups of which 1 is taken) and one
+    # shared expert. Runs the generic path.
+    "deepseek3-tiny": dict(family="deepseek_v3", num_key_value_heads=8, q_lora_rank=64,
+                           kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32,
+                           v_head_dim=32, head_dim=16, n_routed_experts=8,
+                           num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=128,
+                           n_group=2, topk_group=1, first_k_dense_replace=1),
+}
 # Two steps: the second is steady-state (AdamW's states exist from the first step's update)
 STEPS = 2
 WORK = Path(os.environ.get("EC_BENCH_WORK", Path(tempfile.gettempdir()) / "easy_context_bench"))
@@ -74,8 +92,8 @@ def model_dir(name: str) -> Path:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        kw = dict(MODELS[name])
-        config = AutoConfig.for_model(kw.pop("family"), **SHAPE, **kw)
+        kw = {**SHAPE, **MODELS[name]}
+        config = AutoConfig.for_model(kw.pop("family"), **kw)
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return folder
@@ -153,7 +171,10 @@ def import_baseline(world: int) -> int:
 
 
 def shape(name: str):
-    from easy_context.plan import ModelShape
+    from easy_context.plan import ModelShape, load_shape
+
+    if name not in ("llama3-tiny", "qwen2-tiny"):  # read from the model's config (its layer
+        return load_shape(str(model_dir(name)))  # kinds and max-length paths)
 
     return ModelShape(name=name, hidden=SHAPE["hidden_size"], layers=SHAPE["num_hidden_layers"],
                       heads=SHAPE["num_attention_heads"], kv_heads=SHAPE["num_key_value_heads"],

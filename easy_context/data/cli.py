@@ -36,7 +36,8 @@ def add_prepare_data_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="+", metavar="INPUT",
                         help="text file or folder, .jsonl/.parquet file or folder, save_to_disk "
                              "folder, or dataset name; optionally name=path to label the source")
-    parser.add_argument("--tokenizer", required=True, help="tokenizer folder or name (AutoTokenizer)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer folder or name (AutoTokenizer); required unless --processor")
     parser.add_argument("--output-dir", "--output", dest="output", required=True, metavar="DIR",
                         help="output folder (datasets.save_to_disk)")
     parser.add_argument("--seq-length", type=int, default=8192,
@@ -76,6 +77,16 @@ def add_prepare_data_args(parser: argparse.ArgumentParser) -> None:
     chat.add_argument("--chat-template", default=None, metavar="FILE",
                       help="Jinja chat template file, for a tokenizer without one (or to replace "
                            "it); {%% generation %%} tags around assistant text are used when present")
+    vision = parser.add_argument_group(
+        "image conversations", "records are conversations with images, run through a "
+        "vision-language model's processor (images expanded into their placeholder tokens) and "
+        "packed whole, with their pixel values and grids")
+    vision.add_argument("--processor", default=None, metavar="DIR",
+                        help="local folder of the model's processor (AutoProcessor, no remote "
+                             "code); implies --chat")
+    vision.add_argument("--images-column", default="images",
+                        help="column holding each record's images: file paths (relative to "
+                             "the input file's folder) or a datasets image column")
 
 
 def run_prepare_data(args: argparse.Namespace) -> int:
@@ -83,8 +94,12 @@ def run_prepare_data(args: argparse.Namespace) -> int:
     from .prepare import PrepareConfig, prepare_data
     from .upsample import UpsampleConfig
 
+    if args.tokenizer is None and args.processor is None:
+        raise ValueError("pass --tokenizer (text data) or --processor (image conversations)")
+    if args.tokenizer is not None and args.processor is not None:
+        raise ValueError("--processor brings its own tokenizer; drop --tokenizer")
     cfg = PrepareConfig(
-        inputs=list(args.inputs), tokenizer=args.tokenizer, output=args.output,
+        inputs=list(args.inputs), tokenizer=args.tokenizer or args.processor, output=args.output,
         seq_length=args.seq_length, text_column=args.text_column, add_bos=args.add_bos,
         add_eos=args.add_eos, min_length=args.min_length,
         upsample=UpsampleConfig(args.upsample_threshold, args.upsample_keep_prob),
@@ -92,10 +107,12 @@ def run_prepare_data(args: argparse.Namespace) -> int:
         trust_remote_code=args.trust_remote_code, max_documents=args.max_documents,
         chat=args.chat, messages_column=args.messages_column, prompt_column=args.prompt_column,
         response_column=args.response_column, chat_template=args.chat_template,
+        processor=args.processor, images_column=args.images_column,
     )
     stats = prepare_data(cfg)
+    images = f", {stats['images']} images" if cfg.processor is not None else ""
     print(f"wrote {stats['windows']} windows x {stats['window']} tokens "
-          f"({stats['documents']} documents, {stats['tokens']} tokens) to {cfg.output}")
+          f"({stats['documents']} documents{images}, {stats['tokens']} tokens) to {cfg.output}")
     return 0
 
 

@@ -106,6 +106,14 @@ class PrepareConfig:
     """Chat data: column of the responses to ``prompt_column``."""
     chat_template: str | None = None
     """Chat data: a Jinja chat template file, for a tokenizer without one or to replace it."""
+    processor: str | None = None
+    """Image conversations: the local folder of a vision-language model's processor
+    (AutoProcessor, no remote code), which expands each image into its placeholder tokens;
+    records are conversations in ``messages_column`` with their images in ``images_column``
+    (:mod:`vision`). Implies chat data; ``tokenizer`` is then the processor's."""
+    images_column: str = "images"
+    """Image conversations: column holding each record's images (file paths, relative to the
+    input file's folder, or a datasets image column), one per image part, in order."""
 
     def __post_init__(self) -> None:
         if self.seq_length < 2:
@@ -122,7 +130,19 @@ class PrepareConfig:
         if (self.prompt_column is None) != (self.response_column is None):
             raise ValueError("--prompt-column and --response-column go together; pass both, or "
                              "neither to read --messages-column")
-        self.chat = self.chat or self.prompt_column is not None
+        self.chat = self.chat or self.prompt_column is not None or self.processor is not None
+        if self.processor is not None:
+            # what the text path does and this one does not (yet)
+            unsupported = [flag for flag, on in (
+                ("--prompt-column/--response-column", self.prompt_column is not None),
+                ("--upsample-threshold", self.upsample.threshold is not None),
+                ("--streaming", self.streaming), ("--num-proc above 1", self.num_proc > 1),
+                ("--min-length", self.min_length > 0)) if on]
+            if unsupported:
+                raise ValueError(f"{unsupported[0]} does not apply to image conversations "
+                                 "(--processor) yet; drop it")
+            if not self.images_column:
+                raise ValueError("--images-column is empty; name the column of the images")
         if self.chat_template is not None and not self.chat:
             raise ValueError("--chat-template applies to chat data; add --chat (or "
                              "--prompt-column/--response-column), or drop --chat-template")
@@ -188,6 +208,10 @@ def _open(spec: SourceSpec, cfg: PrepareConfig) -> datasets.Dataset | datasets.I
 
 def prepare_data(cfg: PrepareConfig) -> dict:
     """Run the pipeline; return the stats written to ``<output>/stats.json``."""
+    if cfg.processor is not None:
+        from .vision import prepare_vision_data
+
+        return prepare_vision_data(cfg)
     t0 = time.perf_counter()
     out = Path(cfg.output).expanduser()
     _check_output(out)

@@ -33,7 +33,7 @@ from ..integrations.hf import (IMAGE_SPANS_KWARG, KV_CACHE_KWARG, RESCALING_ROPE
                                 token_mixing_types)
 from ..integrations.hf_recurrent import (RUNS as RECURRENT_RUNS, recurrent_layer_types,
                                          unroutable_stateful_layers, unrouted_stateful_layers)
-from ..integrations.vision import vision_embeddings
+from ..integrations.vision import decoder_input_ids, vision_embeddings
 from ..mesh import group_size, process_group
 from ..parallel import get_method
 from ..parallel.comm import gather_shards
@@ -233,6 +233,7 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
              second_per_grid_ts: Tensor | None = None,
              mm_token_type_ids: Tensor | None = None,
              token_type_ids: Tensor | None = None,
+             image_position_ids: Tensor | None = None,
              image_sizes: Tensor | None = None) -> Tensor | GenerationResult:
     """Generate up to ``max_new_tokens`` after each of the (B, L) prompts, sequence-parallel.
 
@@ -261,7 +262,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
 
     A vision-language model's prompt images come as its processor gives them
     (``pixel_values``, ``image_grid_thw``, videos, ``mm_token_type_ids``, Gemma 3's
-    ``token_type_ids``, an any-resolution tower's ``image_sizes``; the same on every rank):
+    ``token_type_ids``, Gemma 4's ``image_position_ids``, an any-resolution tower's
+    ``image_sizes``; the same on every rank):
     each rank encodes the images its shard of
     the prompt holds, Gemma 3's images attend both ways inside at the prefill, the positions are the
     model's own (multimodal RoPE's ``get_rope_index``), and the new tokens continue them as
@@ -320,7 +322,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
     # the prompt's images (vision-language models): refused up front where not exact
     media = dict(pixel_values=pixel_values, image_grid_thw=image_grid_thw,
                  pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw,
-                 second_per_grid_ts=second_per_grid_ts, image_sizes=image_sizes)
+                 second_per_grid_ts=second_per_grid_ts, image_position_ids=image_position_ids,
+                 image_sizes=image_sizes)
     vision = check_vision_prompt(model, media, mm_token_type_ids, input_ids, attention_mask,
                                  copies, _parameters_sharded(model), token_type_ids)
 
@@ -399,11 +402,12 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
         start = time.perf_counter()
         cache.start_prefill(pos_l, valid_l, lengths)
         if images is None:
-            hidden = decoder(input_ids=ids_l, position_ids=pos_l, use_cache=False,
+            hidden = decoder(input_ids=decoder_input_ids(model, ids_l), position_ids=pos_l,
+                             use_cache=False,
                              **{KV_CACHE_KWARG: cache}).last_hidden_state  # (B, S_local, D)
         else:  # this shard's embeddings with its images' features; the model's positions
             embeds, extra = vision_embeddings(model, ids_l, images.shard)
-            if any(images.shard.image_spans):  # Gemma 3: the prompt's images both ways
+            if any(images.shard.image_spans):  # Gemma 3, 4: the prompt's images both ways
                 extra[IMAGE_SPANS_KWARG] = images.shard.image_spans
             hidden = decoder(inputs_embeds=embeds, position_ids=images.positions,
                              use_cache=False, **extra,
@@ -454,7 +458,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, method: str | None = None, 
             # a done group's forward keeps nothing and its logits are not used
             cache.start_decode(step, query, keep=not finished)
             rotary = query if images is None else query + images.deltas  # (B,)
-            hidden = decoder(input_ids=token[:, None], position_ids=rotary[:, None],
+            hidden = decoder(input_ids=decoder_input_ids(model, token[:, None]),
+                             position_ids=rotary[:, None],
                              use_cache=False, **{KV_CACHE_KWARG: cache}).last_hidden_state[:, -1]
             cache.finish_decode()
             logits = _next_logits(model, hidden)

@@ -29,7 +29,8 @@ Tensor = torch.Tensor
 
 # generate's keyword arguments that carry a prompt's images, as the processors name them
 MEDIA_KWARGS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
-                "second_per_grid_ts", "image_sizes")
+                "second_per_grid_ts", "image_position_ids",
+                "image_sizes")
 
 
 @dataclass
@@ -53,7 +54,7 @@ def check_vision_prompt(model: nn.Module, media: dict, mm_token_type_ids: Tensor
     if not is_vision_language(model):
         raise ValueError(f"{name} has no vision tower (get_image_features): generate it "
                          "without pixel values")
-    family = describe(model)  # bidirectional prefixes, Gemma 4's spans: refused
+    family = describe(model)  # bidirectional prefixes (PaliGemma): refused
     if family.image_sizes and media.get("pixel_values") is not None:
         from ..integrations.vision import _check_image_sizes
 
@@ -82,7 +83,13 @@ def check_vision_prompt(model: nn.Module, media: dict, mm_token_type_ids: Tensor
             raise ValueError("mm_token_type_ids does not mark exactly the image (1) and video "
                              "(2) placeholder tokens of input_ids: pass the processor's own, "
                              "or leave it out (generate derives it from the tokens)")
-    if family.image_spans and token_type_ids is None:
+    if family.image_spans and family.spans_from == "mm_token_type_ids" and \
+            mm_token_type_ids is None:
+        # Gemma 4: transformers' forward without them attends causally over the images
+        raise ValueError(f"{name}'s image tokens attend to each other both ways (on its "
+                         "sliding layers) where mm_token_type_ids marks them (its processor "
+                         "gives them): pass mm_token_type_ids to generate")
+    if family.image_spans and family.spans_from == "token_type_ids" and token_type_ids is None:
         raise ValueError(f"{name}'s image tokens attend to each other both ways where "
                          "token_type_ids marks them (its processor gives them): pass "
                          "token_type_ids to generate")
@@ -112,14 +119,17 @@ def media_digest(media: dict) -> str:
 
 
 def family_spans(model: nn.Module) -> bool:
-    """Whether ``model``'s images attend both ways inside (Gemma 3)."""
+    """Whether ``model``'s images attend both ways inside (Gemma 3; Gemma 4's sliding
+    layers)."""
     return describe(model).image_spans
 
 
 def _on(media: LocalMedia, device: torch.device) -> LocalMedia:
     return replace(media, pixel_values=media.pixel_values.to(device),
                    grid_thw=None if media.grid_thw is None else media.grid_thw.to(device),
-                   token_mask=media.token_mask.to(device), rows=media.rows.to(device))
+                   token_mask=media.token_mask.to(device), rows=media.rows.to(device),
+                   position_ids=None if media.position_ids is None else
+                   media.position_ids.to(device))
 
 
 def prepare_vision_prompt(model: nn.Module, method: str, ids: Tensor, valid: Tensor,
@@ -138,7 +148,8 @@ def prepare_vision_prompt(model: nn.Module, method: str, ids: Tensor, valid: Ten
     top = whole if whole.dim() == 3 else whole.unsqueeze(0)
     top = top.masked_fill(~valid.unsqueeze(0), -1).amax(dim=(0, 2))  # (B,) largest real one
     if family_spans(model):  # checked equal to the image tokens (check_vision_prompt)
-        given["token_type_ids"] = (ids == describe(model).token_ids["image"]).long()
+        family = describe(model)
+        given[family.spans_from] = (ids == family.token_ids["image"]).long()
     local = prepare_vision_inputs(model, method, ids, ids, rank, world,
                                   ring_degree=ring_degree, **given)
     shard = VisionShard([_on(m, device) for m in local["vision"].media],

@@ -24,12 +24,15 @@ import torch.distributed as dist
 from torch import nn
 from transformers import AttentionInterface
 
+from ..attention.variants import variant_of
 from ..mesh import SPGroup, group_size, process_group, usp_groups
 from ..parallel import METHODS, get_method
+from ..parallel.latent import attend_gathered
 from ..parallel.settings import SequenceParallelSettings, module_settings, store_settings
 from ..sequence_parallel import sequence_parallel_attention
 from ..utils.decoder import decoder_of, text_config
 from . import whole_sequence as ws
+from .hf_latent import gathered_call, route_latent_layers
 from .hf_recurrent import KV_CACHE_KWARG  # noqa: F401 - generate reads it from here
 from .hf_recurrent import RUNS as RECURRENT_RUNS, recurrent_layer_types, route_recurrent_layers
 
@@ -45,7 +48,8 @@ Tensor = torch.Tensor
 IMAGE_SPANS_KWARG = "image_spans"
 """The keyword argument under which a vision-language step hands its image spans (per batch
 row, whole-sequence (first, stop) of each image whose tokens attend to each other both ways:
-Gemma 3) through the decoder to every attention call (integrations/vision.py)."""
+Gemma 3, Gemma 4) through the decoder to every attention call, which applies them where the
+model does (``layer_image_spans``: Gemma 4's sliding layers only; integrations/vision.py)."""
 
 
 def hf_attention_name(method: str) -> str:
@@ -57,9 +61,11 @@ def hf_attention_name(method: str) -> str:
 
 
 
-def _unsupported(query: Tensor, key: Tensor, dropout: float) -> str | None:
-    """Why this attention call cannot run sequence-parallel, or None."""
-    if query.size(2) != key.size(2):
+def _unsupported(query: Tensor, key: Tensor, dropout: float,
+                 keys_gathered: bool = False) -> str | None:
+    """Why this attention call cannot run sequence-parallel, or None. ``keys_gathered``: the
+    keys are the whole sequence's (an MLA layer's gathered latent, hf_latent.py)."""
+    if query.size(2) != key.size(2) and not keys_gathered:
         return ("queries and keys differ in length (transformers' KV cache: decoding); "
                 "generate with easy_context.generate, which keeps a KV cache sharded over the "
                 "ranks, or in one process with attn_implementation='sdpa'")
@@ -103,6 +109,26 @@ def layer_chunk(module: nn.Module) -> int | None:
     return getattr(config, "attention_chunk_size", None)
 
 
+def layer_image_spans(module: nn.Module, spans):
+    """The image spans this attention layer applies: all of them, or none where the model
+    makes images bidirectional on its sliding layers only (Gemma 4's
+    ``use_bidirectional_attention == "vision"``: its full-attention layers stay causal over
+    images, transformers' ``create_masks_for_vision_model``). Read from the layer's config
+    and type, as the model decides it."""
+    if not spans:
+        return None
+    config = getattr(module, "config", None)
+    if getattr(config, "use_bidirectional_attention", None) != "vision":
+        return spans
+    types = getattr(config, "layer_types", None) or []
+    index = getattr(module, "layer_idx", None)
+    if index is None or index >= len(types):
+        raise ValueError(f"{type(module).__name__} makes images bidirectional on its sliding "
+                         "layers only, and its layer type cannot be read (layer_idx, "
+                         "config.layer_types)")
+    return spans if types[index] == "sliding_attention" else None
+
+
 def _one_dtype(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v in one dtype. Under autocast they arrive mixed: the projections give bf16,
     RoPE's fp32 cos/sin promote q and k back to fp32, v stays bf16. torch's sdpa then runs in
@@ -125,7 +151,8 @@ def _make_attention(method: str):
         # GQA; what the layer adds comes as transformers hands it to flash attention:
         # sliding_window, softcap, s_aux (sinks); chunks from the config (layer_chunk).
         settings = module_settings(module)
-        reason = _unsupported(query, key, dropout) or (
+        latent = gathered_call(module, query, key)  # K/V from every rank's latent (hf_latent)
+        reason = _unsupported(query, key, dropout, latent is not None) or (
             _needs_apply(module, method) if settings is None else None)
         settings = settings or SequenceParallelSettings(method)
         if reason:
@@ -141,6 +168,7 @@ def _make_attention(method: str):
                                  "position (attn_temperature_tuning) and got no positions")
             scales = ws.temperature_scales(positions.to(query.device), *temperature)
             query = (query * scales).to(query.dtype)  # (B, Hq, S, D) * (B, 1, S, 1)
+        spans = layer_image_spans(module, kwargs.get(IMAGE_SPANS_KWARG))
         cache = kwargs.get(KV_CACHE_KWARG)
         if cache is not None:  # easy_context.generate: prefill or decode, the cache's call
             out = cache.attend(
@@ -149,7 +177,15 @@ def _make_attention(method: str):
                 softmax_scale=scaling, sliding_window=kwargs.get("sliding_window"),
                 chunk_size=layer_chunk(module), softcap=kwargs.get("softcap"),
                 sinks=kwargs.get("s_aux"),
-                **({"image_spans": spans} if (spans := kwargs.get(IMAGE_SPANS_KWARG)) else {}))
+                **({"image_spans": spans} if spans else {}))
+            return out, None
+        if latent is not None:  # this rank's queries against the whole sequence's K/V
+            out = attend_gathered(
+                query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                group=latent.group, causal=getattr(module, "is_causal", True),
+                softmax_scale=scaling, document_ids=kwargs.get("document_ids"),
+                variant=variant_of(kwargs.get("sliding_window"), layer_chunk(module),
+                                   kwargs.get("softcap")), sinks=kwargs.get("s_aux"))
             return out, None
         out = sequence_parallel_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), method,
@@ -158,7 +194,7 @@ def _make_attention(method: str):
             document_ids=kwargs.get("document_ids"),
             sliding_window=kwargs.get("sliding_window"), chunk_size=layer_chunk(module),
             softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"),
-            image_spans=kwargs.get(IMAGE_SPANS_KWARG))
+            image_spans=spans)
         return out, None  # (B, S, Hq, Dv), no attention weights
 
     attention.__name__ = f"{method}_hf_attention"
@@ -372,6 +408,8 @@ def apply_sequence_parallel(model: nn.Module, method: str, group=None,
     settings = SequenceParallelSettings(m.name, group, ring_degree)
     for module in modules:
         store_settings(module, settings)
+    # MLA layers send their latent instead of K/V where the method can (hf_latent.py)
+    route_latent_layers(modules, m.name, hf_attention_name(m.name), world)
     route_recurrent_layers(model, settings)
     decoder = decoder_of(model)
     if getattr(decoder, _MASK_HOOK_ATTR, None) is not None:
@@ -480,6 +518,98 @@ def output_head(model: nn.Module):
     return head, LogitTransform(scale, None if softcap in (None, 0, False) else float(softcap))
 
 
+class HeadTransform(nn.Module):
+    """What a BERT-style head does to each token's hidden state before its output projection
+    (dense, activation, LayerNorm): the model's parts beside the decoder, run in the order
+    they were registered, with the projection passed over (identity) inside them. (B, S, H)
+    or (T, H) -> (..., H'); its parameters are the parts' but the projection's."""
+
+    def __init__(self, parts: list[nn.Module], head: nn.Linear):
+        super().__init__()
+        self.parts, self.head = parts, head  # not registered: the model's own modules
+        skip = {id(q) for q in head.parameters()}
+        self._params = list({id(q): q for m in parts for q in m.parameters()
+                             if id(q) not in skip}.values())
+
+    def parameters(self, recurse: bool = True):
+        return iter(self._params)
+
+    def forward(self, h: Tensor) -> Tensor:
+        had = vars(self.head).get("forward")
+        self.head.forward = lambda x: x  # the projection is the chunked loss's
+        try:
+            for part in self.parts:
+                h = part(h)
+        finally:
+            if had is None:
+                del self.head.forward
+            else:
+                self.head.forward = had
+        return h
+
+
+HEAD_PROBE_TOKENS = 4
+
+
+def head_transform(model: nn.Module) -> tuple[nn.Linear, HeadTransform] | tuple[None, str]:
+    """(the output projection, the per-token transform before it) for a model whose logits
+    are ``projection(transform(decoder's last hidden state))`` with a transform that has
+    parameters (BERT, RoBERTa, ELECTRA, ModernBERT heads); or (None, why not). The
+    decomposition is checked against the model's own forward on random hidden states (the
+    decoder stubbed out, eval mode, no grad), where the weights are whole and local."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear) or {n for n, _ in head.named_parameters()} - {
+            "weight", "bias"}:
+        return None, "its output projection is not a linear layer"
+    decoder = decoder_of(model)
+    parts = [child for child in model.children()
+             if not any(m is decoder for m in child.modules())
+             and (child is head or any(True for _ in child.parameters()))]
+    if not any(any(m is head for m in part.modules()) for part in parts):
+        return None, "its output projection is not among its parts"
+    transform = HeadTransform(parts, head)
+    reason = _head_probe(model, decoder, head, transform)
+    return (None, reason) if reason else (head, transform)
+
+
+def _head_probe(model: nn.Module, decoder: nn.Module, head: nn.Linear,
+                transform: HeadTransform) -> str | None:
+    from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
+
+    params = [head.weight, *transform.parameters()]
+    if any(q.is_meta or hasattr(q, "ds_id") or type(q.data) is not torch.Tensor
+           or not q.is_floating_point() for q in params):
+        return None  # not whole here: the structure alone
+    width = text_config(model.config).hidden_size
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(1, HEAD_PROBE_TOKENS, width, generator=gen).to(head.weight)
+    ids = torch.zeros(1, HEAD_PROBE_TOKENS, dtype=torch.long, device=h.device)
+    had = vars(decoder).get("forward")
+    decoder.forward = lambda *a, **k: BaseModelOutputWithPastAndCrossAttentions(
+        last_hidden_state=h)
+    training = model.training
+    try:
+        model.train(False)
+        with torch.no_grad():
+            want = model(input_ids=ids, use_cache=False).logits.float()
+            got = nn.functional.linear(transform(h), head.weight, head.bias).float()
+    except Exception as e:  # noqa: BLE001  (a head the stub cannot drive: not this shape)
+        return f"its head could not be run on its own ({type(e).__name__})"
+    finally:
+        model.train(training)
+        if had is None:
+            del decoder.forward
+        else:
+            decoder.forward = had
+    if got.shape != want.shape:
+        return "its logits are not the projection of a per-token transform"
+    err = float((got - want).abs().max() / want.abs().max().clamp(min=1e-12))
+    tol = 1e-4 if head.weight.dtype in (torch.float32, torch.float64) else 5e-2
+    return None if err <= tol else (
+        f"its logits are not the projection of its other parts' per-token transform "
+        f"({err:.1e} apart on random hidden states)")
+
+
 def plain_lm_head(model: nn.Module) -> nn.Linear | None:
     """The output projection, if logits are exactly ``hidden @ W.T (+ b)``; else None."""
     head, transform = output_head(model)
@@ -515,6 +645,11 @@ def causal_lm_loss(model: nn.Module, input_ids: Tensor, position_ids: Tensor, ta
     from ..memory.loss import chunked_cross_entropy, default_chunk_size, logits_cross_entropy
 
     head, transform = output_head(model)
+    head_pre = None
+    if head is None and vision is None:  # max-length mode runs a BERT-style head in chunks
+        from ..memory.maxlen import max_length_head
+
+        head, head_pre = max_length_head(model)
     if chunked is None:
         chunked = head is not None and head.out_features >= 16384
     if chunked and head is None:
@@ -524,6 +659,13 @@ def causal_lm_loss(model: nn.Module, input_ids: Tensor, position_ids: Tensor, ta
     extra = {} if document_ids is None else {"document_ids": document_ids}
     if vision is not None:
         from .vision import vision_language_loss
+
+        if transform is not None:
+            # (a composite model's head gives None above; one of its own config with a
+            # soft-cap or scale would be dropped by the vision loss: refused, not guessed)
+            raise ValueError(f"{type(model).__name__} transforms its logits ({transform}); "
+                             "the vision-language loss does not apply that: train it without "
+                             "images")
 
         return vision_language_loss(model, head, input_ids, position_ids, target_ids, vision,
                                     extra, chunked, chunk_size, group, num_items_in_batch,
@@ -538,7 +680,8 @@ def causal_lm_loss(model: nn.Module, input_ids: Tensor, position_ids: Tensor, ta
 
         if max_length_settings(model) is not None:  # the final norm goes into the chunks
             return max_length_loss(model, head, input_ids, position_ids, target_ids, extra,
-                                   chunk_size, group, num_items_in_batch, transform, token_stats)
+                                   chunk_size, group, num_items_in_batch, transform, token_stats,
+                                   head_transform=head_pre)
         hidden = decoder_of(model)(input_ids=input_ids, position_ids=position_ids,
                                      use_cache=False, **extra).last_hidden_state
         return chunked_cross_entropy(hidden, head.weight, target_ids, head.bias,

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..memory.generic_layer import CALL_STATE
 from ..parallel import get_method
 from ..parallel.settings import SequenceParallelSettings, module_settings, store_settings
 from ..recurrent.conv import causal_conv1d
@@ -423,6 +424,9 @@ def _record_documents(caller: nn.Module, layer: nn.Module) -> None:
     if len(layers) == 1:
         caller.register_forward_pre_hook(_record_hook, with_kwargs=True)
         caller.register_forward_hook(_forget_hook)
+        # max-length mode's generic layers recompute the caller's forward themselves (not
+        # through its checkpoint function): they take this to replay the recorded ids
+        caller.__dict__[CALL_STATE] = _snapshot
 
 
 def _record_hook(caller: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -444,13 +448,24 @@ def _forget_hook(caller: nn.Module, args: tuple, output) -> None:
         layer.__dict__.pop(_GENERATING, None)
 
 
+def _snapshot(caller: nn.Module) -> Callable[[], None]:
+    """What _record_hook recorded for ``caller``'s current call, as a function that records
+    it again (before a recompute of the call, which runs without the hook)."""
+    recorded = [(m, m.__dict__.get(_DOCUMENTS)) for m in caller.__dict__[_RECORDED]]
+
+    def restore() -> None:
+        for layer, ids in recorded:
+            layer.__dict__[_DOCUMENTS] = ids
+
+    return restore
+
+
 def _replaying(caller: nn.Module, checkpoint: Callable) -> Callable:
     def checkpointed(function: Callable, *args, **kwargs):
-        recorded = [(m, m.__dict__.get(_DOCUMENTS)) for m in caller.__dict__[_RECORDED]]
+        restore = _snapshot(caller)
 
         def replay(*a, **k):  # runs now and again at the recompute
-            for layer, ids in recorded:
-                layer.__dict__[_DOCUMENTS] = ids
+            restore()
             return function(*a, **k)
 
         return checkpoint(replay, *args, **kwargs)

@@ -31,6 +31,7 @@ sequence are refused up front. What changes:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -44,7 +45,7 @@ from .hf import apply_sequence_parallel, check_model_supported
 from .loss_forward import LossSettings, chunked_loss_possible, install_loss_forward
 from .trainer_batches import (ShardedBatch, check_batch_keys, check_vision_batch, count_targets,
                               has_images, has_vision_keys, shard_trainer_batch)
-from .vision import is_vision_language
+from .vision import VisionShard, is_vision_language, tower_sharded
 
 log = logging.getLogger(__name__)
 Tensor = torch.Tensor
@@ -79,16 +80,19 @@ class SequenceParallelState:
         check_vision_batch(batch, self.base_model)
         if not has_images(batch):  # text only (a processor's mm_token_type_ids): as text
             return
-        if self.max_length:
-            raise ValueError("max-length mode does not take images yet; enable sequence "
-                             "parallelism without max_length=True for a batch with images")
-        if getattr(trainer, "is_fsdp_enabled", False) or getattr(
-                trainer, "is_deepspeed_enabled", False):
-            # a rank whose shard holds no image does not run the tower, whose parameters
-            # these engines gather collectively when it runs: the other ranks would wait
-            raise ValueError("batches with images run under DDP only: FSDP and DeepSpeed "
-                             "ZeRO-3 gather the vision tower collectively, which a rank "
-                             "without image tokens does not run; train with DDP")
+        # (FSDP2 and ZeRO-3 train with images: every rank runs the tower once per step, a
+        # rank without image tokens on a dummy image: vision.vision_embeddings; max-length
+        # mode runs its tiled decoder on the embeddings with the images' features:
+        # vision.vision_language_loss)
+
+    def text_through_tower(self, batch: ShardedBatch) -> ShardedBatch:
+        """A text batch of a vision-language model whose tower is sharded (FSDP2, ZeRO-3)
+        goes through the vision path with no images, so that this rank runs the tower once
+        (on a dummy image) like the ranks of other data-parallel groups whose batches have
+        images: their gathers and reductions would wait for it otherwise."""
+        if batch.vision is None and self.vision and tower_sharded(self.base_model):
+            return dataclasses.replace(batch, vision=VisionShard())
+        return batch
 
 
 def _unwrap_peft(model: nn.Module) -> nn.Module:
@@ -407,20 +411,21 @@ class SequenceParallelMixin:
             return
         from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
-        from ..utils.decoder import decoder_of
+        from ..memory.maxlen import loss_modules
         from .hf import output_head
 
         root = getattr(self.model_wrapped, "module", self.model_wrapped)
-        params = list(output_head(state.base_model)[0].parameters(recurse=False))
+        head = output_head(state.base_model)[0]  # None for a BERT-style head: loss_modules
+        params = list(head.parameters(recurse=False)) if head is not None else []
         if state.max_length:
-            params += list(decoder_of(state.base_model).norm.parameters())
+            params += [p for m in loss_modules(state.base_model) for p in m.parameters()]
         for p in params:
             register_external_parameter(root, p)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         state = self._easy_context
         self._register_zero3_external()
-        batch = state.shard(inputs)
+        batch = state.text_through_tower(state.shard(inputs))
         training = self.model.training
         trl_metrics = hasattr(self, "_metrics")
         device = batch.input_ids.device

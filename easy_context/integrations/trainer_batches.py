@@ -79,7 +79,8 @@ DOCUMENT_KEYS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "ma
 # (checked equal: shard_vision_batch).
 PIXEL_KEYS = frozenset({"pixel_values", "pixel_values_videos"})
 VISION_KEYS = PIXEL_KEYS | {"image_grid_thw", "video_grid_thw", "second_per_grid_ts",
-                            "mm_token_type_ids", "token_type_ids", "image_sizes"}
+                            "mm_token_type_ids", "token_type_ids", "image_position_ids",
+                            "image_sizes"}
 
 
 def has_images(batch: dict) -> bool:
@@ -191,7 +192,8 @@ def shard_trainer_batch(batch: dict, method: str, sp_rank: int, sp_size: int,
 
 
 def _cut_like(marks: Tensor | None, input_ids: Tensor) -> Tensor | None:
-    """Gemma 3's token_type_ids (B, S) padded with text (0) to the padded ids' length."""
+    """Gemma 3's token_type_ids (Gemma 4's mm_token_type_ids) (B, S) padded with text (0) to
+    the padded ids' length."""
     if marks is None or marks.size(1) == input_ids.size(1):
         return marks
     return torch.cat([marks, marks.new_zeros(marks.size(0), input_ids.size(1) - marks.size(1))],
@@ -217,7 +219,9 @@ def _shard_vision(batch: dict, model, method: str, sp_rank: int, sp_size: int,
         second_per_grid_ts=batch.get("second_per_grid_ts"), document_ids=documents,
         image_sizes=batch.get("image_sizes"),
         position_ids=given, ring_degree=ring_degree,
-        token_type_ids=_cut_like(batch.get("token_type_ids"), input_ids))
+        token_type_ids=_cut_like(batch.get("token_type_ids"), input_ids),
+        mm_token_type_ids=_cut_like(batch.get("mm_token_type_ids"), input_ids),
+        image_position_ids=batch.get("image_position_ids"))
     return ShardedBatch(local["local_input_ids"], local["local_position_ids"],
                         local["local_target_ids"], local["local_document_ids"], length,
                         local["vision"])
@@ -225,7 +229,7 @@ def _shard_vision(batch: dict, model, method: str, sp_rank: int, sp_size: int,
 
 def check_vision_batch(batch: dict, model) -> None:
     """Refuse a batch with images that ``model`` cannot be trained on exactly here: what
-    integrations.vision.describe refuses (PaliGemma, Gemma 4), image_sizes that do not
+    integrations.vision.describe refuses (PaliGemma), image_sizes that do not
     match the pixel values (towers that take them), keys that
     are not cut, position_ids beside multimodal RoPE, mm_token_type_ids that disagree with
     the placeholder ids. Pure (no collectives): every rank refuses together."""
@@ -252,10 +256,11 @@ def check_vision_batch(batch: dict, model) -> None:
                          "multimodal (get_rope_index on the whole sequence): drop them from "
                          "the collator (packing is not supported with images here)")
     _check_mm_token_types(batch, family)
-    if family.image_spans and has_images(batch) and batch.get("token_type_ids") is None:
+    marks = family.spans_from
+    if family.image_spans and has_images(batch) and batch.get(marks) is None:
         raise ValueError("the batch carries images for a model whose image tokens attend both "
-                         "ways where token_type_ids marks them (Gemma 3), and no "
-                         "token_type_ids: keep the processor's token_type_ids in the batch")
+                         f"ways where {marks} marks them (Gemma 3, Gemma 4), and no "
+                         f"{marks}: keep the processor's {marks} in the batch")
 
 
 def _check_mm_token_types(batch: dict, family) -> None:

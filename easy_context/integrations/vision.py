@@ -34,7 +34,8 @@ the same way as the embeddings).
   count per image is the model's own ``pack_image_features`` on stand-in features
   (``anyres_tokens``), and Mistral 3's padded batch that its tower crops (``cropped_tokens``:
   merged patches); a rank's images go through the model's ``get_image_features`` with their
-  sizes, and the features it gives are checked against the counts.
+  sizes, in the rank's one tower call (``_encode``; a sharded tower's dummy image with
+  ``dummy_image_sizes``), and the features it gives are checked against the counts.
 """
 
 from __future__ import annotations
@@ -64,7 +65,10 @@ class VisionFamily:
     merge: int         # patches merged into one token (Qwen's spatial_merge_size ** 2)
     mrope: bool        # positions are (3, B, L) from the base model's get_rope_index
     deepstack: bool    # the decoder takes deepstack_visual_embeds (Qwen3-VL)
-    image_spans: bool = False  # image tokens attend to each other both ways (Gemma 3)
+    image_spans: bool = False  # image tokens attend to each other both ways (Gemma 3, 4)
+    spans_from: str = "token_type_ids"  # the marks they come from (Gemma 4: mm_token_type_ids)
+    patch_positions: bool = False  # the tower takes padded patch rows and their (x, y)
+    # positions per image (Gemma 4: image_position_ids), one image per row
     image_sizes: bool = False  # the tower takes image_sizes: tiles (LLaVA-NeXT, OneVision)
     # packed by pack_image_features, or a padded batch it crops (Mistral 3)
 
@@ -94,13 +98,15 @@ def describe(model: nn.Module) -> VisionFamily:
                          "sequence-parallel on text only (no pixel_values), or without "
                          "sequence parallelism")
     text = getattr(config, "text_config", None) or config
-    if getattr(text, "use_bidirectional_attention", None) == "vision":
-        # Gemma 4: image and video spans bidirectional on its sliding layers only
-        # (mm_token_type_ids); not routed per layer here
-        raise ValueError(f"{name} lets image tokens attend bidirectionally on its sliding "
-                         "layers only (use_bidirectional_attention='vision'), which "
-                         "sequence parallelism does not route per layer yet; train it "
-                         "sequence-parallel on text only, or without sequence parallelism")
+    bidirectional = getattr(text, "use_bidirectional_attention", None)
+    if bidirectional == "all":
+        raise ValueError(f"{name} attends bidirectionally everywhere "
+                         "(use_bidirectional_attention='all'): not a causal language model")
+    spans_from = "token_type_ids"
+    if bidirectional == "vision":
+        # Gemma 4: image and video tokens (mm_token_type_ids 1, 2) attend both ways inside
+        # each run, on its sliding layers only (hf.layer_image_spans routes them per layer)
+        image_spans, spans_from = True, "mm_token_type_ids"
     token_ids = {}
     for modality in MODALITIES:
         value = getattr(config, f"{modality}_token_id", None)
@@ -112,6 +118,7 @@ def describe(model: nn.Module) -> VisionFamily:
         raise ValueError(f"{name}'s config names no image_token_id")
     params = inspect.signature(model.get_image_features).parameters
     grids = "image_grid_thw" in params
+    patch_positions = "image_position_ids" in params
     required = [n for n, p in params.items() if p.default is inspect.Parameter.empty
                 and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and n != "pixel_values"]
     any_resolution = required == ["image_sizes"] and (_packs_tiles(model)
@@ -133,7 +140,8 @@ def describe(model: nn.Module) -> VisionFamily:
         decoder_of(model).forward).parameters
     if not grids:
         token_ids.pop("video", None)  # fixed-size towers here take images only
-    return VisionFamily(token_ids, grids, merge, mrope, deepstack, image_spans, any_resolution)
+    return VisionFamily(token_ids, grids, merge, mrope, deepstack, image_spans, spans_from,
+                        patch_positions, any_resolution)
 
 
 def _module_function(model: nn.Module, name: str):
@@ -271,6 +279,7 @@ class LocalMedia:
     token_mask: Tensor         # (B, S_local) bool: this rank's placeholder tokens
     rows: Tensor               # (n_local_tokens,) feature row of each, in token_mask order
     encoded: tuple[int, ...]   # global indices of the encoded items (images, video frames)
+    position_ids: Tensor | None = None  # (n_encoded, P, 2) their patch positions (Gemma 4)
     image_sizes: Tensor | None = None  # (n_encoded, 2) their sizes (any-resolution towers)
 
 
@@ -294,6 +303,22 @@ def _tokens_per_item(family: VisionFamily, grid: Tensor | None, count: int, tota
         raise ValueError(f"{total} {modality} tokens do not split evenly over {count} "
                          f"{modality}s")
     return [total // count] * count
+
+
+def _patch_tokens(model: nn.Module, pixel_values: Tensor, positions: Tensor | None
+                  ) -> list[int]:
+    """Soft tokens per image of a tower that takes padded patch rows (Gemma 4): its real
+    patches (positions not (-1, -1)) over the pooling kernel's k*k, as the model splits them."""
+    if positions is None:
+        raise ValueError(f"{type(model).__name__}'s vision tower takes each image's patch "
+                         "positions: pass image_position_ids (its processor gives them)")
+    if pixel_values.dim() != 3 or positions.shape != (*pixel_values.shape[:2], 2):
+        raise ValueError(f"pixel values {tuple(pixel_values.shape)} and image_position_ids "
+                         f"{tuple(positions.shape)} must be (N, P, C) and (N, P, 2): one "
+                         "image per row")
+    kernel = int(model.config.vision_config.pooling_kernel_size) ** 2
+    k_squared = int((positions.size(1) // (pixel_values.size(1) // kernel)) ** 0.5) ** 2
+    return ((positions != -1).all(-1).sum(-1) // k_squared).tolist()
 
 
 def _pixel_rows(pixel_values: Tensor, grid: Tensor | None) -> list[int]:
@@ -383,6 +408,8 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
                           second_per_grid_ts: Tensor | None = None,
                           ring_degree: int | None = None,
                           token_type_ids: Tensor | None = None,
+                          mm_token_type_ids: Tensor | None = None,
+                          image_position_ids: Tensor | None = None,
                           image_sizes: Tensor | None = None) -> dict:
     """This rank's shard of a vision-language step, in ``method``'s layout. Pure: no
     collectives; every rank holds the whole step's ids and pixel values and computes its own.
@@ -393,6 +420,8 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
     processor gives them (``second_per_grid_ts``: Qwen2.5-VL's seconds per video grid step;
     ``token_type_ids``: Gemma 3's image-token marks, 1 on image tokens, required with its
     images: each run of marked tokens attends both ways, as in the model's own forward;
+    ``mm_token_type_ids``: Gemma 4's, 1 on image and 2 on video tokens, the same on its
+    sliding layers; ``image_position_ids``: Gemma 4's (N, P, 2) patch positions;
     ``image_sizes``: (N, 2) each image's (height, width), required with the images of a
     tower that takes them: LLaVA-NeXT's and OneVision's pixel values are then (N, tiles, C,
     H, W) padded per image, or the images' tiles concatenated, (sum of tiles, C, H, W);
@@ -427,15 +456,18 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
     local_ids = cut(input_ids)
     shard = VisionShard()
     if family.image_spans and pixel_values is not None:
-        if token_type_ids is None:
+        types = token_type_ids if family.spans_from == "token_type_ids" else mm_token_type_ids
+        if types is None:
             # the model's own forward makes image tokens bidirectional only where they are
             # marked: without marks it attends causally; so say which is meant
             raise ValueError(f"{type(model).__name__}'s image tokens attend to each other "
-                             "both ways where token_type_ids marks them (its processor gives "
-                             "them): pass token_type_ids (1 on image tokens)")
-        marks = token_type_ids == 1
+                             f"both ways where {family.spans_from} marks them (its processor "
+                             f"gives them): pass {family.spans_from} (1 on image tokens)")
+        # Gemma 4 groups image (1) and video (2) tokens alike (get_block_sequence_ids_for_mask)
+        marks = (types == 1) if family.spans_from == "token_type_ids" else \
+            (types == 1) | (types == 2)
         if marks.shape != input_ids.shape:
-            raise ValueError(f"token_type_ids {tuple(marks.shape)} must be shaped like "
+            raise ValueError(f"{family.spans_from} {tuple(marks.shape)} must be shaped like "
                              f"input_ids {tuple(input_ids.shape)}")
         shard.image_spans = image_spans_of(marks)
     for modality, token_id in family.token_ids.items():
@@ -453,18 +485,20 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
             # encodes only the frames its tokens hold, never the whole video
             grid = grid.repeat_interleave(grid[:, 0], dim=0)
             grid[:, 0] = 1
+        patched = family.patch_positions and modality == "image"
         sizes = None
         if family.image_sizes and modality == "image":
             sizes = _check_image_sizes(model, values_m, image_sizes)
-        if grid is None and sizes is None and values_m.dim() != 4:
+        if grid is None and sizes is None and values_m.dim() != 4 and not patched:
             raise ValueError(f"{type(model).__name__}'s pixel values are "
                              f"{tuple(values_m.shape)}; sequence parallelism takes one image "
                              "(or tile) per row, (N, C, H, W)")
         count = grid.size(0) if grid is not None else values_m.size(0)
         if sizes is not None:  # the model's own count per image (tiles, unpadding, newlines)
             count = sizes.size(0)
-            per_item = (anyres_tokens(model, sizes) if _packs_tiles(model)
-                        else cropped_tokens(model, sizes))
+            per_item = _sized_tokens(model, sizes)
+        elif patched:
+            per_item = _patch_tokens(model, values_m, image_position_ids)
         else:
             per_item = _tokens_per_item(family, grid, count, total, modality)
         if sum(per_item) != total:
@@ -496,6 +530,7 @@ def prepare_vision_inputs(model: nn.Module, method: str, input_ids: Tensor, targ
             pixel_values=torch.cat(picked) if picked else values_m[:0],
             grid_thw=grid[encoded] if grid is not None else None,
             token_mask=local_mask, rows=rows, encoded=tuple(encoded),
+            position_ids=image_position_ids[encoded] if patched else None,
             image_sizes=None if sizes is None else sizes[encoded]))
     return {"local_input_ids": local_ids,
             "local_position_ids": cut(positions, positions.dim() - 1),
@@ -537,26 +572,41 @@ def _check_image_sizes(model: nn.Module, pixel_values: Tensor, image_sizes: Tens
     return sizes
 
 
-def _features(model: nn.Module, family: VisionFamily, media: LocalMedia):
-    """(features (n_rows, H), [deepstack features (n_rows, H)] or None) of the encoded items."""
+def _sized_tokens(model: nn.Module, image_sizes: Tensor) -> list[int]:
+    """Placeholder tokens of each image of an any-resolution tower (``image_sizes``): the
+    tiles' packed features (LLaVA-NeXT, OneVision) or the cropped image's merged patches
+    (Mistral 3)."""
+    return (anyres_tokens(model, image_sizes) if _packs_tiles(model)
+            else cropped_tokens(model, image_sizes))
+
+
+def _features(model: nn.Module, family: VisionFamily, pixel_values: Tensor,
+              grid_thw: Tensor | None, positions: Tensor | None = None,
+              image_sizes: Tensor | None = None):
+    """(features (n_rows, H), [deepstack features (n_rows, H)] or None) of the items in
+    ``pixel_values``: one call of the tower. Qwen's towers encode a video frame as an image
+    of one temporal step (their get_video_features is get_image_features on the tower), so
+    images and frames go through ``get_image_features`` together. ``image_sizes`` (N, 2):
+    an any-resolution tower's images, tiled or cropped by the model's own code."""
     if family.grids:
-        get = model.get_image_features if media.modality == "image" else model.get_video_features
-        out = get(media.pixel_values, media.grid_thw, return_dict=True)
-    elif media.image_sizes is not None:  # the model's own tiling and packing, these images
-        out = model.get_image_features(pixel_values=media.pixel_values,
-                                       image_sizes=media.image_sizes, return_dict=True)
+        out = model.get_image_features(pixel_values, grid_thw, return_dict=True)
+    elif positions is not None:  # Gemma 4: padded patch rows, one image each, and positions
+        out = model.get_image_features(pixel_values=pixel_values,
+                                       image_position_ids=positions, return_dict=True)
+    elif image_sizes is not None:  # the model's own tiling and packing, these images
+        out = model.get_image_features(pixel_values=pixel_values, image_sizes=image_sizes,
+                                       return_dict=True)
     else:
-        out = model.get_image_features(pixel_values=media.pixel_values, return_dict=True)
+        out = model.get_image_features(pixel_values=pixel_values, return_dict=True)
     pooled = out.pooler_output
     features = torch.cat(list(pooled), dim=0) if isinstance(pooled, (list, tuple)) else pooled
     features = features.reshape(-1, features.size(-1))
-    if media.image_sizes is not None:
+    if image_sizes is not None:
         # the counts per image (anyres_tokens, cropped_tokens) must be the model's own
-        want = sum(anyres_tokens(model, media.image_sizes) if _packs_tiles(model)
-                   else cropped_tokens(model, media.image_sizes))
+        want = sum(_sized_tokens(model, image_sizes))
         if features.size(0) != want:
             raise ValueError(f"{type(model).__name__} gave {features.size(0)} feature rows for "
-                             f"images of sizes {media.image_sizes.tolist()}, not the {want} "
+                             f"images of sizes {image_sizes.tolist()}, not the {want} "
                              "tokens counted for them; report this model to easy_context")
     deep = getattr(out, "deepstack_features", None) if family.deepstack else None
     if deep is not None:
@@ -564,39 +614,164 @@ def _features(model: nn.Module, family: VisionFamily, media: LocalMedia):
     return features, deep
 
 
-def tower_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters outside the decoder and the output head: the vision tower and its
-    projector (whatever the family names them)."""
+def _outside_decoder(model: nn.Module) -> list[nn.Parameter]:
+    """Every parameter outside the decoder and the output head (the tower, its projector)."""
     inside = {id(p) for p in decoder_of(model).parameters()}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None:
         inside |= {id(p) for p in head.parameters()}
-    return [p for p in model.parameters() if id(p) not in inside and p.requires_grad]
+    return [p for p in model.parameters() if id(p) not in inside]
+
+
+def tower_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters outside the decoder and the output head: the vision tower and its
+    projector (whatever the family names them), those that train."""
+    return [p for p in _outside_decoder(model) if p.requires_grad]
+
+
+def tower_sharded(model: nn.Module) -> bool:
+    """Whether the tower's parameters are gathered collectively when it runs: FSDP2's
+    DTensors (a unit of its own, e.g. each vision block, as accelerate wraps the model's
+    _no_split_modules) or DeepSpeed ZeRO-3's partitioned parameters (``ds_id``), frozen ones
+    included (their forward all-gathers happen all the same). Parameters of a unit that is
+    running (FSDP2's root, inside its forward) are plain tensors: gathered already."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - a torch without DTensor shards nothing this way
+        DTensor = ()
+    return any(isinstance(p, DTensor) or hasattr(p, "ds_id") for p in _outside_decoder(model))
+
+
+def dummy_image(model: nn.Module, family: VisionFamily, device) -> tuple[Tensor, Tensor | None]:
+    """The smallest input the tower takes, zeros: (pixel rows, grid (1, 3)) of one merge
+    window (grids: spatial_merge_size x spatial_merge_size patches, one temporal step), or
+    one fixed-size image (1, C, H, W). What a rank with nothing to encode runs the tower on
+    when the tower is sharded, so that its gathers (and, the output multiplied by zero into
+    the loss, its gradient reductions) match the other ranks'. Read from the vision config;
+    a ValueError says what is missing."""
+    vc = getattr(model.config, "vision_config", None)
+    name = type(model).__name__
+    dtype = next((p.dtype for p in _outside_decoder(model) if p.is_floating_point()),
+                 torch.float32)
+    if family.grids:
+        need = ("in_channels", "patch_size", "spatial_merge_size")
+        if vc is None or any(getattr(vc, k, None) is None for k in need):
+            raise ValueError(f"{name}'s vision_config does not give {', '.join(need)}, from "
+                             "which a rank without images builds the input it runs the "
+                             "sharded tower on; train with DDP (the tower not sharded)")
+        side = int(vc.spatial_merge_size)
+        width = (int(vc.in_channels) * int(getattr(vc, "temporal_patch_size", 1) or 1)
+                 * int(vc.patch_size) ** 2)
+        grid = torch.tensor([[1, side, side]], device=device)
+        return torch.zeros(side * side, width, dtype=dtype, device=device), grid
+    size = getattr(vc, "image_size", None)
+    if size is None:
+        raise ValueError(f"{name}'s vision_config gives no image_size, from which a rank "
+                         "without images builds the input it runs the sharded tower on; "
+                         "train with DDP (the tower not sharded)")
+    height, width = (size, size) if isinstance(size, int) else tuple(size)
+    channels = int(getattr(vc, "num_channels", 3) or 3)
+    if family.image_sizes:
+        # an any-resolution tower: the image of dummy_image_sizes, as its processor would
+        # give it (LLaVA-NeXT, OneVision: all its tiles; Mistral 3: 2 x 2 merged patches)
+        (height, width), = dummy_image_sizes(model, family, "cpu").tolist()
+        tiles = anyres_tiles(model, dummy_image_sizes(model, family, "cpu"))[0] \
+            if _packs_tiles(model) else 1
+        return torch.zeros(tiles, channels, height, width, dtype=dtype, device=device), None
+    return torch.zeros(1, channels, int(height), int(width), dtype=dtype, device=device), None
+
+
+def dummy_image_sizes(model: nn.Module, family: VisionFamily, device) -> Tensor | None:
+    """(1, 2) image_sizes of ``dummy_image`` for an any-resolution tower, else None: one tile
+    of the tower's image_size (LLaVA-NeXT, OneVision), or 2 x 2 merged patches (Mistral 3:
+    its patch_size x spatial_merge_size is the least it crops, but get_image_features
+    squeezes a single token's features to one vector)."""
+    if not family.image_sizes:
+        return None
+    if _packs_tiles(model):
+        size = model.config.vision_config.image_size
+        height, width = (size, size) if isinstance(size, int) else tuple(size)
+    else:
+        height = width = 2 * _vision_tower(model).patch_size * model.config.spatial_merge_size
+    return torch.tensor([[int(height), int(width)]], dtype=torch.long, device=device)
+
+
+def _encode(model: nn.Module, family: VisionFamily, vision: VisionShard, device,
+            sharded: bool):
+    """[(media, features, deep)] of this rank's encoded items, from ONE tower call (all
+    modalities together), and a zero (a scalar in the graph of the tower's output) when the
+    rank has nothing to encode and the tower is sharded: then the tower runs once on
+    ``dummy_image``, so every rank calls the tower exactly once per step, whatever it holds,
+    and every tower parameter gets a (zero) gradient, reduced like the others' ranks'."""
+    parts = [m for m in vision.media if m.encoded]
+    if not parts:
+        if not sharded:
+            return [], None
+        pixels, grid = dummy_image(model, family, device)
+        features, deep = _features(model, family, pixels, grid,
+                                   image_sizes=dummy_image_sizes(model, family, "cpu"))
+        zero = features.sum() * 0.0
+        for d in deep or ():
+            zero = zero + d.sum() * 0.0
+        return [], zero
+    dtype = parts[0].pixel_values.dtype
+    pixels = torch.cat([m.pixel_values.to(dtype) for m in parts])
+    grid = torch.cat([m.grid_thw for m in parts]) if family.grids else None
+    patched = all(m.position_ids is not None for m in parts)
+    positions = torch.cat([m.position_ids for m in parts]) if patched else None
+    sized = all(m.image_sizes is not None for m in parts)
+    # any-resolution towers: their images' sizes go with the pixels (tiles or padded images
+    # of the encoded images only, in the same order)
+    image_sizes = torch.cat([m.image_sizes for m in parts]) if sized else None
+    features, deep = _features(model, family, pixels, grid, positions, image_sizes)
+    if family.grids:
+        sizes = [int((m.grid_thw.prod(-1) // family.merge).sum()) for m in parts]
+    elif patched:  # Gemma 4: each image's soft tokens from its real patches
+        sizes = [sum(_patch_tokens(model, m.pixel_values, m.position_ids)) for m in parts]
+    elif sized:  # LLaVA-NeXT, OneVision, Mistral 3: the counts checked in _features
+        sizes = [sum(_sized_tokens(model, m.image_sizes)) for m in parts]
+    else:
+        sizes = [features.size(0) // sum(len(m.encoded) for m in parts) * len(m.encoded)
+                 for m in parts]
+    split = lambda t: torch.split(t, sizes)  # noqa: E731
+    deeps = list(zip(*[split(d) for d in deep])) if deep is not None else [None] * len(parts)
+    return list(zip(parts, split(features), deeps)), None
 
 
 def vision_embeddings(model: nn.Module, input_ids: Tensor, vision: VisionShard
                       ) -> tuple[Tensor, dict]:
     """This rank's input embeddings (B, S_local, H), its image and video tokens replaced by
-    their features, and the decoder's extra keyword arguments (deepstack)."""
+    their features, and the decoder's extra keyword arguments (deepstack). The tower runs
+    once (images and video frames together); with a sharded tower (FSDP2, ZeRO-3,
+    ``tower_sharded``) it runs once on every rank, on a dummy image where the rank has
+    nothing to encode (its output times zero in the embeddings)."""
     family = describe(model)
+    extra = {}
+    if _takes_per_layer_inputs(model):
+        # Gemma 4: the decoder adds per-layer embeddings of the token ids, where the model's
+        # own forward gives every placeholder (image, video, audio) the pad token's; the
+        # decoder cannot recover them from embeddings holding image features
+        input_ids = _placeholders_padded(model, input_ids)
+        extra["per_layer_inputs"] = decoder_of(model).get_per_layer_inputs(input_ids, None)
+    sharded = tower_sharded(model)
+    if sharded:  # every rank reads it, so that a config without it is refused by all alike
+        dummy_image(model, family, input_ids.device)
     embeds = model.get_input_embeddings()(input_ids)
     visual_mask = torch.zeros_like(input_ids, dtype=torch.bool)
     deep_parts: list[tuple[Tensor, list[Tensor]]] = []
-    for media in vision.media:
-        if not media.encoded:
-            continue
-        features, deep = _features(model, family, media)
-        features = features.to(embeds.dtype)
-        mine = features[media.rows]                      # (n_local_tokens, H) in mask order
+    encoded, zero = _encode(model, family, vision, input_ids.device, sharded)
+    for media, features, deep in encoded:
+        mine = features.to(embeds.dtype)[media.rows]     # (n_local_tokens, H) in mask order
         embeds = embeds.masked_scatter(media.token_mask.unsqueeze(-1), mine)
         visual_mask = visual_mask | media.token_mask
         if deep is not None:
             deep_parts.append((media.token_mask, [d[media.rows].to(embeds.dtype) for d in deep]))
-    if not any(media.encoded for media in vision.media):
-        # no image token here: still give the tower a (zero) gradient, so that DDP's and
-        # FSDP's reductions see the same parameters with gradients on every rank
+    if zero is not None:
+        embeds = embeds + zero.to(embeds.dtype)
+    elif not encoded:
+        # no image token here: still give the tower a (zero) gradient, so that DDP's
+        # reduction sees the same parameters with gradients on every rank
         embeds = embeds + sum(p.view(-1)[:1].sum() for p in tower_parameters(model)) * 0.0
-    extra = {}
     if family.deepstack and deep_parts:
         # one (n_visual_local, H) per deepstack layer, in the order of the joint visual mask
         layers = len(deep_parts[0][1])
@@ -606,8 +781,60 @@ def vision_embeddings(model: nn.Module, input_ids: Tensor, vision: VisionShard
             for mask, deep in deep_parts:
                 rows = rows.masked_scatter(mask[visual_mask].unsqueeze(-1), deep[layer])
             joint.append(rows)
-        extra = {"visual_pos_masks": visual_mask, "deepstack_visual_embeds": joint}
+        extra.update(visual_pos_masks=visual_mask, deepstack_visual_embeds=joint)
     return embeds, extra
+
+
+def _check_deepstack_max_length(model: nn.Module, keep_every: int) -> None:
+    """Refuse, on every rank alike (whether or not it holds images), what max-length mode
+    cannot do with deepstack features, which the decoder adds to the hidden states after
+    each of its first ``len(deepstack_visual_indexes)`` layers (Qwen3-VL)."""
+    if keep_every > 1:
+        # the nested recompute regenerates a layer's input by running the layer before it,
+        # without the features added between them
+        raise ValueError(f"max-length mode's nested recompute (keep_every={keep_every}) cannot "
+                         f"regenerate {type(model).__name__}'s layer inputs: its decoder adds "
+                         "deepstack image features between layers; use keep_every=1 "
+                         "(--keep-every 1) with images")
+    vision_config = getattr(model.config, "vision_config", None)
+    deep = len(getattr(vision_config, "deepstack_visual_indexes", None) or ())
+    layers = len(decoder_of(model).layers)
+    if deep >= layers:
+        # then the last layer's output changes before the final norm, which max-length mode
+        # applies inside the loss to that output (maxlen._fold_final_norm would stop the
+        # ranks with images mid-step)
+        raise ValueError(f"{type(model).__name__} adds deepstack image features after each of "
+                         f"its first {deep} decoder layers, the last ({layers}) included: "
+                         "max-length mode applies the final norm to the last layer's own "
+                         "output; train it without max-length mode")
+
+
+def _takes_per_layer_inputs(model: nn.Module) -> bool:
+    decoder = decoder_of(model)
+    return bool(getattr(decoder, "hidden_size_per_layer_input", None)) and \
+        "per_layer_inputs" in inspect.signature(decoder.forward).parameters
+
+
+def decoder_input_ids(model: nn.Module, input_ids: Tensor) -> Tensor:
+    """The ids a vision-language model's own forward hands its decoder: Gemma 4's (a decoder
+    with per-layer inputs) turns every multimodal placeholder into the pad token first, a
+    generated one included; the others' as given."""
+    if is_vision_language(model) and _takes_per_layer_inputs(model):
+        return _placeholders_padded(model, input_ids)
+    return input_ids
+
+
+def _placeholders_padded(model: nn.Module, input_ids: Tensor) -> Tensor:
+    """input_ids with every multimodal placeholder (the config's image, video and audio token
+    ids) replaced by the text config's pad token, as Gemma 4's forward does before embedding."""
+    config = model.config
+    pad = (getattr(config, "text_config", None) or config).pad_token_id
+    ids = [getattr(config, f"{m}_token_id", None) for m in ("image", "video", "audio")]
+    placeholder = torch.zeros_like(input_ids, dtype=torch.bool)
+    for token in ids:
+        if token is not None:
+            placeholder |= input_ids == token
+    return torch.where(placeholder, torch.full_like(input_ids, pad), input_ids)
 
 
 def vision_language_loss(model: nn.Module, head: nn.Linear | None, input_ids: Tensor,
@@ -623,19 +850,34 @@ def vision_language_loss(model: nn.Module, head: nn.Linear | None, input_ids: Te
         raise ValueError(f"{type(model).__name__}'s logits are not a plain linear layer of the "
                          "decoder's last hidden state; sequence parallelism with images needs "
                          "one (its loss runs the decoder and the head itself)")
-    if max_length_settings(model) is not None:
-        raise ValueError("max-length mode does not take images yet; train the "
-                         "vision-language model without max_length")
+    settings = max_length_settings(model)
+    if settings is not None and describe(model).deepstack:
+        _check_deepstack_max_length(model, settings.keep_every)
     from .hf import IMAGE_SPANS_KWARG
 
     embeds, more = vision_embeddings(model, input_ids, vision)
     if any(vision.image_spans):
         more[IMAGE_SPANS_KWARG] = vision.image_spans
+    if chunked and settings is not None:
+        # max-length mode: the decoder's tiled layers on the embeddings with this rank's
+        # image features scattered in, then the final norm folded into the loss's chunks
+        from ..memory.maxlen import max_length_loss
+        from ..utils.fsdp import unshard_for_direct_use
+
+        if chunk_size is None:
+            chunk_size = default_chunk_size(head.out_features, head.weight.device)
+        unshard_for_direct_use(head)  # read directly, never called (as the text loss)
+        return max_length_loss(model, head, None, position_ids, target_ids,
+                               {**extra, **more, "inputs_embeds": embeds}, chunk_size, group,
+                               num_items_in_batch, None, token_stats)
     hidden = decoder_of(model)(inputs_embeds=embeds, position_ids=position_ids, use_cache=False,
                                **extra, **more).last_hidden_state
     if chunked:
+        from ..utils.fsdp import unshard_for_direct_use
+
         if chunk_size is None:
             chunk_size = default_chunk_size(head.out_features, head.weight.device)
+        unshard_for_direct_use(head)  # read directly below, never called (as the text loss)
         return chunked_cross_entropy(hidden, head.weight, target_ids, head.bias,
                                      chunk_size=chunk_size, group=group,
                                      num_items_in_batch=num_items_in_batch, stats=token_stats)

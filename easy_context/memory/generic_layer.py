@@ -26,6 +26,15 @@ MLP's (the normed input, q, k, v, the attention output, the residual, the normed
 a few hidden-sized tensors for that one layer. The MLP's I-wide tensors, the large ones,
 exist one tile at a time.
 
+Hybrid models: a layer holding a recurrent mixer (gated DeltaNet, KDA, Mamba-1/2, a short
+convolution) runs it whole, as its own forward calls it: routed to the sequence-parallel
+kernels (integrations.hf_recurrent), which exchange the state between ranks. That exchange
+is a collective inside the recompute; every rank recomputes the same layers in the same
+order (backward, the nested recompute), as for attention. State a layer's forward pre-hooks
+set for the call (Jamba's document ids: ``CALL_STATE``) is put back before each recompute.
+A layer of norms and token mixers only (Nemotron-H's Mamba and attention blocks) has no
+MLP to tile and runs whole.
+
 Exact: the same modules on the same numbers; MLP tiles and head chunks are independent
 (per-token MLPs, per-head attention), which :func:`mlp_mismatch` checks for the MLP on a
 few random tokens and the MoE checks below refuse where routing looks past one token.
@@ -35,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 import sys
 from dataclasses import dataclass
@@ -50,7 +60,17 @@ from .layer_check import state_carrying_layers
 
 Tensor = torch.Tensor
 
-MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe")  # a decoder layer's MLP child
+# a decoder layer's MLP children (Granite 4 hybrids: an MoE block and a shared MLP, summed;
+# CTRL and DBRX: ffn)
+MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "shared_mlp", "ffn")
+# a child that is the layer's MLP when it is neither attention nor a recurrent mixer (Nemotron-H
+# blocks hold one "mixer": Mamba-2, attention, an MLP or an MoE, by the block's type)
+MIXER_NAMES = ("mixer",)
+# The attribute under which a decoder layer may hold ``snapshot(layer) -> restore()``: state
+# its forward pre-hooks set for this call and its forward reads (hf_recurrent's recording of
+# the document ids for Jamba's Mamba layers), put back before each recompute, which runs the
+# layer's forward without its __call__ and so without those hooks.
+CALL_STATE = "_easy_context_call_state"
 CHUNKED = "easy_context_head_chunked"  # the attention-interface name of the chunking wrapper
 # (inner implementation name, query heads per chunk) while a generic layer runs
 _CHUNKING: contextvars.ContextVar = contextvars.ContextVar("ec_head_chunking", default=None)
@@ -62,12 +82,68 @@ PROBE_TOKENS = 8
 
 
 def find_mlp(layer: nn.Module) -> tuple[str, nn.Module] | None:
-    """The layer's MLP child (its name and module), or None."""
-    for name in MLP_NAMES:
-        module = getattr(layer, name, None)
-        if isinstance(module, nn.Module):
-            return name, module
+    """The layer's (first) MLP child (its name and module), or None."""
+    found = find_mlps(layer)
+    return found[0] if found else None
+
+
+def _token_mixer(module: nn.Module) -> bool:
+    """Attention (a module with ``is_causal``) or a layer carrying a state along the sequence,
+    or a module holding one: what mixes tokens, never tiled."""
+    return any(hasattr(m, "is_causal") for m in module.modules()) or \
+        bool(state_carrying_layers(module))
+
+
+def find_mlps(layer: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The layer's MLP children (name and module each): those of MLP_NAMES, and a child of
+    MIXER_NAMES that mixes no tokens (Nemotron-H's MLP and MoE blocks)."""
+    found = [(n, m) for n in MLP_NAMES if isinstance(m := getattr(layer, n, None), nn.Module)]
+    found += [(n, m) for n in MIXER_NAMES if isinstance(m := getattr(layer, n, None), nn.Module)
+              and not _token_mixer(m)]
+    return found
+
+
+def _mixer_only(layer: nn.Module) -> bool:
+    """A layer with nothing to tile: its children are norms (leaves holding one-dimensional
+    tensors only) and token mixers (attention, recurrent layers), as Nemotron-H's Mamba and
+    attention blocks and Zamba2's Mamba layers are. The generic path runs it whole."""
+    def norm(m: nn.Module) -> bool:
+        tensors = list(m.parameters()) + list(m.buffers())
+        return not list(m.children()) and all(t.dim() <= 1 for t in tensors)
+
+    children = list(layer.children())
+    return any(_token_mixer(c) for c in children) and \
+        all(norm(c) or _token_mixer(c) for c in children)
+
+
+# A layer method that is its per-token feed-forward, where no child is: BERT-style layers
+# (BERT, RoBERTa, ELECTRA...) call ``self.feed_forward_chunk(attention_output)`` (their
+# ``intermediate`` and ``output`` children, the residual and LayerNorm included).
+FFN_METHODS = ("feed_forward_chunk",)
+
+
+def mlp_site(layer: nn.Module) -> tuple[str, object, str] | None:
+    """Where the layer's feed-forward is called: (its name, the object, the attribute that
+    max-length mode tiles): an MLP child's ``forward``, or a feed-forward method of the
+    layer; None when it has neither."""
+    found = find_mlp(layer)
+    if found is not None:
+        return found[0], found[1], "forward"
+    for name in FFN_METHODS:
+        if callable(getattr(layer, name, None)):
+            return name, layer, name
     return None
+
+
+def mlp_sites(layer: nn.Module) -> list[tuple[str, object, str]]:
+    """Every feed-forward site max-length mode tiles in ``layer``: each MLP child's
+    ``forward`` (find_mlps), or else the layer's feed-forward method; [] for a layer of token
+    mixers and norms only (run whole)."""
+    children = [(n, m, "forward") for n, m in find_mlps(layer)]
+    if children:
+        return children
+    site = mlp_site(layer)
+    return [site] if site is not None else []
 
 
 def static_mismatch(layer: nn.Module, config) -> str | None:
@@ -78,19 +154,18 @@ def static_mismatch(layer: nn.Module, config) -> str | None:
         return ("max-length mode: config.output_router_logits is on: the router's auxiliary "
                 "loss would see the MLP's sequence tiles as separate calls, recorded without "
                 "grad; turn it off (router_aux_loss_coef=0)")
-    if find_mlp(layer) is None:
-        return (f"max-length mode tiles a decoder layer's MLP child ({', '.join(MLP_NAMES)}); "
+    # a recurrent mixer (a state carried along the sequence) runs whole, in the layer's own
+    # forward, routed to the sequence-parallel kernels as without max-length mode
+    if mlp_site(layer) is None and not _mixer_only(layer):
+        return (f"max-length mode tiles a decoder layer's MLP child ({', '.join(MLP_NAMES)}) "
+                f"or feed-forward method ({', '.join(FFN_METHODS)}); "
                 f"{name} has {sorted(n for n, _ in layer.named_children())}. Train this model "
                 "without --mlp-tile/--head-chunk")
-    stateful = state_carrying_layers(layer)
-    if stateful:
-        return (f"max-length mode: {name} holds {stateful[0]}, which carries a state along the "
-                "sequence; max-length mode runs attention layers only. Train this model "
-                "without --mlp-tile/--head-chunk")
-    odd = unknown_arguments(layer)
-    if odd:
-        return (f"max-length mode: {name}'s forward takes {odd[0]}, which the generic path "
-                "does not know how to keep and recompute (e.g. state shared between layers); "
+    shared = kv_sharing(layer)
+    if shared:
+        return (f"max-length mode: {name}.{shared[0]} reuses another layer's keys and values "
+                "(shared_kv_states, num_kv_shared_layers > 0): the layer's recompute in "
+                "backward would not hand their gradient back to the layer that computed them; "
                 "train this model without --mlp-tile/--head-chunk")
     drop = [n for n, m in layer.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
     drop += [f"{n + '.' if n else ''}{a}" for n, m in layer.named_modules()
@@ -108,14 +183,30 @@ def static_mismatch(layer: nn.Module, config) -> str | None:
     return None
 
 
-# The arguments a decoder layer's forward may take besides the hidden states: the ones the
-# generic path hands on as they are (masks, positions, the RoPE tables) or drops (the cache
-# ones: a call with a cache runs the layer unchanged). Anything else (Gemma 4's per-layer
-# inputs and its KV shared between layers) is state the recompute would not reproduce.
+# The arguments a decoder layer's forward may take besides the hidden states that the generic
+# path knows by name: masks, positions, the RoPE tables, the cache ones (a call with a cache
+# runs the layer unchanged). Others are handed on too (_generic_forward: values as they are,
+# tensors that require grad as inputs of the layer's recompute, Gemma 4's per-layer inputs);
+# only K/V shared between layers is refused (kv_sharing).
 KNOWN_ARGUMENTS = frozenset({
     "hidden_states", "attention_mask", "position_ids", "position_embeddings", "cache",
     "past_key_values", "past_key_value", "use_cache", "cache_position", "output_attentions",
-    "output_router_logits", "kwargs", "args"})
+    "output_router_logits", "kwargs", "args",
+    "mamba_attention_mask"})  # Falcon-H1: its Mamba mixer's padding mask (None unpadded)
+
+
+# The attribute by which an attention module reads another layer's K/V instead of computing
+# its own (Gemma 3n / Gemma 4's KV sharing, through the shared_kv_states dict every layer is
+# handed): a gradient between layers, which a layer's own recompute cannot hand back. (The
+# layers that only store theirs there, "store_full_length_kv", as Gemma 4 does even when no
+# layer reuses them, for assistant models, are run: nothing in the model reads the store.)
+KV_SHARING_FLAG = "is_kv_shared_layer"
+
+
+def kv_sharing(layer: nn.Module) -> list[str]:
+    """The modules of ``layer`` that reuse another layer's K/V."""
+    return [n or "self" for n, m in layer.named_modules()
+            if getattr(m, KV_SHARING_FLAG, False) is True]
 
 
 def unknown_arguments(layer: nn.Module) -> list[str]:
@@ -160,6 +251,7 @@ def tiled(forward: Callable, tile: int) -> Callable:
         # copy is made inside the checkpoint, which keeps the view (of a kept tensor) only.
         return forward(x.contiguous())
 
+    @functools.wraps(forward)  # its signature: BERT's apply_chunking_to_forward counts it
     def run(hidden_states: Tensor, *args, **kwargs):
         if args or kwargs or hidden_states.dim() != 3 or hidden_states.size(1) <= tile:
             return forward(hidden_states, *args, **kwargs)
@@ -177,31 +269,43 @@ def tiled(forward: Callable, tile: int) -> Callable:
 
 
 @contextlib.contextmanager
-def mlp_tiled(mlp: nn.Module, tile: int):
-    """``mlp`` runs in sequence tiles inside (its instance ``forward`` replaced, then put back)."""
-    had = "forward" in vars(mlp)
-    old = vars(mlp).get("forward")
-    mlp.forward = tiled(mlp.forward, tile)
+def mlp_tiled(mlp: nn.Module, tile: int, attr: str = "forward"):
+    """``mlp`` runs in sequence tiles inside (its instance ``forward``, or the method
+    ``attr``, replaced, then put back)."""
+    had = attr in vars(mlp)
+    old = vars(mlp).get(attr)
+    setattr(mlp, attr, tiled(getattr(mlp, attr), tile))
     try:
         yield
     finally:
         if had:
-            mlp.forward = old
+            setattr(mlp, attr, old)
         else:
-            del mlp.forward
+            delattr(mlp, attr)
 
 
 def mlp_mismatch(layer: nn.Module, tile: int = 3) -> str | None:
     """Run the layer's MLP on a few random tokens whole and in tiles (no grad, eval mode)
     and say how far apart they are when they differ: a check that it is per token (an MoE
     whose routing looks at other tokens is not). Skipped (None) where the weights are not
-    whole and local (meta, ZeRO-3, DTensor) or not floating point."""
-    name, mlp = find_mlp(layer)
+    whole and local (meta, ZeRO-3, DTensor) or not floating point. Each of the layer's
+    feed-forward sites (mlp_sites) is checked; none: None."""
+    for name, mlp, attr in mlp_sites(layer):
+        reason = _one_mlp_mismatch(layer, name, mlp, attr, tile)
+        if reason:
+            return reason
+    return None
+
+
+def _one_mlp_mismatch(layer: nn.Module, name: str, mlp, attr: str, tile: int) -> str | None:
     params = list(mlp.parameters())
     if not params or any(p.is_meta or hasattr(p, "ds_id") or type(p.data) is not torch.Tensor
                          or not p.is_floating_point() for p in params):
         return None
-    hidden = getattr(getattr(layer, "config", None), "hidden_size", None) or _width(layer)
+    # the MLP's own input width before the layer's first linear layer's (a recurrent mixer's
+    # may be wider: Qwen3.5's gated DeltaNet out_proj takes its value heads)
+    hidden = getattr(getattr(layer, "config", None), "hidden_size", None) or _width(mlp) \
+        or _width(layer)
     if hidden is None:
         return None
     p = params[0]
@@ -211,9 +315,9 @@ def mlp_mismatch(layer: nn.Module, tile: int = 3) -> str | None:
     try:
         mlp.train(False)
         with torch.no_grad():
-            want = mlp(x)
-            with mlp_tiled(mlp, tile):
-                got = mlp(x)
+            want = getattr(mlp, attr)(x)
+            with mlp_tiled(mlp, tile, attr):
+                got = getattr(mlp, attr)(x)
     except ValueError as e:
         return str(e)
     finally:
@@ -332,18 +436,42 @@ class GenericRun:
     input_recipe: Callable | None = None  # () -> x again (the first layer's: an embedding)
     tables: Callable | None = None  # () -> position_embeddings (kept, or their recipe)
     replay: list | None = None  # what the nested recompute's regenerate() recorded
+    restore: Callable | None = None  # () -> None: puts back the call's state (CALL_STATE)
+    grad_inputs: tuple = ()  # names of the kwargs that are tensors requiring grad
+    tail: tuple | None = None  # the Nones the layer returns after its hidden states, if any
+
+    def output(self, y: Tensor):
+        """The layer's output as its own forward returns it: y, or (y, None...)."""
+        return y if self.tail is None else (y, *self.tail)
+
+    def extra_inputs(self) -> list[Tensor]:
+        """The kwargs that require grad (Gemma 4's per_layer_input): inputs of the autograd
+        function beside the hidden states, so their gradients flow back."""
+        return [self.kwargs[k] for k in self.grad_inputs]
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.layer.parameters())
 
-    def call(self, x: Tensor) -> Tensor:
-        """The layer's own forward on x, its MLP tiled and its attention head-chunked."""
-        kwargs = dict(self.kwargs)
+    def call(self, x: Tensor, **override) -> Tensor:
+        """The layer's own forward on x, its MLPs tiled and its attention head-chunked (a
+        recurrent mixer runs whole: its kernels exchange the state between ranks, and a
+        recompute runs them on every rank in the same order, as it does attention);
+        ``override``: kwargs replaced (backward's differentiable copies)."""
+        kwargs = {**self.kwargs, **override}
         if self.tables is not None:
             kwargs["position_embeddings"] = self.tables()
-        _, mlp = find_mlp(self.layer)
-        with mlp_tiled(mlp, self.tile), heads_chunked(self.layer, self.heads_per_chunk):
+        if self.restore is not None:
+            self.restore()  # this call's document ids, not the latest forward's
+        with contextlib.ExitStack() as stack:
+            for _, mlp, attr in mlp_sites(self.layer):
+                stack.enter_context(mlp_tiled(mlp, self.tile, attr))
+            stack.enter_context(heads_chunked(self.layer, self.heads_per_chunk))
             out = self.forward(x, **kwargs)
+        if isinstance(out, tuple) and out and isinstance(out[0], Tensor) and all(
+                t is None for t in out[1:]):
+            # (hidden states, None...): Falcon's, Bamba's and Falcon-H1's (output, attention
+            # weights) without weights
+            self.tail, out = out[1:], out[0]
         if not isinstance(out, Tensor):
             raise ValueError(f"max-length mode: {type(self.layer).__name__} returns "
                              f"{type(out).__name__}, not the hidden states alone")
@@ -367,10 +495,11 @@ class GenericRun:
 
 
 class GenericLayer(torch.autograd.Function):
-    """(run, x (B, S, H), *layer parameters) -> the layer's output (B, S, H)."""
+    """(run, x (B, S, H), *run.extra_inputs(), *layer parameters) -> the layer's output
+    (B, S, H)."""
 
     @staticmethod
-    def forward(ctx, run: GenericRun, x: Tensor, *params: Tensor) -> Tensor:
+    def forward(ctx, run: GenericRun, x: Tensor, *inputs: Tensor) -> Tensor:
         if run.keep_attention:
             y, rec = run.forward_recorded(x)
             ctx.layout = [len(result) for result in rec]
@@ -398,11 +527,13 @@ class GenericLayer(torch.autograd.Function):
         del kept
         params = run.parameters()
         xg = x.detach().requires_grad_(ctx.needs_input_grad[1])
+        extras = {k: v.detach().requires_grad_(ctx.needs_input_grad[2 + i])
+                  for i, (k, v) in enumerate(zip(run.grad_inputs, run.extra_inputs()))}
         with torch.enable_grad(), (replaying(recorded) if recorded is not None
                                    else contextlib.nullcontext()):
-            y = run.call(xg)
-        inputs = [xg, *params]
+            y = run.call(xg, **extras)
+        inputs = [xg, *extras.values(), *params]
         if not y.requires_grad or not any(t.requires_grad for t in inputs):
-            return (None, None, *([None] * len(params)))
+            return (None, *([None] * len(inputs)))
         got = _grad(y, inputs, dy)
-        return (None, got[0], *got[1:])
+        return (None, *got)

@@ -35,7 +35,10 @@ adapters on the projections) takes the generic path (easy_context.memory.generic
 the layer's own forward, its MLP module in checkpointed sequence tiles, its attention
 function a chunk of heads at a time, its input kept as the fused layer's), unless that
 refuses it too (dropout, router logits for an auxiliary loss, expert capacities, an MLP
-that is not per token, recurrent mixers): then a ValueError says what does not fit.
+that is not per token): then a ValueError says what does not fit. A hybrid's layer holding
+a recurrent mixer (a state carried along the sequence) always takes the generic path, the
+mixer run whole (routed to easy_context.recurrent's sequence-parallel kernels as without
+max-length mode) and its MLP tiled.
 Generation with a KV cache runs the layers unchanged.
 """
 
@@ -59,8 +62,8 @@ from .offload import DeviceStorage, LayerStorage
 
 KINDS = ("none", "full", "offload", "attention")
 _STATE = "_easy_context_max_length"
-_CACHE_KEYS = ("cache", "past_key_values", "past_key_value", "use_cache", "cache_position",
-               "output_attentions")
+_CACHE_KEYS = ("cache", "past_key_values", "past_key_value", "layer_past", "use_cache",
+               "cache_position", "output_attentions")
 _SKIP_FINAL_NORM: contextvars.ContextVar = contextvars.ContextVar("ec_skip_final_norm",
                                                                   default=False)
 
@@ -71,12 +74,65 @@ def _text_config(model: nn.Module):
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers in the order the model runs them (its decoder's ``layers`` list)."""
+    """The decoder layers in the order the model runs them (:func:`layer_list`)."""
+    return list(layer_list(model))
+
+
+def layer_list(model: nn.Module) -> nn.ModuleList:
+    """The decoder's list of layers: its ``layers``, or else its one ``nn.ModuleList`` (not
+    inside another: GPT-2's ``h``, DBRX's ``blocks``, BERT's ``encoder.layer``) of as many
+    modules as the config has layers. Two such lists (HRM's two stacks, run in turns) or none:
+    a ValueError."""
     decoder = decoder_of(model)
     layers = getattr(decoder, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or not len(layers):
-        raise ValueError(f"max-length mode: {type(model).__name__} has no decoder.layers list")
-    return list(layers)
+    if isinstance(layers, nn.ModuleList) and len(layers):
+        return layers
+    want = getattr(_text_config(model), "num_hidden_layers", None)
+    lists, stack = [], list(decoder.named_children())
+    while stack:
+        name, module = stack.pop(0)
+        if isinstance(module, nn.ModuleList):
+            lists.append((name, module))
+            continue  # a layer's own lists (experts) are not the decoder's
+        stack += [(f"{name}.{n}", m) for n, m in module.named_children()]
+    found = [m for _, m in lists if len(m) and (want is None or len(m) == want)]
+    if len(found) != 1:
+        seen = ", ".join(f"{n} ({len(m)})" for n, m in lists) or "none"
+        raise ValueError(f"max-length mode: cannot tell {type(decoder).__name__}'s list of "
+                         f"decoder layers: one list of its {want} layers, run once each, is "
+                         f"needed (its lists: {seen}); train this model without "
+                         "--mlp-tile/--head-chunk")
+    return found[0]
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(
+        ("Norm", "LayerNorm", "RMSNorm"))
+
+
+def final_norm(model: nn.Module) -> nn.Module | None:
+    """The decoder's final norm, which max-length mode applies inside the loss, chunk by
+    chunk: its ``norm``, or else its one norm child (GPT-2's ``ln_f``, OPT's
+    ``final_layer_norm``, LFM2's ``embedding_norm``...) where every other child with
+    parameters is an embedding or holds the layer list (nothing with weights of its own,
+    such as OPT's ``project_out``, may act between that norm and the head). None: nothing is
+    folded, the decoder applies whatever it applies after its layers itself (its norm
+    included) and the loss takes its output. Whether the folded norm really is the last thing
+    the decoder does is checked on every forward (max_length_loss)."""
+    decoder = decoder_of(model)
+    norm = getattr(decoder, "norm", None)
+    if isinstance(norm, nn.Module):
+        return norm
+    layers = layer_list(model)
+    norms, others = [], []
+    for name, child in decoder.named_children():
+        if not any(True for _ in child.parameters()):
+            continue
+        if any(m is layers for m in child.modules()) or any(
+                isinstance(m, nn.Embedding) for m in child.modules()):
+            continue  # the layers, or what feeds them (embeddings, their norms)
+        (norms if _is_norm(child) else others).append(child)
+    return norms[0] if len(norms) == 1 and not others else None
 
 
 def layer_spec(layer: nn.Module, config) -> LayerSpec:
@@ -164,14 +220,15 @@ def probe_mismatch(model: nn.Module, layer: nn.Module, spec: LayerSpec) -> str |
 
 
 def recurrent_reason(model: nn.Module) -> str | None:
-    """Why max-length mode can run none of ``model``'s paths: its layers that carry state
-    along the sequence (layer_check.state_carrying_layers), or None."""
+    """Why the fused layer cannot run ``model`` (a decoder layer, or a whole model): its
+    layers that carry state along the sequence (layer_check.state_carrying_layers), or None.
+    The generic path runs such layers (path_for), their recurrent mixer whole."""
     found = state_carrying_layers(model)
     if not found:
         return None
     return (f"{type(model).__name__} has layers that carry state along the sequence "
-            f"({', '.join(found)}), which max-length mode does not fuse or tile; train this "
-            "model without --mlp-tile/--head-chunk")
+            f"({', '.join(found)}), which max-length mode's fused layer does not run; let "
+            "them take the generic path (path 'auto' or 'generic')")
 
 
 PATHS = ("auto", "fused", "generic")
@@ -185,10 +242,14 @@ def path_for(layer: nn.Module, model: nn.Module | None = None, path: str = "auto
     whole model) lets the fused path's numerical probe run; ``path`` forces one of the two."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    reason = recurrent_reason(layer)  # a hybrid's mixer is neither attention nor per-token
-    if reason:
-        return reason
     config = _text_config(model) if model is not None else _layer_config(layer)
+    # a hybrid's recurrent mixer is neither attention nor per token: the generic path runs it
+    # whole (the layer's own forward), never the fused layer
+    recurrent = recurrent_reason(layer)
+    if recurrent:
+        if path == "fused":
+            return recurrent
+        path = "generic"
     if getattr(config, "output_router_logits", False):
         # on both paths the MoE block runs once per sequence tile, and in forward without
         # grad: the router logits recorded for the auxiliary loss would carry no gradient
@@ -219,11 +280,6 @@ def _layer_config(layer: nn.Module):
 def layer_paths(model: nn.Module, path: str = "auto") -> list[str]:
     """Each decoder layer's path ("fused" or "generic", as :func:`path_for` picks it); a
     ValueError with the first refusal."""
-    decoder = decoder_of(model)
-    if not isinstance(getattr(decoder, "norm", None), nn.Module):
-        raise ValueError(f"max-length mode applies the decoder's final norm (its `norm`) inside "
-                         f"the loss; {type(decoder).__name__} has none by that name. Train this "
-                         "model without --mlp-tile/--head-chunk")
     paths = [path_for(layer, model, path) for layer in decoder_layers(model)]
     for p in paths:
         if p not in ("fused", "generic"):
@@ -233,9 +289,6 @@ def layer_paths(model: nn.Module, path: str = "auto") -> list[str]:
 
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why max-length mode cannot run this model's layers (fused or generic), or None."""
-    reason = recurrent_reason(model)
-    if reason:
-        return reason
     try:
         layer_paths(model)
     except (ValueError, AttributeError) as e:
@@ -259,12 +312,16 @@ class _State:
         self.paths: list[str] = []  # each layer's path: "fused" or "generic"
         self.layers = layers
         self.last_output = None  # the last layer's output in this forward, until normed
+        self.final_norm = None  # the norm the loss applies (final_norm), or None
+        self.folded = None  # what that norm passed on un-normed in this forward (the loss's)
+        # (projection, per-token transform) of a BERT-style head (integrations.hf.head_transform)
+        self.head: tuple | None = None
 
     def output(self, index: int, y: torch.Tensor) -> torch.Tensor:
         """Note the last layer's output (the one input of the final norm that the loss
         applies instead, _fold_final_norm); a first layer starts a new forward."""
         if index == 0:
-            self.last_output = None
+            self.last_output = self.folded = None
         if index == self.layers - 1:
             self.last_output = y
         return y
@@ -299,30 +356,60 @@ def _fused_forward(self, hidden_states, *args, attention_mask=None, position_ids
     return state.output(index, FusedLayer.apply(run, hidden_states, cos, sin, *spec.parameters()))
 
 
+def _by_name(forward: Callable, hidden_states, args: tuple, kwargs: dict) -> dict | None:
+    """The positional arguments after the hidden states by their names in ``forward``'s
+    signature (Gemma 4 hands its per_layer_input positionally), or None if they do not bind."""
+    import inspect
+
+    try:
+        bound = inspect.signature(forward).bind(hidden_states, *args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    params = inspect.signature(forward).parameters
+    named: dict = {}
+    for i, (name, value) in enumerate(bound.arguments.items()):
+        kind = params[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                return None
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif i:  # the first is the hidden states
+            named[name] = value
+    return named
+
+
 def _generic_forward(self, hidden_states, *args, **kwargs):
     state, _, index = self._ec_max_length
-    if args or any(kwargs.get(k) is not None and kwargs.get(k) is not False
-                   for k in _CACHE_KEYS):
-        # generation with a cache, or a call we do not recognise: the layer as it was
-        return self._ec_original_forward(hidden_states, *args, **kwargs)
+    if args:
+        named = _by_name(self._ec_original_forward, hidden_states, args, kwargs)
+        if named is None:  # a call we do not recognise: the layer as it was
+            return self._ec_original_forward(hidden_states, *args, **kwargs)
+        kwargs = named
+    if any(kwargs.get(k) is not None and kwargs.get(k) is not False for k in _CACHE_KEYS):
+        # generation with a cache: the layer as it was
+        return self._ec_original_forward(hidden_states, **kwargs)
     kwargs = {k: v for k, v in kwargs.items() if k not in _CACHE_KEYS}
-    grads = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
-    if grads and torch.is_grad_enabled():
-        raise ValueError(f"max-length mode: {type(self).__name__} is handed {grads[0]}, which "
-                         "requires grad: only the hidden states go through the layer's recompute")
+    # tensors that require grad (Gemma 4's per_layer_input) go in as inputs of the recompute
+    grads = tuple(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad)
     tables = None
     pe = kwargs.get("position_embeddings")
     if isinstance(pe, tuple) and len(pe) == 2 and all(isinstance(t, torch.Tensor) for t in pe):
         tables = state.rope_recipe(*pe)
         if tables is not None:
             del kwargs["position_embeddings"]  # computed again where backward needs them
+    snapshot = self.__dict__.get(generic_layer.CALL_STATE)  # e.g. Jamba's recorded documents
     run = GenericRun(self, self._ec_original_forward, kwargs, state.mlp_tile,
                      state.heads_per_chunk, state.keep_attention, state.storage, index,
                      lambda: _gathered(self),
-                     state.input_recipe(hidden_states) if index == 0 else None, tables)
+                     state.input_recipe(hidden_states) if index == 0 else None, tables,
+                     restore=snapshot(self) if snapshot is not None else None,
+                     grad_inputs=grads)
     if not torch.is_grad_enabled():
-        return state.output(index, run.call(hidden_states))
-    return state.output(index, GenericLayer.apply(run, hidden_states, *run.parameters()))
+        return run.output(state.output(index, run.call(hidden_states)))
+    return run.output(state.output(index, GenericLayer.apply(run, hidden_states,
+                                                             *run.extra_inputs(),
+                                                             *run.parameters())))
 
 
 @contextlib.contextmanager
@@ -385,20 +472,22 @@ def apply_max_length(model: nn.Module, mlp_tile: int, heads_per_chunk: int,
     if mlp_tile < 1 or heads_per_chunk < 1 or keep_every < 1:
         raise ValueError(f"mlp_tile ({mlp_tile}), heads_per_chunk ({heads_per_chunk}) "
                          f"and keep_every ({keep_every}) must be >= 1")
-    reason = recurrent_reason(model)
-    if reason:
-        raise ValueError(reason)
     config = _text_config(model)
     layers = decoder_layers(model)
     paths = layer_paths(model, path)
     zero3 = [i for i, (layer, p) in enumerate(zip(layers, paths)) if p == "generic"
-             and any(hasattr(q, "ds_id") for q in layer.parameters())]
+             and any(hasattr(q, "ds_id") for q in layer.parameters())
+             and not all(q.requires_grad for q in layer.parameters())]
     if zero3:
-        # not yet working: the layer's own attention forward fails under DeepSpeed's
-        # ZeRO-3 here (its kernels wrapper finds no _kernel_funcs); the fused layer runs
+        # not yet working: with frozen parameters in the layer (LoRA's base weights) the
+        # backward fails under ZeRO-3 ("size of tensor a (0) must match ... (32)" when a
+        # gradient is accumulated into a released partition); cause not yet found. (The
+        # earlier failure, no _kernel_funcs, came from zero.Init undoing kernels'
+        # use_kernelized_func; train/model.py builds outside it first since d2b328d.)
         raise ValueError(f"max-length mode's generic path (layer {zero3[0]}, "
-                         f"{type(layers[zero3[0]]).__name__}) does not run under DeepSpeed "
-                         "ZeRO-3 yet; use --engine fsdp, or train without --mlp-tile/--head-chunk")
+                         f"{type(layers[zero3[0]]).__name__}, with frozen parameters such as "
+                         "LoRA's) does not run under DeepSpeed ZeRO-3 yet; use --engine fsdp, "
+                         "or train without --mlp-tile/--head-chunk")
     specs = [layer_spec(layer, config) if p == "fused" else None
              for layer, p in zip(layers, paths)]
     heads, kv_heads = (specs[0].heads, specs[0].kv_heads) if specs[0] else _heads(config)
@@ -414,6 +503,7 @@ def apply_max_length(model: nn.Module, mlp_tile: int, heads_per_chunk: int,
         _mark_zero3_leaf(layer)
     state.paths = paths
     _fold_final_norm(model, state)
+    state.head = _transform_head(model)
     _tile_rotary(model)
     state.embedding = recomputed.watch(
         model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None,
@@ -423,6 +513,24 @@ def apply_max_length(model: nn.Module, mlp_tile: int, heads_per_chunk: int,
         state.rotary = recomputed.watch(rotary, _gathered, stub_first=True)
     setattr(model, _STATE, state)
     return model
+
+
+def _transform_head(model: nn.Module) -> tuple | None:
+    """(projection, per-token transform) where the logits are not a plain linear layer of
+    the decoder's output but a BERT-style head; None otherwise."""
+    from ..integrations.hf import head_transform, output_head
+
+    if output_head(model)[0] is not None:
+        return None
+    head, transform = head_transform(model)
+    return None if head is None else (head, transform)
+
+
+def max_length_head(model: nn.Module) -> tuple:
+    """(projection, per-token transform) of the model's BERT-style head in max-length mode,
+    which the chunked loss applies chunk by chunk; (None, None) otherwise."""
+    state = max_length_settings(model)
+    return (None, None) if state is None or state.head is None else state.head
 
 
 def _stop_kernelizing(model: nn.Module) -> None:
@@ -454,8 +562,9 @@ def _same(a, b) -> bool:
 
 
 def _fold_final_norm(model: nn.Module, state: _State) -> None:
-    decoder = decoder_of(model)
-    norm = decoder.norm
+    norm = state.final_norm = final_norm(model)
+    if norm is None:  # the decoder applies its own, and the loss takes its output
+        return
     norm._ec_state = state  # the latest apply_max_length's
     if hasattr(norm, "_ec_original_forward"):
         return
@@ -478,6 +587,7 @@ def _fold_final_norm(model: nn.Module, state: _State) -> None:
                              "before its final norm, which the loss applies; train this "
                              "model without --mlp-tile/--head-chunk")
         state.last_output = None
+        state.folded = hidden_states  # max_length_loss checks the decoder returns it as is
         return hidden_states
 
     norm.forward = types.MethodType(forward, norm)
@@ -523,19 +633,62 @@ def final_norm_skipped():
 
 def max_length_loss(model: nn.Module, head: nn.Linear, input_ids, position_ids, target_ids,
                     extra: dict, chunk_size: int, group=None, num_items_in_batch=None,
-                    transform=None, stats=None):
+                    transform=None, stats=None, head_transform: nn.Module | None = None):
     """causal_lm_loss's chunked loss in max-length mode: the decoder without its final norm,
-    then norm, head and cross-entropy chunk by chunk (easy_context.memory.tiled_loss). The
+    then norm, ``head_transform`` (a BERT-style head's dense, activation and LayerNorm:
+    max_length_head), head and cross-entropy chunk by chunk (easy_context.memory.tiled_loss). The
     last layer's output is read by nothing but the loss, so the loss's backward writes the
     gradient of the hidden states over them (one sequence-long tensor fewer)."""
     from ..utils.fsdp import unshard_for_direct_use
     from .tiled_loss import normed_chunked_cross_entropy
 
+    state = max_length_settings(model)
     with final_norm_skipped():
         hidden = decoder_of(model)(input_ids=input_ids, position_ids=position_ids,
                                      use_cache=False, **extra).last_hidden_state
-    unshard_for_direct_use(decoder_of(model).norm)  # both read directly, never called
-    return normed_chunked_cross_entropy(hidden, decoder_of(model).norm, head.weight, target_ids,
+    folded, state.folded = state.folded, None
+    if folded is not None and not _same(hidden, folded):
+        raise ValueError(f"max-length mode: {type(decoder_of(model)).__name__} changes the "
+                         "output of its final norm, which the loss applies, before it returns "
+                         "it; train this model without --mlp-tile/--head-chunk")
+    norm = state.final_norm if folded is not None else None
+    pre = _PreHead(norm, head_transform)
+    for module in pre.parts:
+        unshard_for_direct_use(module)  # read directly, never called
+    # the last layer's output, which nothing but the loss reads, takes its own gradient; the
+    # output of a norm the decoder applied itself may be saved by that norm's backward
+    return normed_chunked_cross_entropy(hidden, pre, head.weight, target_ids,
                                         head.bias, chunk_size=chunk_size, group=group,
                                         num_items_in_batch=num_items_in_batch, transform=transform,
-                                        overwrite_hidden=True, stats=stats)
+                                        overwrite_hidden=folded is not None, stats=stats)
+
+
+class _PreHead(nn.Module):
+    """What the chunked loss applies to each chunk of the decoder's output before the head's
+    projection: the folded final norm (its own forward, not the patched one), then a
+    BERT-style head's transform, or nothing."""
+
+    def __init__(self, norm: nn.Module | None, transform: nn.Module | None = None):
+        super().__init__()
+        # not registered: not its children
+        self.parts = [m for m in (norm, transform) if m is not None]
+        self._params = [p for m in self.parts for p in m.parameters()]
+
+    def parameters(self, recurse: bool = True):
+        return iter(self._params)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for module in self.parts:
+            h = getattr(module, "_ec_original_forward", module.forward)(h)
+        return h
+
+
+def loss_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules whose weights max-length mode's loss reads without calling them through
+    the model (the folded final norm; a BERT-style head's projection and transform parts):
+    what ZeRO-3 must gather with the head, as external parameters."""
+    state = max_length_settings(model)
+    norm = state.final_norm if state is not None else final_norm(model)
+    head = state.head if state is not None else None
+    extra = [head[0], *head[1].parts] if head is not None else []
+    return [m for m in (norm, *extra) if m is not None]

@@ -214,6 +214,14 @@ def allgather_comm(dims: AttentionDims, s: int, a: int, world: int,
     return (world - 1) * kv * (2 * a + 4)
 
 
+def allgather_latent_comm(latent: int, s: int, a: int, world: int) -> int:
+    """Multi-head latent attention (parallel/latent.py): each token's ``latent`` values
+    (kv_lora_rank + qk_rope_head_dim) gathered once in forward (the whole sequence's latent
+    stays saved for the up-projection's backward, so backward gathers nothing), and their
+    float32 gradient reduce-scattered."""
+    return (world - 1) * s * latent * (a + 4)
+
+
 def allgather_unsuitable(heads: int, kv_heads: int, world: int) -> str | None:
     if heads < GQA_RATIO * kv_heads:
         return (f"K/V are {kv_heads}/{heads} of the heads (no strong GQA): gathering them "
@@ -225,8 +233,10 @@ GQA_RATIO = 4  # heads / kv_heads from which all-gathering K/V is cheaper than a
 
 METHOD = Method(
     name="allgather_attn", attention=allgather_attn, layout="zigzag", short="AG", speed_rank=3,
-    summary="K/V gathered once per layer (Llama-3 style), zigzag query shards",
-    use_when="few KV heads (GQA): one gather moves little", aliases=("allgather",),
+    summary="K/V gathered once per layer (Llama-3 style), zigzag query shards; multi-head "
+            "latent attention layers gather their latent instead (integrations/hf_latent.py)",
+    use_when="few KV heads (GQA), or multi-head latent attention (its latent travels): one "
+             "gather moves little", aliases=("allgather",),
     unsuitable=allgather_unsuitable, group_buffers=allgather_buffers,
     kernel_call=lambda dims, s, world, rd: (s, s * world, dims),
-    comm_bytes=allgather_comm)
+    comm_bytes=allgather_comm, latent_comm_bytes=allgather_latent_comm)

@@ -12,7 +12,8 @@ with the layer's own differentiable ``expand`` (autograd carries the weight's gr
 attends its zigzag queries to them (allgather.gathered_forward); backward reduce-scatters the
 latents' float32 gradients. Each rank runs the up-projection for the whole sequence (N times
 the projection FLOPs of sending K/V: 2 r H (nope + v) per token, about S x 34 MFLOP per layer
-in DeepSeek-V3) and holds the whole expanded K/V as all-gather attention does anyway.
+in DeepSeek-V3) and holds the whole expanded K/V as all-gather attention does anyway
+(here for all heads at once, and kept for the layer's backward).
 
 The ring methods cannot without that cost growing with every step: a relayed latent would be
 expanded on each step by each rank (N times the projection, as here, but inside every
@@ -21,10 +22,11 @@ the projection on the computing rank (so its weight gradient is a sum over ranks
 all-reduce or a gradient hook on the weight). Ulysses moves heads, and the latent has none.
 
 Hugging Face models call their attention function with K/V already expanded (transformers'
-DeepseekV3Attention runs kv_b_proj before the attention interface), so this path needs the
-layer's forward to hand the latent and ``expand`` instead; integrations/hf.py does not do that
-yet, and training MLA models runs on the expanded K/V (exact in every method, a v head dim of
-its own: tests/dist/test_attention_variants.py).
+MLA modules run ``expand_kv`` before the attention interface); integrations/hf_latent.py
+makes their ``expand_kv`` gather the latent first (:func:`gather_latent`) under all-gather
+attention, and the attention function then attends to the whole sequence's K/V
+(:func:`attend_gathered`). The other methods run on the expanded K/V (exact in every method,
+a v head dim of its own: tests/dist/test_attention_variants.py).
 """
 
 from __future__ import annotations
@@ -86,6 +88,46 @@ def _backward(dout, q, k_all, v_all, out, lse, group, causal, scale, kernel, doc
     dv.copy_(dv_all)
 
 
+def gather_latent(latent: Tensor, group=None) -> Tensor:
+    """Every rank's latent in sequence order: (B, S/N, R) zigzag shards -> (B, S, R), one
+    all-gather; backward reduce-scatters its float32 gradient to the owners. The latent must
+    be a function of its own token alone (MLA: the normalised compressed KV and the RoPE'd
+    key part, whose rotation depends only on the token's global position)."""
+    pg = process_group(group)
+    world = dist.get_world_size(pg)
+    return _GatherSequence.apply(latent, pg, world) if world > 1 else latent
+
+
+def attend_gathered(q: Tensor, k_all: Tensor, v_all: Tensor, group=None, causal: bool = True,
+                    softmax_scale: float | None = None, document_ids: Tensor | None = None,
+                    variant: Variant | None = None, sinks: Tensor | None = None) -> Tensor:
+    """This rank's zigzag queries q (B, S/N, Hq, Dq) against the whole sequence's K/V in
+    sequence order, k_all (B, S, Hkv, Dq), v_all (B, S, Hkv, Dv), made on this rank (from
+    :func:`gather_latent`'s output); no communication but the document ids'. Returns
+    (B, S/N, Hq, Dv); gradients reach q, k_all and v_all (this rank's share of them)."""
+    check_two_chunks(q)
+    pg = process_group(group)
+    world = dist.get_world_size(pg)
+    rank = dist.get_rank(pg)
+    s = q.size(1)
+    if (k_all.dim() != 4 or k_all.shape[:2] != (q.size(0), world * s)
+            or k_all.size(-1) != q.size(-1) or q.size(2) % k_all.size(2)
+            or v_all.shape[:3] != k_all.shape[:3]):
+        raise ValueError(f"the gathered K/V must be k (batch, {world * s}, kv_heads, "
+                         f"{q.size(-1)}) and v of the same length and heads, with kv_heads "
+                         f"dividing {q.size(2)}; got {tuple(k_all.shape)} and "
+                         f"{tuple(v_all.shape)}")
+    scale = default_scale(q.size(-1)) if softmax_scale is None else softmax_scale
+    kernel = with_softcap(select_kernel(q), variant and variant.softcap)
+    geometry = None if variant is None else variant.geometry(
+        (layouts.segments("zigzag", rank, world, s), ((0, world * s, 0),)), causal, world * s)
+    algo = GroupAlgorithm(_forward, _backward, pg, schedule_causal(bool(causal), geometry),
+                          scale, kernel,
+                          gather_documents(document_ids, pg, world, geometry, s),
+                          k_all.size(2))
+    return run_attention(algo, q, k_all, v_all, sinks)
+
+
 def latent_allgather_attn(q: Tensor, latent: Tensor,
                           expand: Callable[[Tensor], tuple[Tensor, Tensor]], group=None,
                           causal: bool = True, softmax_scale: float | None = None,
@@ -104,24 +146,9 @@ def latent_allgather_attn(q: Tensor, latent: Tensor,
                          f"seq_local, rank) with the same batch and length; got "
                          f"{tuple(q.shape)} and {tuple(latent.shape)}")
     check_two_chunks(q)
-    pg = process_group(group)
-    world = dist.get_world_size(pg)
-    rank = dist.get_rank(pg)
-    s = q.size(1)
-    whole = _GatherSequence.apply(latent, pg, world) if world > 1 else latent
-    k_all, v_all = expand(whole)
-    if k_all.shape[:2] != whole.shape[:2] or k_all.size(-1) != q.size(-1) or q.size(2) % k_all.size(2):
-        raise ValueError(f"expand must give k (batch, {whole.size(1)}, kv_heads, {q.size(-1)}) "
-                         f"with kv_heads dividing {q.size(2)}; got {tuple(k_all.shape)}")
-    scale = default_scale(q.size(-1)) if softmax_scale is None else softmax_scale
-    kernel = with_softcap(select_kernel(q), variant and variant.softcap)
-    geometry = None if variant is None else variant.geometry(
-        (layouts.segments("zigzag", rank, world, s), ((0, world * s, 0),)), causal, world * s)
-    algo = GroupAlgorithm(_forward, _backward, pg, schedule_causal(bool(causal), geometry),
-                          scale, kernel,
-                          gather_documents(document_ids, pg, world, geometry, s),
-                          k_all.size(2))
-    return run_attention(algo, q, k_all, v_all, sinks)
+    k_all, v_all = expand(gather_latent(latent, group))
+    return attend_gathered(q, k_all, v_all, group, causal, softmax_scale, document_ids,
+                           variant, sinks)
 
 
 def latent_bytes_per_token(kv_lora_rank: int, rope_dim: int, heads: int, nope_dim: int,

@@ -4,7 +4,8 @@ Each method module ends with one ``METHOD = Method(...)``: the function that com
 the layout its shards are cut with, what it needs (``check``), what the sequence length must
 divide by (``required_multiple``), whether it keeps packed documents apart, and what the
 memory planner needs to know (the bytes its attention saves per token, its communication
-buffers in backward for a group of KV heads, the bytes it sends per layer). The registry (``parallel/__init__.py``)
+buffers in backward for a group of KV heads, the bytes it sends per layer, and, where it can
+move a multi-head latent attention layer's latent instead of K/V, what that sends). The registry (``parallel/__init__.py``)
 lists the modules; the trainer, the evals, the Hugging Face integration, the original API's
 shim, the planner and the CLIs all ask the description, so adding a method means writing its
 module and one line of the registry.
@@ -109,6 +110,11 @@ class Method:
     comm_bytes: Callable[[AttentionDims, int, int, int, int | None], int] = no_comm
     """(dims, s, a, world, ring_degree) -> bytes one rank sends per layer, forward and
     backward (recomputation under checkpointing not counted)."""
+    latent_comm_bytes: Callable[[int, int, int, int], int] | None = None
+    """(latent values per token, s, a, world) -> bytes one rank sends per layer when it moves
+    a multi-head latent attention layer's latent (kv_lora_rank + qk_rope_head_dim values a
+    token) instead of its expanded K/V (parallel/latent.py, integrations/hf_latent.py); None:
+    the method moves the expanded K/V of MLA layers too."""
 
     def check(self, heads: int | None, kv_heads: int | None, world: int,
               ring_degree: int | None = None) -> None:

@@ -165,9 +165,9 @@ def fastest_tiling(shape: ModelShape, seq_len: int, devices: int, setup: Setup,
     (None, estimate of the most frugal one) when nothing fits. A LoRA setup is tiled like
     any other (its layers take max-length mode's generic path, which runs the adapters; the
     fused layer's terms plan it, with LoRA's own changes: plan/lora.py)."""
-    if allow_untiled or not shape.fusable:
+    if allow_untiled or not shape.tileable:
         ok, est = _fits(shape, seq_len, devices, setup, device_bytes, host_bytes, dtype)
-        if ok or not shape.fusable:  # never tiled (shapes.fusable)
+        if ok or not shape.tileable:  # never tiled (shapes.tileable)
             return (setup if ok else None), est
     s = seq_len // devices
     tiles = [tile] if tile else sorted({min(t, s) for t in TILES}, reverse=True)
@@ -214,8 +214,8 @@ def plan_longest(shape: ModelShape, devices: int, device_bytes: int,
         frugal = [base] + [replace(base, mlp_tile=1024, heads_per_chunk=c, keep_every=k)
                            for c in chunk_choices(shape, base, devices)[-1:] for k in KEEP_EVERY
                            if k == 1 or (base.checkpointing != "attention" and k <= shape.layers)
-                           if shape.fusable]  # untiled only: models whose layers the
-        # fused layer's terms do not describe (shapes.fusable)
+                           if shape.tileable]  # untiled only: models some layer of
+        # which max-length mode does not run (shapes.tileable)
         for setup in frugal:
             length, _ = max_sequence_length(shape, devices, device_bytes, setup.method,
                                             setup.ring_degree, granularity, limit=1 << 31,
@@ -275,8 +275,9 @@ def run_auto(args, shape, budget: int, lora: LoRASpec | None = None) -> int:
             f"{args.gpu_memory:g} GiB (planning with {budget / GIB:.1f} GiB each)"
             + (f", {args.host_memory:g} GiB host memory per device" if host else
                ", host memory not limited (--host-memory)"))
-    lines, result = [head], {"model": shape.name, "devices": n, "budget_gib": budget / GIB,
-                            "host_gib": args.host_memory}
+    lines, result = [head, shape.describe_paths()], {
+        "model": shape.name, "devices": n, "budget_gib": budget / GIB,
+        "host_gib": args.host_memory, "maxlen_paths": [p for _, p in shape.maxlen_paths()]}
     plans = []
     bases = [replace(b, deterministic=bool(getattr(args, "deterministic", False)))
              for b in _bases(shape, n, lora=lora)]

@@ -41,7 +41,9 @@ def required_multiple(method: str, world_size: int, ring_degree: int | None = No
 def constraint(shape: ModelShape, method: str, world_size: int) -> tuple[str | None, int | None]:
     """(why ``method`` cannot or should not run here, or None; the ring degree to use)."""
     m = get_method(method)
-    why = m.unsuitable(shape.heads, shape.kv_heads, world_size)
+    # an MLA model under a method that sends its latent moves no K/V heads (hf_latent.py)
+    latent = bool(shape.kv_lora_rank) and m.latent_comm_bytes is not None
+    why = None if latent else m.unsuitable(shape.heads, shape.kv_heads, world_size)
     if why:
         return why, None
     for ring_degree in m.ring_degrees(shape.heads, shape.kv_heads, world_size):

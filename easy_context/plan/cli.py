@@ -67,6 +67,11 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                         "or all-linear")
     p.add_argument("--lora-4bit", action="store_true",
                    help="with --lora-rank: a 4-bit NF4 base (QLoRA; --engine fsdp)")
+    p.add_argument("--image-tokens", type=int, default=None,
+                   help="a vision-language model (--model a local config with a vision_config): "
+                        "image and video placeholder tokens in the sequence; counts the vision "
+                        "tower's parameters and the activations of encoding them, the worst "
+                        "rank holding min(tokens, seq-len / devices) of them")
     p.add_argument("--report", choices=("claims", "table"), default=None,
                    help="write the seed-claims check or the 'How far can I go?' tables of the "
                    "planner guide (docs/guides/planner.md)")
@@ -97,7 +102,8 @@ def check_plan_args(args: argparse.Namespace) -> None:
                              ("--granularity", args.granularity, 1),
                              ("--ring-degree", args.ring_degree, 1),
                              ("--loss-chunk", args.loss_chunk, 0),
-                             ("--lora-rank", args.lora_rank, 1)):
+                             ("--lora-rank", args.lora_rank, 1),
+                             ("--image-tokens", getattr(args, "image_tokens", None), 0)):
         if value is not None and value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
     if not args.gpu_memory > 0:
@@ -115,6 +121,10 @@ def check_plan_args(args: argparse.Namespace) -> None:
         from .lora import LoRASpec, parse_targets
 
         LoRASpec(args.lora_rank, parse_targets(args.lora_targets))  # names it knows
+    if getattr(args, "image_tokens", None) is not None and (args.lora_rank or
+                                                            getattr(args, "auto", False)):
+        raise ValueError("--image-tokens plans full fine-tuning with a fixed setup: drop "
+                         "--lora-rank / --auto, or plan without the vision tower")
     if args.output:
         check_output_path("--output", args.output, folder=False)
 
@@ -152,12 +162,22 @@ def run_plan(args) -> int:
 
         return run_auto(args, shape, budget, lora_spec(args))
     n, kw = args.devices, _kw(args)
+    params = shape.num_params()
+    if getattr(args, "image_tokens", None) is not None:
+        from .vision import load_vision
+
+        kw.update(vision=load_vision(args.model), image_tokens=args.image_tokens)
+        params += kw["vision"].num_params()
     method = None if args.method == "auto" else args.method
-    result: dict = {"model": shape.name, "params_b": shape.num_params() / 1e9, "devices": n,
+    result: dict = {"model": shape.name, "params_b": params / 1e9, "devices": n,
                     "budget_gib": budget / GIB}
-    lines = [f"{shape.name}: {shape.num_params() / 1e9:.2f}B parameters, {shape.layers} layers, "
+    lines = [f"{shape.name}: {params / 1e9:.2f}B parameters"
+             + (f" ({kw['vision'].num_params() / 1e9:.2f}B in the vision tower)"
+                if "vision" in kw else "")
+             + f", {shape.layers} layers, "
              f"{shape.heads} heads / {shape.kv_heads} KV heads; {n} x {args.gpu_memory:g} GiB "
-             f"(planning with {budget / GIB:.1f} GiB each)"]
+             f"(planning with {budget / GIB:.1f} GiB each)", shape.describe_paths()]
+    result["maxlen_paths"] = [p for _, p in shape.maxlen_paths()]
     if args.seq_len:
         if method is None:
             choice = choose_method(shape, args.seq_len, n, budget, **kw)

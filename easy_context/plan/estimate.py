@@ -18,7 +18,8 @@ method's communication buffers). runtime: the CUDA context / CPU runtime, a cons
 
 In max-length mode (easy_context.memory.maxlen: ``mlp_tile``, ``heads_per_chunk``,
 ``keep_every``) the stored activations and the layer's two halves are those of the fused
-layer instead (plan/fused.py), and the loss phase keeps the un-normed last hidden states,
+layer instead (plan/fused.py), or of the generic layer (plan/generic.py) where a layer kind
+takes that path (ModelShape.maxlen_path), and the loss phase keeps the un-normed last hidden states,
 whose gradient its backward writes over them.
 
 Batch size 1 (one packed sequence per step), as long-context training does; token counts are
@@ -34,6 +35,7 @@ from dataclasses import asdict, dataclass
 from ..parallel import get_method
 from .shapes import ModelShape
 from .states import States, loss_head_grad_bytes, model_states
+from .vision import estimate_terms
 from ..attention.workspace import DEFAULT_SMS, backward_workspace, planned_family
 
 GIB = 2**30
@@ -94,11 +96,22 @@ class MemoryEstimate:
     # ring methods move only the K/V rows the window reads (parallel/window_cost.py)
     window_layers: int = 0
     window_communication_per_layer: int = 0
+    # a vision-language model's tower (plan/vision.py): what encoding this rank's images
+    # stores until the tower's backward (held through the decoder's backward), and the
+    # largest transient of the tower's own backward; its parameters are in the model states
+    vision_activations: int = 0
+    vision_backward: int = 0
+    vision_parameters: int = 0  # the tower's and projector's parameter count (not bytes)
+    image_tokens: int = 0  # placeholder tokens this rank encodes (the worst rank's)
+    # multi-head latent attention under a method that sends the latent (all-gather): the
+    # values a token's latent holds (kv_lora_rank + rope); 0: the expanded K/V travel
+    latent_values: int = 0
 
     COMPONENTS = ("parameters", "gradients", "gradients_in_backward", "optimizer",
                   "optimizer_step", "gathered_parameters", "stored_activations", "mlp_backward",
                   "attention_backward", "attention_buffers", "attention_workspace", "loss",
                   "runtime")
+    VISION = ("vision_activations", "vision_backward")
 
     @property
     def communication_per_step(self) -> int:
@@ -121,8 +134,12 @@ class MemoryEstimate:
 
     @property
     def backward_phase(self) -> int:
+        # the tower's saved tensors live from its forward (first) to its backward (last);
+        # its backward's transient is counted beside the decoder's stored activations,
+        # which are freed by then (conservative)
         return (self.gathered_parameters + self.gradients_in_backward + self.stored_activations
-                + max(self.layer_phase, self.loss))
+                + self.vision_activations + max(self.layer_phase, self.loss,
+                                                self.vision_backward))
 
     @property
     def step_phase(self) -> int:
@@ -136,7 +153,8 @@ class MemoryEstimate:
         return held + max(self.backward_phase, self.step_phase)
 
     def components(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in self.COMPONENTS}
+        names = self.COMPONENTS + (self.VISION if self.vision_parameters else ())
+        return {name: getattr(self, name) for name in names}
 
     def to_dict(self) -> dict:
         return {**asdict(self), "total": self.total, "backward_phase": self.backward_phase,
@@ -148,9 +166,12 @@ class MemoryEstimate:
         the larger phase (and within backward, the larger transient) is in the total."""
         bwd = self.backward_phase >= self.step_phase
         # the backward phase's held terms, then its largest transient (as backward_phase)
-        held = {"gathered_parameters", "gradients_in_backward", "stored_activations"}
+        held = {"gathered_parameters", "gradients_in_backward", "stored_activations",
+                "vision_activations"}
         if not bwd:
             peak = {"gradients", "optimizer_step"}
+        elif self.vision_backward > max(self.layer_phase, self.loss):
+            peak = held | {"vision_backward"}
         elif self.loss > self.layer_phase:
             peak = held | {"loss"}
         elif self.mlp_backward >= self.attention_layer:
@@ -162,7 +183,8 @@ class MemoryEstimate:
                  "gathered_parameters": "backward",
                  "mlp_backward": "backward, layer", "attention_backward": "backward, layer",
                  "attention_buffers": "backward, layer", "attention_workspace": "backward, layer",
-                 "loss": "backward, loss"}
+                 "loss": "backward, loss", "vision_activations": "backward",
+                 "vision_backward": "backward, tower"}
         lines = [f"{self.model}: L={self.seq_len:,} on {self.world_size} device(s), "
                  f"{self.method}, {self.engine}, offload={self.offload}, "
                  f"checkpointing={self.checkpointing}, {self.dtype}  (per device)"]
@@ -177,13 +199,18 @@ class MemoryEstimate:
                          + ("" if tag == "held" or name in peak else " (not at peak)"))
         lines.append(f"  {'total (peak)':24s} {self.total / GIB:10.2f} GiB   "
                      f"[{'backward' if bwd else 'optimizer step'} phase]")
+        if self.vision_parameters:
+            lines.append(f"  vision tower: {self.vision_parameters / 1e6:,.1f}M parameters (in "
+                         f"the states above), encoding {self.image_tokens:,} image tokens here")
         if self.host_bytes:
             lines.append(f"  {'host memory (offloaded)':24s} {self.host_bytes / GIB:10.2f} GiB")
         if self.communication_per_layer:
             lines.append(f"  {'sent per layer (fwd+bwd)':24s} "
                          f"{self.communication_per_layer / GIB:10.2f} GiB"
                          + (f"   [each of {self.attention_layers} attention layers]"
-                            if self.recurrent_layers else ""))
+                            if self.recurrent_layers else "")
+                         + (f"   [MLA latent: {self.latent_values} values a token, not the "
+                            "expanded K/V]" if self.latent_values else ""))
         if self.window_layers and self.communication_per_layer:
             lines.append(f"  {'sent per window layer':24s} "
                          f"{self.window_communication_per_layer / GIB:10.2f} GiB   [each of "
@@ -216,6 +243,10 @@ def layer_saved_per_token(shape: ModelShape, a: int, method: str, world_size: in
     norm = shape.hidden * (4 + 2 * a)
     m = get_method("local" if world_size == 1 else method)
     attn = m.saved_per_token(shape.attention_dims(), a, world_size, ring_degree)
+    width = latent_width(shape, method) if world_size > 1 else 0
+    if width:  # MLA sending its latent keeps the whole sequence's K/V and latent (hf_latent.py)
+        _, hkv, hd = shape.attention_dims()
+        attn += (world_size - 1) * 2 * hkv * hd * a + world_size * width * a
     return {"input_norm": norm, "attention": attn, "post_norm": norm,
             "mlp": (4 if shape.gated_mlp else 2) * shape.intermediate * a}
 
@@ -257,8 +288,11 @@ def attention_buffers(shape: ModelShape, s: int, a: int, method: str, world_size
     as the methods do at run time. One device (N = 1): none."""
     if world_size == 1:
         return 0
-    return get_method(method).buffers(shape.attention_dims(), s, a, world_size, ring_degree,
-                                      budget=_budget(device), workspace=workspace)
+    m, dims = get_method(method), shape.attention_dims()
+    if latent_width(shape, method):  # MLA's latent expands every head's K/V at once: one group
+        return m.group_buffers(dims, s, a, world_size, ring_degree, dims.kv_heads)
+    return m.buffers(dims, s, a, world_size, ring_degree, budget=_budget(device),
+                     workspace=workspace)
 
 
 def attention_workspace(shape: ModelShape, s: int, a: int, method: str, world_size: int,
@@ -267,6 +301,9 @@ def attention_workspace(shape: ModelShape, s: int, a: int, method: str, world_si
     """One backward kernel call's workspace, bytes, with the head groups the method picks
     (one device: the local call on the whole sequence)."""
     m = get_method("local" if world_size == 1 else method)
+    if world_size > 1 and latent_width(shape, method):  # every head in one call (hf_latent.py)
+        return m.workspace(shape.attention_dims(), s, a, world_size, ring_degree,
+                           shape.kv_heads, workspace)
     return m.call_workspace(shape.attention_dims(), s, a, world_size, ring_degree,
                             budget=_budget(device), workspace=workspace)
 
@@ -279,10 +316,24 @@ def _budget(device: str) -> int:
 
 def communication_per_layer(shape: ModelShape, s: int, a: int, method: str, world_size: int,
                             ring_degree: int | None = None) -> int:
-    """Bytes one rank sends per layer, forward and backward (Method.comm_bytes)."""
+    """Bytes one rank sends per layer, forward and backward (Method.comm_bytes); for multi-head
+    latent attention under a method that moves the latent, its latent instead of K/V
+    (Method.latent_comm_bytes: kv_lora_rank + rope values a token, integrations/hf_latent.py)."""
     if world_size == 1:
         return 0
-    return get_method(method).comm_bytes(shape.attention_dims(), s, a, world_size, ring_degree)
+    m = get_method(method)
+    width = latent_width(shape, method)
+    if width:
+        return m.latent_comm_bytes(width, s, a, world_size)
+    return m.comm_bytes(shape.attention_dims(), s, a, world_size, ring_degree)
+
+
+def latent_width(shape: ModelShape, method: str) -> int:
+    """Values a token's latent holds where ``method`` sends multi-head latent attention's
+    latent (kv_lora_rank + qk_rope_head_dim), else 0 (it sends the expanded K/V)."""
+    if not shape.kv_lora_rank or get_method(method).latent_comm_bytes is None:
+        return 0
+    return shape.kv_lora_rank + (shape.rope_head_dim or 0)
 
 
 def window_communication_per_layer(shape: ModelShape, s: int, a: int, method: str,
@@ -501,7 +552,8 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
                     device: str = "gpu", mlp_tile: int | None = None,
                     heads_per_chunk: int | None = None, keep_every: int = 1,
                     lora=None, kernel: str | None = None, deterministic: bool = False,
-                    sms: int = DEFAULT_SMS) -> MemoryEstimate:
+                    sms: int = DEFAULT_SMS, vision=None, image_tokens: int = 0
+                    ) -> MemoryEstimate:
     """Predicted peak memory per device of one training step (see the module docstring).
 
     method: a key of easy_context.METHODS, or "local" on one device. loss_chunk: "auto" (what
@@ -515,6 +567,11 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
     counted (attention/workspace.py; default: flash-attn 2 / torch's flash op for bf16 on a
     GPU, the efficient op for fp32, none on a CPU), deterministic backward (--deterministic:
     flash-attn's dq_accum once per split) and the GPU's SM count.
+    vision / image_tokens: a vision-language model's tower (a plan.vision.VisionShape) and the
+    image and video placeholder tokens of the whole sequence; the worst rank is planned:
+    it holds min(image_tokens, seq_len / world_size) of them (images can crowd into one
+    shard; each rank encodes its own, integrations/vision.py). The tower's parameters train
+    and shard with the decoder's.
     """
     for value, allowed, what in ((engine, ENGINES, "engine"), (offload, OFFLOADS, "offload"),
                                  (checkpointing, CHECKPOINTING, "checkpointing"),
@@ -525,23 +582,36 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
         raise ValueError(f"seq_len {seq_len} is not divisible by world_size {world_size}")
     a = 2 if dtype == "bf16" else 4
     s = seq_len // world_size
-    st = model_states(model_shape, world_size, engine, offload, dtype, device)
+    if vision is not None and (lora is not None or mlp_tile is not None
+                               or heads_per_chunk is not None):
+        raise ValueError("the planner counts a vision tower for full fine-tuning without "
+                         "max-length mode (not yet beside its fused layers): plan LoRA or "
+                         "max-length mode without the vision tower (--image-tokens)")
+    if image_tokens and vision is None:
+        raise ValueError("image_tokens need the model's vision tower (vision=): plan a "
+                         "vision-language model's config")
+    st = model_states(model_shape, world_size, engine, offload, dtype, device, vision)
     workspace = kernel_workspace(device, a, kernel, deterministic, sms)
     loss = loss_bytes(model_shape, s, a, _chunk_rows(loss_chunk, model_shape, device))
     fused = mlp_tile is not None or heads_per_chunk is not None
-    if fused and not model_shape.fusable:
-        raise ValueError(f"{model_shape.name}: max-length mode's fused layers (--mlp-tile, "
-                         "--head-chunk) are planned for layers of attention and a dense MLP; "
-                         "this model has recurrent, expert, MLA or MLP-only layers: plan it "
+    paths = [p for _, p in model_shape.maxlen_paths()] if fused else []
+    refused = [p for p in paths if p not in ("fused", "generic")]
+    if refused:
+        raise ValueError(f"{model_shape.name}: max-length mode (--mlp-tile, --head-chunk) "
+                         f"does not run every layer of this model ({refused[0]}): plan it "
                          "untiled")
     if fused:
+        # each kind of layer on the path max-length mode takes for it (shapes.maxlen_path):
+        # the fused layer's terms, or the generic layer's where any layer takes that path
         from .fused import fused_terms
+        from .generic import generic_terms
 
+        terms = generic_terms if "generic" in paths else fused_terms
         mlp_tile = s if mlp_tile is None else mlp_tile
         heads_per_chunk = model_shape.heads if heads_per_chunk is None else heads_per_chunk
-        ft = fused_terms(model_shape, s, a, method, world_size, checkpointing, mlp_tile,
-                         heads_per_chunk, ring_degree, keep_every, workspace=workspace,
-                         budget=_budget(device))
+        ft = terms(model_shape, s, a, method, world_size, checkpointing, mlp_tile,
+                   heads_per_chunk, ring_degree, keep_every, workspace=workspace,
+                   budget=_budget(device))
         stored, mlp_w, attn_w, act_host = ft.stored + ft.head, ft.mlp_half, ft.attention_half, ft.host
         # The loss keeps the un-normed last hidden states and its backward writes their
         # gradient over them (tiled_loss.py): the one s x H tensor loss_bytes counts.
@@ -575,8 +645,10 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
             model_shape, s, a, method, world_size, ring_degree),
         state_bytes_per_layer=state_bytes(model_shape, s, method, world_size, ring_degree),
         window_layers=windows,
+        latent_values=latent_width(model_shape, method) if world_size > 1 else 0,
         window_communication_per_layer=window_communication_per_layer(
-            model_shape, s, a, method, world_size, ring_degree) if windows else 0)
+            model_shape, s, a, method, world_size, ring_degree) if windows else 0,
+        **estimate_terms(vision, min(image_tokens, s), a))
     if lora is not None:
         from .lora import with_lora
 

@@ -205,13 +205,23 @@ def layer_kinds(c, layer_types: list[str]) -> tuple[tuple[LayerKind, int], ...]:
     """(kind, count) of text config ``c``'s layers, from ``layer_types``
     (integrations.hf.config_layer_types); () for every layer a Llama one. Raises a
     ValueError for a token-mixing kind whose sizes are not known here."""
+    kinds: dict[LayerKind, int] = {}
+    for kind in kind_of_each_layer(c, layer_types):
+        kinds[kind] = kinds.get(kind, 0) + 1
+    if set(kinds) == {LLAMA_LAYER}:
+        return ()
+    return tuple(kinds.items())
+
+
+def kind_of_each_layer(c, layer_types: list[str]) -> list[LayerKind]:
+    """The LayerKind of each of text config ``c``'s layers, in order (see :func:`layer_kinds`)."""
     n = c.num_hidden_layers if not layer_types else len(layer_types)
     moe = _moe_layers(c, n)
     types = layer_types or ["full_attention"] * n
     if not layer_types and _first(c, "mamba_n_heads", "mamba_num_heads", "n_mamba_heads"):
         types = ["hybrid"] * n  # Falcon-H1 without layer_types: both in every layer
     own_ffn = any(t in _FFN_ONLY for t in types)
-    kinds: dict[LayerKind, int] = {}
+    out = []
     for i, t in enumerate(types):
         mlp = "moe" if moe[i] else "dense"
         if t in _FFN_ONLY:
@@ -222,11 +232,9 @@ def layer_kinds(c, layer_types: list[str]) -> tuple[tuple[LayerKind, int], ...]:
             kind = LayerKind("global", True, None if own_ffn else mlp)
         else:  # a token-mixing layer that is not attention
             kind = LayerKind(None, True, None if own_ffn else mlp)
-        kinds[kind] = kinds.get(kind, 0) + 1
-    if set(kinds) == {LLAMA_LAYER}:
-        return ()
-    return tuple(kinds.items())
+        out.append(kind)
+    return out
 
 
-__all__ = ["LLAMA_LAYER", "LayerKind", "MoEShape", "RecurrentShape", "layer_kinds",
+__all__ = ["LLAMA_LAYER", "LayerKind", "MoEShape", "RecurrentShape", "kind_of_each_layer", "layer_kinds",
            "moe_from_config", "recurrent_from_config"]

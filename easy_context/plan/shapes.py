@@ -59,6 +59,51 @@ class ModelShape:
     in the compressed projection)"""
     gated_mlp: bool = True
     """gate, up and down projections (False: up and down only, Nemotron-H)"""
+    layer_paths: tuple = ()
+    """((LayerKind, path), ...): how max-length mode runs each kind of layer, as
+    easy_context.memory.maxlen.path_for decides it on the model built from the config (on the
+    meta device): "fused", "generic", or the reason it refuses; (): not read from a model
+    (:meth:`maxlen_path` decides from the shape)"""
+    layer_norms: int = 2
+    """normalisations directly in a decoder layer (Gemma 2/3's sandwich norms: 4)"""
+    qk_norm: bool = False
+    """per-head norms of q and k (Gemma 3, Qwen 3)"""
+
+    def maxlen_path(self, kind) -> str:
+        """How max-length mode runs a layer of ``kind``: "fused", "generic" or a reason it
+        refuses (from :attr:`layer_paths`, else: the fused layer for Llama-shaped layers of
+        a fusable shape, the generic one for other attention layers; recurrent ones refused)."""
+        for k, path in self.layer_paths:
+            if k == kind:
+                return path
+        if kind.recurrent:
+            return ("max-length mode runs attention layers; the planner has no max-length "
+                    "terms for recurrent mixers")
+        return "fused" if self.fusable and self.layer_norms == 2 else "generic"
+
+    def maxlen_paths(self) -> list[tuple[object, str]]:
+        """[(LayerKind, path)] of every kind of layer (:meth:`maxlen_path`)."""
+        return [(k, self.maxlen_path(k)) for k, _ in self.layer_counts()]
+
+    def describe_paths(self) -> str:
+        """One line: the path max-length mode takes for each kind of layer."""
+        def name(k) -> str:
+            parts = [{"global": "attention", "window": "sliding-window attention",
+                      "chunk": "chunked attention"}.get(k.attention, "")]
+            parts += ["recurrent" if k.recurrent else "", {"dense": "MLP", "moe": "experts"}
+                      .get(k.mlp, "")]
+            return " + ".join(p for p in parts if p)
+
+        def say(p: str) -> str:
+            return p if p in ("fused", "generic") else f"not run ({p})"
+
+        return "max-length mode's layers: " + "; ".join(
+            f"{name(k)}: {say(p)}" for k, p in self.maxlen_paths())
+
+    @property
+    def tileable(self) -> bool:
+        """Whether max-length mode runs (and the planner plans) every layer, on either path."""
+        return all(p in ("fused", "generic") for _, p in self.maxlen_paths())
 
     def layer_counts(self) -> list[tuple[object, int]]:
         """[(LayerKind, count)] over the layers (plan/layers.py)."""
@@ -213,21 +258,70 @@ def shape_from_config(config, name: str = "config", check: bool = True) -> Model
             "num_attention_heads, intermediate_size, ...) and one size per layer kind") from e
     if check:
         check_against_model(config, shape)
+        shape = with_model_facts(config, shape)
     return shape
+
+
+def _meta_model(config):
+    """``config``'s causal LM built on the meta device (no memory), or None where transformers
+    cannot build it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - an unknown or broken family: nothing to read from it
+        return None
+
+
+def _rank(path: str) -> int:
+    return {"fused": 0, "generic": 1}.get(path, 2)
+
+
+def with_model_facts(config, shape: ModelShape) -> ModelShape:
+    """``shape`` with what the built model tells and the config does not: each layer kind's
+    max-length path (easy_context.memory.maxlen.path_for, the structural part of its decision:
+    the numerical probe needs weights) and the norms in a layer."""
+    from ..memory.maxlen import decoder_layers, path_for
+    from .layers import kind_of_each_layer
+
+    model = _meta_model(config)
+    if model is None:
+        return shape
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = [str(t) for t in (getattr(c, "layer_types", None)
+                              or getattr(c, "layers_block_type", None) or [])]
+    try:
+        layers = decoder_layers(model)
+        kinds = kind_of_each_layer(c, types)
+    except (ValueError, AttributeError):
+        return shape
+    if len(kinds) != len(layers):
+        return shape
+    paths: dict = {}
+    for kind, layer in zip(kinds, layers):
+        try:
+            path = path_for(layer)
+        except Exception as e:  # noqa: BLE001 - a layer the structural checks cannot read
+            path = f"max-length mode cannot read {type(layer).__name__}: {e}"
+        # a kind takes the generic path if any of its layers does; a refusal wins
+        if _rank(path) > _rank(paths.get(kind, "fused")) or kind not in paths:
+            paths[kind] = path
+    norms = max(sum(1 for m in layer.children() if "norm" in type(m).__name__.lower())
+                for layer in layers)
+    qk = any(getattr(getattr(layer, "self_attn", None), "q_norm", None) is not None
+             for layer in layers)
+    return replace(shape, layer_paths=tuple(paths.items()), layer_norms=norms or 2, qk_norm=qk)
 
 
 def model_parameters(config) -> int | None:
     """Parameters of ``config``'s decoder and output head, counted on the meta device (no
     memory), or None where transformers cannot build it."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from ..utils.decoder import decoder_of
 
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-    except Exception:  # noqa: BLE001 - an unknown or broken family: nothing to check against
+    model = _meta_model(config)
+    if model is None:
         return None
     n = sum(p.numel() for p in decoder_of(model).parameters())
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()

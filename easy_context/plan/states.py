@@ -58,7 +58,7 @@ def pinned_rounding(shape: ModelShape, world_size: int, bytes_per: int = 4,
 
 
 def model_states(shape: ModelShape, world_size: int, engine: str, offload: str,
-                 dtype: str, device: str = "gpu") -> States:
+                 dtype: str, device: str = "gpu", vision=None) -> States:
     """Parameters, gradients and optimizer states per device, and their host share.
 
     AdamW keeps two fp32 moments (8 B/param). bf16 mixed precision keeps fp32 master weights:
@@ -82,9 +82,16 @@ def model_states(shape: ModelShape, world_size: int, engine: str, offload: str,
     FSDP's offloaded parameters and gradients on a GPU are pinned, one block per parameter
     shard through torch's caching host allocator, which rounds each up to a power of two:
     the host share counts that rounding (pinned_rounding). The moments are not pinned.
+    ``vision`` (a plan.vision.VisionShape): the vision tower and projector train too, sharded
+    as the decoder is (its blocks are units of their own: FSDP2 wraps each, ZeRO-3 gathers
+    each when it runs); the largest unit gathered is the larger of a decoder layer's and
+    a tower block's (or its embedding, or merger).
     """
     p = shape.num_params()
     head, layer = shape.vocab * shape.hidden, shape.layer_params()
+    if vision is not None:
+        p += vision.num_params()
+        layer = max(layer, vision.largest_unit())
     if engine == "fsdp" and offload == "optimizer":
         raise ValueError("FSDP offloads parameters, gradients and optimizer states together "
                          "(CPUOffloadPolicy): use offload='params', or engine='deepspeed'")

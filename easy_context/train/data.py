@@ -58,6 +58,11 @@ def check_windows(dataset, seq_length: int, batch_size: int, dp: int) -> None:
                          f"--batch-size x data-parallel groups = {batch_size} x {dp} = "
                          f"{batch_size * dp}: lower --batch-size or prepare more data")
     first = len(dataset[0]["input_ids"])
+    if "pixel_values" in dataset.column_names and first != seq_length + 1:
+        # windows of whole conversations: a shorter cut could split an image
+        raise ValueError(f"the dataset's windows (with images) hold {first} tokens, prepared "
+                         f"for --seq-length {first - 1}; train with --seq-length {first - 1} "
+                         "(a shorter cut could split an image), or prepare the data again")
     if first < seq_length + 1:
         raise ValueError(f"sequences have {first} tokens; --seq-length {seq_length} needs "
                          f"{seq_length + 1} (targets are shifted by one): prepare the data "
@@ -102,4 +107,10 @@ class TrainBatches:
             positions = positions[:, :L]
         else:
             positions = torch.arange(L).expand(ids.size(0), -1)
-        return {"input_ids": inputs, "position_ids": positions.contiguous(), "target_ids": targets}
+        out = {"input_ids": inputs, "position_ids": positions.contiguous(), "target_ids": targets}
+        if "pixel_values" in rows:
+            # prepare-data --processor: the rows' images, concatenated in row order
+            from .vision import window_images
+
+            out.update(window_images(rows, ids.size(0)))
+        return out

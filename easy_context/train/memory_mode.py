@@ -139,8 +139,9 @@ def apply_memory_mode(model, config: TrainConfig, sp: int, device: torch.device)
                 log.info("max-length mode off: %s", why)
                 return False
             raise ValueError(f"max-length mode: {why}")
-    else:
-        shape = shape_from_config(model.config, name=str(config.model))
+    else:  # numbers: nothing to plan (the planner reads not every model max-length mode runs:
+        # Jamba's Mamba-1, Kimi Linear's KDA), the heads from the config
+        shape = None
     if "auto" in (tile, chunk):
         from ..parallel import get_method
 
@@ -163,10 +164,13 @@ def apply_memory_mode(model, config: TrainConfig, sp: int, device: torch.device)
         tile = setup.mlp_tile if tile == "auto" else tile
         chunk = setup.heads_per_chunk if chunk == "auto" else chunk
     tile = tile or config.seq_length  # off: one tile, the whole local sequence
-    chunk = chunk or shape.heads  # off: every head at once
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+        else model.config
+    heads = shape.heads if shape is not None else text.num_attention_heads
+    chunk = chunk or heads  # off: every head at once
     apply_max_length(model, tile, chunk, config.checkpointing, keep_every=config.keep_every)
     if dist.get_rank() == 0:
         log.info("max-length mode: MLP tiles of %d tokens, %d query head(s) per attention chunk, "
-                 "checkpointing %s%s", tile, min(chunk, shape.heads), config.checkpointing,
+                 "checkpointing %s%s", tile, min(chunk, heads), config.checkpointing,
                  f", one layer input in {config.keep_every} kept" if config.keep_every > 1 else "")
     return True

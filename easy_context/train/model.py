@@ -35,8 +35,10 @@ def build_empty_model(config: TrainConfig,
     path = check_model_path(config.model)
     model_config = load_config(path, config.rope_theta, config.rope_scaling, config.trust_remote_code)
 
+    auto = _auto_class(model_config)
+
     def build():
-        return AutoModelForCausalLM.from_config(
+        return auto.from_config(
             model_config, dtype=torch.float32, trust_remote_code=config.trust_remote_code,
             attn_implementation=plain_attention(model_config))
 
@@ -68,7 +70,7 @@ def build_empty_model(config: TrainConfig,
         pass
 
     def load_full():
-        return AutoModelForCausalLM.from_pretrained(
+        return auto.from_pretrained(
             path, config=model_config, dtype=torch.float32, use_safetensors=True,
             trust_remote_code=config.trust_remote_code,
             attn_implementation=plain_attention(model_config))
@@ -76,8 +78,32 @@ def build_empty_model(config: TrainConfig,
     return model, Pretrained(path, load_full)
 
 
+def _auto_class(model_config: PretrainedConfig):
+    """AutoModelForCausalLM, or for a vision-language model (a config with a vision tower,
+    which the causal-LM registry does not map) AutoModelForImageTextToText."""
+    from .vision import is_vision_config
+
+    if type(model_config) not in AutoModelForCausalLM._model_mapping and \
+            is_vision_config(model_config):
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def load_tokenizer(config: TrainConfig):
     path = check_model_path(config.model)
+    from .vision import is_vision_config
+
+    if is_vision_config(load_config(path, trust_remote_code=config.trust_remote_code)):
+        # a vision-language model: its processor (tokenizer, image processor, template) goes
+        # into the export, as from_pretrained reads it
+        from transformers import AutoProcessor
+
+        try:
+            return AutoProcessor.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+        except (OSError, ValueError, TypeError, ImportError):
+            pass
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
     except (OSError, ValueError, TypeError):

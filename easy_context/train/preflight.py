@@ -56,9 +56,10 @@ def check_model(config: TrainConfig) -> None:
     check_model_path(config.model, weights=True)
 
 
-def check_dataset(config: TrainConfig, world: int) -> None:
-    """A local dataset exists, has input_ids, a step's worth of rows and long enough rows.
-    (A Hub name is left to the ranks: checking it would download it.)"""
+def check_dataset(config: TrainConfig, world: int, check_model: bool = False) -> None:
+    """A local dataset exists, has input_ids, a step's worth of rows and long enough rows;
+    with ``check_model``, that the model takes its images (or refuses what the vision path
+    does not take). (A Hub name is left to the ranks: checking it would download it.)"""
     from .data import check_windows, load_training_dataset
 
     path = Path(config.dataset).expanduser()
@@ -69,6 +70,12 @@ def check_dataset(config: TrainConfig, world: int) -> None:
                                 "`easy-context prepare-data`")
     ds = load_training_dataset(str(path))
     check_windows(ds, config.seq_length, config.batch_size, world // config.sp_size_for(world))
+    if check_model and _looks_local(config.model):  # a hub name's config is the ranks' to read
+        from ..models import load_config
+        from .vision import check_vision_run, has_images, is_vision_config
+
+        check_vision_run(config, has_images(ds), is_vision_config(
+            load_config(config.model, trust_remote_code=config.trust_remote_code)))
 
 
 def check_files(config: TrainConfig) -> None:
@@ -119,4 +126,4 @@ def preflight(config: TrainConfig, model: bool = True) -> None:
         check_layout(config, world, *model_heads(config.model))
     else:
         check_layout(config, world)
-    check_dataset(config, world)
+    check_dataset(config, world, check_model=model)

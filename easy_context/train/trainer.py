@@ -26,6 +26,7 @@ from ..attention.documents import document_ids_from_positions, is_packed
 from ..integrations.hf import apply_sequence_parallel
 from ..memory.checkpointing import apply_activation_checkpointing
 from ..mesh import ParallelMesh, build_mesh, check_mesh
+from ..models import load_config
 from ..parallel import get_method
 from ..sequence_parallel import shard_batch
 from ..utils.allocator import configure_allocator
@@ -38,6 +39,7 @@ from .logs import MetricsLogger
 from .model import build_empty_model, load_tokenizer
 from .memory_mode import apply_memory_mode, resolve_auto_memory
 from .schedule import lr_lambda
+from .vision import check_vision_run, has_images, is_vision_config, shard_vision_batch
 from .weights import params_on_meta
 
 log = logging.getLogger("easy_context.train")
@@ -102,6 +104,11 @@ def train(config: TrainConfig, device: torch.device) -> dict:
         raise ValueError(f"--seq-length {config.seq_length} is not divisible by {multiple} "
                          f"({method.name} over {sp} ranks); use a multiple of {multiple}, e.g. "
                          f"{-(-config.seq_length // multiple) * multiple}")
+    dataset = load_training_dataset(config.dataset)
+    # images (prepare-data --processor) or a vision-language model: checked before any
+    # collective, from the dataset's columns and the model's config
+    vision = is_vision_config(load_config(config.model, trust_remote_code=config.trust_remote_code))
+    check_vision_run(config, has_images(dataset), vision)
     torch.manual_seed(config.seed)
     mesh = build_mesh(sp, config.ring_degree, device.type)
     output = Path(config.output_dir)
@@ -114,7 +121,6 @@ def train(config: TrainConfig, device: torch.device) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         engine.optimizer, lr_lambda(config.lr_schedule, config.warmup_steps, config.max_train_steps))
 
-    dataset = load_training_dataset(config.dataset)
     batches = TrainBatches(dataset, config.seq_length, config.batch_size, mesh.dp, mesh.dp_rank,
                            config.seed)
     step = 0
@@ -139,11 +145,15 @@ def train(config: TrainConfig, device: torch.device) -> dict:
         step_loss = 0.0
         with PeakMemory(device) as peak:
             for batch in micro_batches:
-                # Decided on the whole batch, which every sp rank holds, so all ranks agree.
-                if is_packed(batch["position_ids"]):
-                    batch["document_ids"] = document_ids_from_positions(batch["position_ids"])
-                local = {k: t.to(device) for k, t in shard_batch(
-                    batch, method.name, mesh.sp_rank, sp, config.ring_degree).items()}
+                if vision:  # each rank cuts the step and encodes its own images
+                    local = shard_vision_batch(model, batch, method.name, mesh.sp_rank, sp,
+                                               config.ring_degree, device)
+                else:
+                    # Decided on the whole batch, which every sp rank holds, so all ranks agree.
+                    if is_packed(batch["position_ids"]):
+                        batch["document_ids"] = document_ids_from_positions(batch["position_ids"])
+                    local = {k: t.to(device) for k, t in shard_batch(
+                        batch, method.name, mesh.sp_rank, sp, config.ring_degree).items()}
                 loss = engine.loss(**local, group=dist.group.WORLD, num_items_in_batch=denom)
                 engine.backward(loss)
                 step_loss += loss.item()

@@ -27,9 +27,18 @@ SHAPE = dict(vocab_size=97, hidden_size=64, intermediate_size=112, num_hidden_la
              max_position_embeddings=512, attention_dropout=0.0)
 
 
+DROP = "<drop>"  # an override that removes a SHAPE entry (Falcon's head_dim is read-only)
+
+
 def tiny(family: str, seed: int = 0, **overrides):
     """A family of hf_cases at this shape (the attention-variant ones with their own eager
     attention as the reference: sdpa has no sinks or soft-capping)."""
+    dropped = [k for k, v in overrides.items() if v == DROP]
+    if dropped:
+        config = AutoConfig.for_model(family, **{k: v for k, v in {**SHAPE, **overrides}.items()
+                                                 if k not in dropped})
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
     if family in VARIANT_FAMILIES:
         extra = {k: v for k, v in VARIANT_FAMILIES[family].items()
                  if k not in ("num_key_value_heads", "head_dim")}
@@ -173,6 +182,32 @@ def generic_calls(family: str, tile: int, chunk: int, **overrides) -> dict:
     finally:
         ALL_ATTENTION_FUNCTIONS.register(name, inner)
     return seen
+
+
+def tiled_layer_runs(family: str, **overrides) -> tuple[int, int]:
+    """(how many layer calls ran max-length mode's own forward (fused or generic) in one
+    forward of one process, how many layers the model has): a layer called in a way the
+    patched forward does not recognise runs as it was, untiled, and must not pass unseen."""
+    from easy_context.memory import maxlen
+
+    model = tiny(family, **overrides)
+    ec.apply_sequence_parallel(model, "local")
+    apply_max_length(model, 5, 1, "full")
+    runs = []
+    for cls in (maxlen.GenericLayer, maxlen.FusedLayer):
+        apply = cls.apply
+
+        def counted(*args, _apply=apply):
+            runs.append(1)
+            return _apply(*args)
+
+        cls.apply = counted
+    try:
+        inputs, positions, targets = make_batch(24, model.config.get_text_config().vocab_size)
+        ec.causal_lm_loss(model, inputs, positions, targets, chunked=True)
+    finally:
+        del maxlen.GenericLayer.apply, maxlen.FusedLayer.apply
+    return len(runs), len(maxlen.decoder_layers(model))
 
 
 def max_length_error(family: str, method: str, chunk: int, ring_degree: int | None = None,

@@ -3,7 +3,8 @@ within 1e-5, relative) what transformers' greedy ``generate(**inputs)`` gives in
 for tiny Qwen2.5-VL (multimodal RoPE: positions from get_rope_index, decode positions past
 rope_deltas), Qwen3-VL (and its deepstack features) and LLaVA, every method at 1 and 2 ranks
 and two at 4, with images straddling the shard boundaries; Qwen3.5 and InternVL with two
-methods at 2; a left-padded batch of two rows; and the up-front refusals."""
+methods at 2; Gemma 3 and Gemma 4 (images both ways: every layer, sliding layers only); a
+left-padded batch of two rows; and the up-front refusals."""
 
 from __future__ import annotations
 
@@ -103,3 +104,15 @@ def test_any_resolution_image_prompt_two_ranks(dist2, family):
     ranks: tokens and every step's logits as transformers' generate."""
     _assert_equal(dist2.run(compare_image_prompt, family, ["zigzag_ring_attn", "ring_attn",
                                                            "ulysses_attn"], 1, 2))
+
+
+def test_gemma4_image_prompt(dist2):
+    """Gemma 4 (images both ways on its sliding layers only, per-layer inputs, padded patch
+    rows): every method at 2 ranks, and a left-padded batch of two rows."""
+    _assert_equal(dist2.run(compare_image_prompt, "gemma4", METHODS, 1, 2))
+    _assert_equal(dist2.run(compare_image_prompt, "gemma4", ["zigzag_ring_attn"], 2))
+
+
+def test_gemma4_needs_mm_token_type_ids(dist1):
+    for said in dist1.run(refused, "gemma4", mm_token_type_ids=None):
+        assert said.startswith("ValueError") and "mm_token_type_ids" in said, said

@@ -10,8 +10,8 @@ from torch import nn
 
 from easy_context.memory.generic_layer import mlp_mismatch
 
-from .maxlen_cases import (check_max_length, fused_layer_work, generic_calls, max_length_error,
-                           paths_of)
+from .maxlen_cases import (DROP, check_max_length, fused_layer_work, generic_calls,
+                           max_length_error, paths_of, tiled_layer_runs)
 
 TOL = 1e-5
 # (mlp_tile, heads_per_chunk, checkpointing, keep_every) on 8 query / 4 KV heads: tiles that do
@@ -144,6 +144,39 @@ def test_generic_path(dist1, dist2, family, overrides, path, lora):
                       path=path, lora=lora))
     _assert(dist2.run(check_max_length, family, "zigzag_ring_attn", GENERIC[:2],
                       overrides=overrides, path=path, lora=lora))
+
+
+# Decoders that differ from Llama's outside their layers' attention and MLP: the final norm
+# under another name (GPT-2's ln_f, Falcon's ln_f, Phi's final_layernorm), found and applied
+# in the loss; layer lists under another name (GPT-2's and Falcon's ``h``); Falcon's layers
+# return (hidden states, None); layers handed more than the hidden states: Gemma 4's
+# per_layer_input (a tensor with grad: an input of the layer's recompute, its gradient flows
+# back to the per-layer embeddings), Beam's attention_scaling. BERT-style decoders: layers in
+# ``encoder.layer`` whose feed-forward is a method (feed_forward_chunk, tiled), no final norm
+# (RoBERTa-PreLayerNorm's is ``LayerNorm``, folded), and a head with a transform (dense,
+# activation, LayerNorm) before its projection, run in the loss's chunks.
+GPT2 = dict(n_inner=112, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+FALCON = dict(head_dim=DROP, num_kv_heads=4, new_decoder_architecture=True, hidden_dropout=0.0,
+              attention_dropout=0.0)
+GEMMA4 = dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=97, pad_token_id=0)
+BERT = dict(is_decoder=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            pad_token_id=0)
+
+
+@pytest.mark.parametrize("family,overrides,two_ranks", [
+    ("gpt2", GPT2, True), ("falcon", FALCON, True), ("phi", PHI3, True), ("beam", {}, True),
+    ("bert", BERT, True), ("roberta-prelayernorm", BERT, True),
+    # one rank only: at 2 ranks plain sequence parallelism is itself 2e-5 off this family's
+    # one-process fp32 gradients (its fp32 rounding, amplified; max-length mode gives the
+    # very same numbers as plain SP there)
+    ("gemma4_text", GEMMA4, False)])
+def test_other_decoders(dist1, dist2, family, overrides, two_ranks):
+    runs, layers = dist1.run(tiled_layer_runs, family, **overrides)[0]
+    assert runs == layers, f"{runs} of {layers} layers ran max-length mode's forward"
+    _assert(dist1.run(check_max_length, family, "local", GENERIC[:3], overrides=overrides))
+    if two_ranks:
+        _assert(dist2.run(check_max_length, family, "zigzag_ring_attn", GENERIC[:2],
+                          overrides=overrides))
 
 
 def test_generic_path_ulysses(dist2):

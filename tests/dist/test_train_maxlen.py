@@ -161,6 +161,19 @@ def test_generic_path_trains_like_untiled(dist2, workdir, lora):
     _same(got, want)
 
 
+def test_generic_path_trains_under_zero3_like_untiled(dist2, workdir):
+    """OLMo-2 on the generic path under DeepSpeed ZeRO-3 (refused before: the layer's
+    attention found no _kernel_funcs, since zero.Init stopped undoing kernels' per-instance
+    wrappers) trains like its untiled layers under ZeRO-3."""
+    pytest.importorskip("deepspeed")
+    kw = dict(model=f"{workdir}/olmo2", engine="deepspeed", parallel_mode="zigzag_ring_attn")
+    want = dist2.run(train_run, workdir, "olmo_ds_untiled", mlp_tile="off", head_chunk="off",
+                     **kw)[0]
+    got = dist2.run(train_run, workdir, "olmo_ds_generic", mlp_tile="5", head_chunk="1",
+                    checkpointing="offload", **kw)[0]
+    _same(got, want)
+
+
 def test_generic_path_under_zero3_is_refused(dist2, workdir):
     pytest.importorskip("deepspeed")
     why = dist2.run(train_error, workdir, engine="deepspeed", lora_rank=4, mlp_tile="5",

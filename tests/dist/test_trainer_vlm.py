@@ -52,7 +52,7 @@ def _vision_grad(result: dict) -> float:
 def references(dist1, tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("vlm_trainer"))
     return folder, {family: dist1.run(vlm_trainer_step, folder, family, None)[0]
-                    for family in ("qwen2_5_vl", "llava", "qwen3_vl", "gemma3")}
+                    for family in ("qwen2_5_vl", "llava", "qwen3_vl", "gemma3", "gemma4")}
 
 
 @pytest.mark.parametrize("family, method", [
@@ -60,6 +60,7 @@ def references(dist1, tmp_path_factory):
     ("llava", "zigzag_ring_attn"), ("llava", "ulysses_attn"),
     ("qwen3_vl", "zigzag_ring_attn"),  # deepstack features beside multimodal RoPE
     ("gemma3", "zigzag_ring_attn"),  # images both ways inside (token_type_ids), a window
+    ("gemma4", "zigzag_ring_attn"),  # the same on its sliding layers only, patch positions
 ])
 def test_trainer_step_with_images_equals_one_process(references, dist2, family, method):
     folder, refs = references
@@ -69,6 +70,21 @@ def test_trainer_step_with_images_equals_one_process(references, dist2, family, 
         errors = _errors(result, ref)
         assert all(e <= TOL for e in errors.values()), (rank, errors)
         assert _vision_grad(result) > 0
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])
+def test_trainer_max_length_with_images_equals_one_process(references, dist2, family):
+    """max_length=True with an image batch: the decoder's layers tiled (MLP tiles of 5 tokens
+    against shards of 48), one query head per chunk, inputs offloaded, the final norm in the
+    loss's chunks; the tower as without it. The same step as the plain model's."""
+    folder, refs = references
+    ref = refs[family]
+    settings = {"mlp_tile": 5, "head_chunk": 1, "checkpointing": "offload"}
+    for rank, result in enumerate(dist2.run(vlm_trainer_step, folder, family,
+                                            "zigzag_ring_attn", max_length=settings)):
+        errors = _errors(result, ref)
+        assert all(e <= TOL for e in errors.values()), (rank, errors)
+        assert _vision_grad(result) > 0 and result["max_length_paths"] == ["fused", "fused"]
 
 
 def test_trainer_without_the_vision_path_differs(references, dist2):
@@ -82,13 +98,12 @@ def test_trainer_without_the_vision_path_differs(references, dist2):
 
 @pytest.mark.parametrize("family, extra, engine, message", [
     ("gemma3", {"token_type_ids": None}, "ddp", "token_type_ids"),
+    ("gemma4", {"mm_token_type_ids": None}, "ddp", "mm_token_type_ids"),
     ("paligemma", None, "ddp", "prefix"),
     ("llava_next", {"image_sizes": torch.tensor([[8, 8]] * 5)}, "ddp", "not the tiles"),
     ("qwen2_5_vl", {"mm_token_type_ids": torch.zeros(2, 48, dtype=torch.long)}, "ddp",
      "mm_token_type_ids"),
     ("qwen2_5_vl", {"position_ids": torch.arange(48).expand(2, 48)}, "ddp", "position_ids"),
-    ("llava", None, "fsdp2", "DDP only"),
-    ("llava", None, "fsdp2 evaluate", "DDP only"),  # evaluate() alone
 ])
 def test_trainer_images_refused_with_one_line(references, dist2, family, extra, engine,
                                               message):
@@ -96,6 +111,50 @@ def test_trainer_images_refused_with_one_line(references, dist2, family, extra, 
     engine, *alone = engine.split()
     for said in dist2.run(vlm_trainer_error, folder, family, extra, engine, bool(alone)):
         assert said.startswith("ValueError") and message in said and "\n" not in said, said
+
+
+@pytest.mark.parametrize("family, engine", [
+    ("qwen2_5_vl", "fsdp2"), ("llava", "fsdp2"), ("qwen2_5_vl", "deepspeed"),
+    ("llava", "deepspeed"),
+])
+def test_sharded_tower_with_a_rank_without_images(dist1, dist2, tmp_path, family, engine):
+    """FSDP2 (accelerate's wrap: each vision block and decoder layer, and the root) and
+    DeepSpeed ZeRO-3 (every parameter partitioned) with images: the batch's images all in the
+    first rank's shard (ring_attn), so the second runs the tower on a dummy image; one step
+    and evaluate() equal one process."""
+    if engine == "deepspeed":
+        pytest.importorskip("deepspeed")
+    from .vlm_sharded_cases import early_batch
+
+    batch = early_batch(family)
+    ref = dist1.run(vlm_trainer_step, str(tmp_path), family, None, batch)[0]
+    assert _vision_grad(ref) > 0
+    for rank, result in enumerate(dist2.run(vlm_trainer_step, str(tmp_path), family,
+                                            "ring_attn", batch, False, engine)):
+        assert result["tower_sharded"], rank  # the engine did shard it
+        errors = _errors(result, ref)
+        assert all(e <= TOL for e in errors.values()), (rank, errors)
+        assert _vision_grad(result) > 0
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "deepspeed"])
+def test_sharded_tower_with_a_text_batch_beside(dist1, dist2, tmp_path, engine):
+    """Two data-parallel groups of one rank, the first's batch with images, the second's text
+    only: the second still runs the sharded tower once (text_through_tower), against one
+    process accumulating both batches."""
+    if engine == "deepspeed":
+        pytest.importorskip("deepspeed")
+    from .vlm_sharded_cases import early_batch, text_batch
+
+    batch, text = early_batch("qwen2_5_vl"), text_batch("qwen2_5_vl")
+    ref = dist1.run(vlm_trainer_step, str(tmp_path), "qwen2_5_vl", None, batch, False, "ddp",
+                    None, 2, second=text)[0]
+    for rank, result in enumerate(dist2.run(vlm_trainer_step, str(tmp_path), "qwen2_5_vl",
+                                            "ring_attn", batch, False, engine, 1, 1,
+                                            second=text)):
+        assert result["tower_sharded"], rank
+        errors = _errors(result, ref)
+        assert all(e <= TOL for e in errors.values()), (rank, errors)
 
 
 @pytest.mark.parametrize("method", ["zigzag_ring_attn", "ulysses_attn"])
@@ -178,3 +237,24 @@ def test_trainer_step_image_sizes_towers(dist1, dist2, tmp_path, family):
         errors = _errors(result, ref)
         assert all(e <= TOL for e in errors.values()), (rank, errors)
         assert _vision_grad(result) > 0
+
+
+def test_sharded_tower_max_length(dist1, dist2, tmp_path):
+    """max_length=True under FSDP2 with a sharded tower: a rank without image tokens (it runs
+    the tower on a dummy image), and two data-parallel groups of one rank, the second's batch
+    text only (text_through_tower: it still runs the tower once, also in max-length mode, or
+    the first rank's gathers would wait for it); each equal to one process."""
+    from .vlm_sharded_cases import early_batch, text_batch
+
+    settings = {"mlp_tile": 5, "head_chunk": 2, "checkpointing": "full"}
+    batch, text = early_batch("qwen2_5_vl"), text_batch("qwen2_5_vl")
+    ref = dist1.run(vlm_trainer_step, str(tmp_path), "qwen2_5_vl", None, batch)[0]
+    ref2 = dist1.run(vlm_trainer_step, str(tmp_path), "qwen2_5_vl", None, batch, False, "ddp",
+                     None, 2, second=text)[0]
+    for want, args, kw in ((ref, ("ring_attn", batch, False, "fsdp2"), {}),
+                           (ref2, ("ring_attn", batch, False, "fsdp2", 1, 1), {"second": text})):
+        for rank, result in enumerate(dist2.run(vlm_trainer_step, str(tmp_path), "qwen2_5_vl",
+                                                *args, max_length=settings, **kw)):
+            assert result["tower_sharded"] and result["max_length_paths"], rank
+            errors = _errors(result, want)
+            assert all(e <= TOL for e in errors.values()), (rank, errors)

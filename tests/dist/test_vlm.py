@@ -2,7 +2,8 @@
 
 Tiny Qwen2.5-VL (multimodal RoPE), Qwen3-VL (multimodal RoPE and deepstack features),
 Qwen3.5 (its text layers gated DeltaNet and attention), LLaVA (a CLIP tower and a projector
-before a Llama decoder) and InternVL (tiles, pixel shuffle, a Qwen2 decoder), with images
+before a Llama decoder), InternVL (tiles, pixel shuffle, a Qwen2 decoder), Gemma 3 (images
+both ways) and Gemma 4 (images both ways on its sliding layers only), with images
 straddling shard boundaries, a video, a batch of two rows, and packed conversations: for
 every method at 2 ranks (and at 4 ranks for some), the loss within 1e-5 relative of the
 model's own forward on the whole step, and every parameter's gradient, vision tower
@@ -30,7 +31,7 @@ def _assert(reports, straddles: bool = True):
         assert 5 < sum(encoded), encoded
 
 
-FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava", "internvl", "gemma3"]
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava", "internvl", "gemma3", "gemma4"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -145,3 +146,18 @@ def test_glm4v_every_method_2_ranks(dist2):
     _assert(dist2.run(check_vlm, "glm4v", METHODS, 1, False, (True,)))
     methods = sorted(n for n, m in ec.METHODS.items() if m.documents)
     _assert(dist2.run(check_vlm, "glm4v", methods, 1, True, (True,)))  # packed conversations
+
+
+def test_gemma4_at_4_ranks(dist4):
+    """Gemma 4 (images bidirectional on its sliding layers only, per-layer inputs, padded
+    patch rows per image) at 4 ranks, plain and packed."""
+    _assert(dist4.run(check_vlm, "gemma4", ["zigzag_ring_attn", "usp_attn"], 1, False, (True,)))
+    _assert(dist4.run(check_vlm, "gemma4", ["ring_attn", "ulysses_attn"], 1, True, (True,)))
+
+
+def test_gemma4_without_spans_differs(dist2):
+    """The Gemma 4 cases are ones where the spans matter (its sliding layer's images attend
+    both ways): with them dropped, the loss is off."""
+    reports = dist2.run(check_vlm, "gemma4", ["zigzag_ring_attn"], 1, False, (True,), False,
+                        False, True)
+    assert all(not (le <= TOL) for rep in reports for le, *_ in rep.values()), reports

@@ -15,6 +15,8 @@ import copy
 
 import torch
 
+from easy_context.integrations.vision import tower_sharded
+
 from .trainer_cases import _env_for_accelerate
 from .vlm_cases import IMAGE, VIDEO, make_step, tiny_vlm
 
@@ -38,6 +40,9 @@ def vlm_batch(family: str, seed: int = 1, video: bool = False) -> dict:
             batch[key] = step[key]
     if family == "gemma3":  # its processor's image marks
         batch["token_type_ids"] = (ids == IMAGE).long()
+    if family == "gemma4":  # its processor's image marks and patch positions
+        batch["mm_token_type_ids"] = (ids == IMAGE).long()
+        batch["image_position_ids"] = step["image_position_ids"]
     if "image_grid_thw" in step:  # a Qwen processor's keys
         batch["image_grid_thw"] = step["image_grid_thw"]
         batch["mm_token_type_ids"] = (ids == IMAGE).long() + 2 * (ids == VIDEO).long()
@@ -80,11 +85,15 @@ def _collate(items: list[dict]) -> dict:
 def vlm_trainer_step(folder: str, family: str, method: str | None,
                      batch: dict | None = None, break_vision: bool = False,
                      engine: str = "ddp", sp_size: int | None = None, accum: int = 1,
-                     lora: bool = False, evaluate_only: bool = False) -> dict:
+                     lora: bool = False, evaluate_only: bool = False,
+                     second: dict | None = None, max_length: dict | None = None) -> dict:
     """One Trainer step; returns the logged loss, grad norm and every parameter's gradient
     before the optimizer. ``method=None``: the one-process reference (the model's own
     forward and loss). ``break_vision``: a scratch break that hides the images from the
-    sequence-parallel loss (the test must then fail)."""
+    sequence-parallel loss (the test must then fail). ``second``: the second batch (another
+    data-parallel group's, or the second accumulated), instead of vlm_batch's seed 2.
+    ``max_length``: enable_sequence_parallel's max-length keywords (mlp_tile, head_chunk,
+    checkpointing), max_length=True."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     _env_for_accelerate()
@@ -104,19 +113,19 @@ def vlm_trainer_step(folder: str, family: str, method: str | None,
     class Grab(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
             for name, p in kwargs["model"].named_parameters():
-                grads[name] = (p.grad.detach().clone() if p.grad is not None
-                               else torch.zeros_like(p))
+                grads[name] = _whole_grad(p, engine)
 
     args = TrainingArguments(
         output_dir=f"{folder}/vlm-{family}-{method}", per_device_train_batch_size=1,
         max_steps=1, learning_rate=0.1, optim="sgd", lr_scheduler_type="constant",
         weight_decay=0.0, max_grad_norm=1e9, logging_steps=1, save_strategy="no", report_to=[],
         use_cpu=True, seed=3, disable_tqdm=True, remove_unused_columns=False, bf16=False,
-        gradient_accumulation_steps=accum)
+        gradient_accumulation_steps=accum, **_engine_args(engine))
     # two data-parallel groups (or accumulation 2 in one process): a second batch
     two = sp_size is not None or accum > 1
     data = _Batches(*([batch if batch is not None else vlm_batch(family)]
-                      + ([vlm_batch(family, seed=2)] if two else [])))
+                      + ([second if second is not None else vlm_batch(family, seed=2)]
+                         if two else [])))
     trainer = Trainer(model=model, args=args, data_collator=_collate, callbacks=[Grab()],
                       train_dataset=data, eval_dataset=data)
     try:
@@ -127,7 +136,9 @@ def vlm_trainer_step(folder: str, family: str, method: str | None,
         if method is not None:
             from easy_context import enable_sequence_parallel
 
-            enable_sequence_parallel(trainer, method, sp_size)
+            enable_sequence_parallel(trainer, method, sp_size,
+                                     **({} if max_length is None
+                                        else {"max_length": True, **max_length}))
             if break_vision:
                 state = trainer._easy_context
                 shard = type(state).shard
@@ -141,9 +152,49 @@ def vlm_trainer_step(folder: str, family: str, method: str | None,
         history = trainer.state.log_history
         return {"loss": history[0]["loss"], "grad_norm": history[0]["grad_norm"],
                 "grads": grads, "eval_loss": trainer.evaluate()["eval_loss"],
-                "tokens": trainer.state.num_input_tokens_seen}
+                "tokens": trainer.state.num_input_tokens_seen,
+                "tower_sharded": tower_sharded(trainer.model),
+                "max_length_paths": _max_length_paths(model)}
     finally:
+        if engine == "deepspeed":  # later models in this process are built without zero.Init
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
         _env_for_accelerate()
+
+
+def _max_length_paths(model) -> list[str] | None:
+    """Each decoder layer's max-length path ("fused"/"generic"), None when the mode is off."""
+    from easy_context.memory.maxlen import max_length_settings
+
+    state = max_length_settings(model)
+    return None if state is None else list(state.paths)
+
+
+def _engine_args(engine: str) -> dict:
+    """TrainingArguments for DeepSpeed ZeRO-3 with every parameter partitioned (the tiny
+    tower's would otherwise stay whole, below the persistence threshold, never gathered)."""
+    if engine != "deepspeed":
+        return {}
+    from .trainer_cases import _deepspeed_config
+
+    config = _deepspeed_config(1)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    return {"deepspeed": config}
+
+
+def _whole_grad(p, engine: str):
+    """This parameter's whole gradient before the optimizer: FSDP2's is a sharded DTensor,
+    ZeRO-3's partitioned in its optimizer (both gathered here, on every rank)."""
+    if engine == "deepspeed":
+        from deepspeed.utils import safe_get_full_grad
+
+        g = safe_get_full_grad(p)
+        return g.detach().clone() if g is not None else torch.zeros(p.ds_shape)
+    if p.grad is None:
+        return torch.zeros(tuple(p.shape))
+    g = p.grad
+    return (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
 
 
 def vlm_trainer_error(folder: str, family: str, batch_keys: dict | None = None,

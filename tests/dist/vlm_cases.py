@@ -47,9 +47,12 @@ ANYRES_IMAGES = {"llava_next": (((4, 4), 12), ((3, 8), 26), ((8, 5), 44)),
                  "mistral3": (((12, 16), 12), ((8, 12), 29), ((16, 16), 44))}
 
 
-def tiny_vlm(family: str, seed: int = 0):
-    """A tiny vision-language model (vision depth 1, hidden 32, 2x2 patches), fp32."""
+def tiny_vlm(family: str, seed: int = 0, **text):
+    """A tiny vision-language model (vision depth 1, hidden 32, 2x2 patches), fp32; ``text``:
+    entries of TEXT (the decoder's config) to override."""
     import transformers as tf
+
+    TEXT = {**globals()["TEXT"], **text}
 
     if family == "qwen2_5_vl":
         config = tf.Qwen2_5_VLConfig(
@@ -138,6 +141,25 @@ def tiny_vlm(family: str, seed: int = 0):
                                num_attention_heads=4, image_size=28, patch_size=14),
             image_token_id=IMAGE, mm_tokens_per_image=4)
         cls = tf.Gemma3ForConditionalGeneration
+    elif family == "gemma4":  # images bidirectional on its sliding layers only; per-layer inputs
+        config = tf.Gemma4Config(
+            text_config={**TEXT, "global_head_dim": 8, "hidden_size_per_layer_input": 8,
+                         "vocab_size_per_layer_input": 97, "sliding_window": 3,
+                         "final_logit_softcapping": None, "use_bidirectional_attention": "vision",
+                         # the last layer reuses the K/V of the full one before it (as the
+                         # small Gemma 4 models share their last layers' K/V)
+                         "num_kv_shared_layers": 1,
+                         # a full layer before the last (which Gemma 4 makes full): its
+                         # images' rows reach the loss (the last layer's reach only images'
+                         # targets, all ignored)
+                         "num_hidden_layers": 3,
+                         "layer_types": ["sliding_attention", "full_attention",
+                                         "full_attention"]},
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=4, num_key_value_heads=4, head_dim=8,
+                               global_head_dim=8, patch_size=2, pooling_kernel_size=2),
+            audio_config=None, image_token_id=IMAGE, video_token_id=VIDEO, audio_token_id=92)
+        cls = tf.Gemma4ForConditionalGeneration
     else:
         raise ValueError(family)
     torch.manual_seed(seed)
@@ -146,6 +168,15 @@ def tiny_vlm(family: str, seed: int = 0):
         for name, p in model.named_parameters():  # decoder, nor any gradient the tower
             if "multi_modal_projector" in name and not p.abs().max() > 0:
                 p.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():  # Gemma 4's vision attention (q, k RMS-normed, scaling 1): in
+        # fp32 its q/k projections' gradients are as far from float64 as the tolerance
+        # (transformers' own forward on the whole step: 6e-6 and 1.1e-5 of their largest;
+        # encoding images in other batches moves them as much, 6.6e-6). Norms of 0.5 flatten
+        # that attention: those gradients drop under 1e-3 of the model's largest, the floor
+        # grad_error measures such near-zero gradients against (there, 5e-6 from float64)
+        for name, p in model.named_parameters():
+            if "vision_tower" in name and name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.fill_(0.5)
     with torch.no_grad():  # Qwen3.5's gated DeltaNet: mild decays, as hf_recurrent_cases.py
         for m in model.modules():  # says why (the default's A_log/dt_bias grads cancel to ~0)
             if isinstance(getattr(m, "A_log", None), torch.Tensor) and \
@@ -179,6 +210,16 @@ def make_step(family: str, batch: int = 1, seed: int = 1, video: bool = False) -
         step["image_grid_thw"] = torch.stack(grids)
         step["pixel_values"] = torch.randn(int(step["image_grid_thw"].prod(-1).sum()), 3 * 2 * 2,
                                            generator=gen)
+    elif family == "gemma4":  # padded rows of 16 patches of 2x2 pixels, with (x, y) positions
+        # 4x4 patches pool (2x2) to 4 tokens; the fourth image is 2x4 patches: 2 tokens
+        sizes = [(4, 4), (4, 4), (4, 4), (2, 4), (4, 4)]
+        tokens = [h * w // 4 for h, w in sizes]
+        step["pixel_values"] = torch.zeros(len(sizes), 16, 3 * 2 * 2)
+        step["image_position_ids"] = torch.full((len(sizes), 16, 2), -1)
+        for i, (h, w) in enumerate(sizes):
+            xy = torch.stack(torch.meshgrid(torch.arange(w), torch.arange(h), indexing="xy"), -1)
+            step["image_position_ids"][i, :h * w] = xy.reshape(-1, 2)
+            step["pixel_values"][i, :h * w] = torch.randn(h * w, 12, generator=gen)
     else:  # fixed-size images of 2x2 patches: 4 tokens each
         tokens = [4] * len(STARTS)
         side = {"internvl": 8, "gemma3": 28}.get(family, 4)
@@ -199,9 +240,9 @@ def make_step(family: str, batch: int = 1, seed: int = 1, video: bool = False) -
 
 def _mm_kwargs(model, step: dict) -> dict:
     keys = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
-            "second_per_grid_ts")
+            "second_per_grid_ts", "image_position_ids")
     kw = {k: step[k] for k in keys if k in step}
-    if "image_grid_thw" in step:
+    if "image_grid_thw" in step or "image_position_ids" in step:
         ids = step["input_ids"]
         kw["mm_token_type_ids"] = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
     if "token_type_ids" in inspect.signature(model.forward).parameters:  # Gemma 3
@@ -232,6 +273,8 @@ def reference_loss(model, step: dict, document_ids=None):
             part["pixel_values"] = step["pixel_values"][first[image]:first[image + n]]
         else:
             part["pixel_values"] = step["pixel_values"][image:image + n]
+            if "image_position_ids" in step:
+                part["image_position_ids"] = step["image_position_ids"][image:image + n]
         image += n
         kw = _mm_kwargs(model, part) if n else {}
         logits = model(input_ids=part["input_ids"], **kw).logits.float()
@@ -308,7 +351,9 @@ def check_vlm(family: str, methods: list[str], batch: int = 1, packed: bool = Fa
                 second_per_grid_ts=step.get("second_per_grid_ts"),
                 document_ids=None if packed_by_positions else documents,
                 position_ids=positions, ring_degree=ring_degree,
-                token_type_ids=_mm_kwargs(model, step).get("token_type_ids"))
+                token_type_ids=_mm_kwargs(model, step).get("token_type_ids"),
+                mm_token_type_ids=_mm_kwargs(model, step).get("mm_token_type_ids"),
+                image_position_ids=step.get("image_position_ids"))
             if drop_spans:
                 local["vision"].image_spans = ()
             loss = ec.causal_lm_loss(model, local["local_input_ids"], local["local_position_ids"],

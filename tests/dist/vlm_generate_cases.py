@@ -37,7 +37,8 @@ def image_prompt(family: str, batch: int = 1, video: bool = False) -> dict:
     step = make_step(family, batch, video=video)
     ids = step["input_ids"][:, :PROMPT].clone()
     out = {k: step[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos",
-                                "video_grid_thw", "second_per_grid_ts") if k in step}
+                                "video_grid_thw", "second_per_grid_ts", "image_position_ids")
+           if k in step}
     mask = torch.ones_like(ids)
     if batch == 2:
         short = 20
@@ -45,7 +46,7 @@ def image_prompt(family: str, batch: int = 1, video: bool = False) -> dict:
         mask[0, :PROMPT - short] = 0
         out["attention_mask"] = mask
     out["input_ids"] = ids
-    if "image_grid_thw" in step:
+    if "image_grid_thw" in step or family == "gemma4":
         out["mm_token_type_ids"] = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
     if family == "gemma3":  # its processor's image marks
         out["token_type_ids"] = (ids == IMAGE).long()
@@ -106,7 +107,8 @@ def images_encoded(family: str, method: str) -> int:
 def refused(family: str, **extra) -> str:
     """What generate says for ``family`` with image_prompt's images (and ``extra``)."""
     model = tiny_vlm(family).eval()
-    step_family = family if family.startswith("qwen") or family == "gemma3" else "llava"
+    step_family = family if family.startswith("qwen") or family in ("gemma3", "gemma4") \
+        else "llava"
     inputs = image_prompt(step_family)
     if extra.get("token_type_ids") == "shifted":  # marks one token off the images
         extra = {**extra, "token_type_ids": inputs["token_type_ids"].roll(1, dims=1)}

@@ -94,12 +94,14 @@ def test_span_arguments_are_checked():
     assert Variant(spans=(((0, 4),),)).geometry((((0, 8, 0),),), False, 8) is None
 
 
-def test_gemma4_sliding_layer_spans_refused():
+def test_gemma4_spans_on_sliding_layers_only():
     """Gemma 4 with use_bidirectional_attention='vision' makes its image (and video) spans
-    bidirectional on the sliding layers only: refused with images (it would otherwise run
-    causal on the images, silently); without it, its images are causal, as described."""
+    bidirectional on its sliding layers only, marked by mm_token_type_ids: described so, and
+    each attention layer applies the spans as its type says (hf.layer_image_spans); without
+    it, its images are causal; 'all' (bidirectional everywhere) is refused."""
     import transformers as tf
 
+    from easy_context.integrations.hf import layer_image_spans
     from easy_context.integrations.vision import describe
 
     text = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -108,15 +110,37 @@ def test_gemma4_sliding_layer_spans_refused():
                 layer_types=["sliding_attention", "full_attention"])
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=4, num_key_value_heads=4, head_dim=8, global_head_dim=8)
-    for bidirectional in ("vision", None):
+    spans = (((2, 6),),)
+    for bidirectional in ("vision", None, "all"):
         config = tf.Gemma4Config(text_config={**text, "use_bidirectional_attention": bidirectional},
                                  vision_config=vision, audio_config=None)
         model = tf.Gemma4ForConditionalGeneration(config)
-        if bidirectional:
-            with pytest.raises(ValueError, match="sliding layers only"):
+        if bidirectional == "all":
+            with pytest.raises(ValueError, match="bidirectionally everywhere"):
                 describe(model)
-        else:
-            assert not describe(model).image_spans
+            continue
+        family = describe(model)
+        assert family.image_spans == (bidirectional == "vision") and family.patch_positions
+        if bidirectional:
+            assert family.spans_from == "mm_token_type_ids"
+            layers = model.model.language_model.layers
+            assert layer_image_spans(layers[0].self_attn, spans) == spans   # sliding
+            assert layer_image_spans(layers[1].self_attn, spans) is None    # full: causal
+
+
+def test_gemma3_spans_on_every_layer():
+    """Gemma 3 applies its image spans on every layer, sliding and full."""
+    import transformers as tf
+
+    from easy_context.integrations.hf import layer_image_spans
+
+    config = tf.Gemma3TextConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=8,
+                                 layer_types=["sliding_attention", "full_attention"])
+    layers = tf.Gemma3TextModel(config).layers
+    spans = (((2, 6),),)
+    assert all(layer_image_spans(layer.self_attn, spans) == spans for layer in layers)
 
 
 def test_spans_per_batch_row_are_checked_up_front():

@@ -8,7 +8,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from easy_context.memory.layer_check import fused_layer_mismatch
-from easy_context.memory.maxlen import apply_max_length, path_for, unsupported_reason
+from easy_context.memory.maxlen import apply_max_length, final_norm, path_for, unsupported_reason
+from easy_context.utils.decoder import decoder_of
 
 SHAPE = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -39,10 +40,12 @@ def test_llama_shaped_layers_are_accepted(model_type, overrides):
     assert set(_paths(model)) == {"fused"}
 
 
-# generic: the layer's own forward runs them (max-length mode's generic path);
-# refused: what the generic path cannot redo either (dropout drawn again in the recompute, a
-# Mamba mixer carrying a state along the sequence)
-REFUSED_TOO = {"seed_oss": "dropout", "falcon_h1": "carry state along the sequence"}
+# generic: the layer's own forward runs them (max-length mode's generic path; Falcon-H1's
+# Mamba-2 mixer whole, beside its head-chunked attention); refused: what the generic path
+# cannot redo either (dropout drawn again in the recompute)
+REFUSED_TOO = {"seed_oss": "dropout"}
+# the final norm under another name than ``norm``: refused by layer_paths, whatever the layers
+OTHER_FINAL_NORM = "applies the decoder's final norm"
 
 
 @pytest.mark.parametrize("model_type,overrides,named", [
@@ -72,7 +75,8 @@ def test_layers_the_fused_layer_does_not_reproduce_are_refused(model_type, overr
     if model_type in REFUSED_TOO:
         assert auto is not None and REFUSED_TOO[model_type] in auto, auto
     else:
-        assert auto is None and set(_paths(model)) == {"generic"}, auto
+        assert set(_paths(model)) == {"generic"}, _paths(model)
+        assert auto is None or OTHER_FINAL_NORM in auto, auto
 
 
 def test_an_unknown_child_module_is_refused():
@@ -156,27 +160,65 @@ def test_a_layer_that_computes_something_else_is_refused_by_the_probe():
     ("lfm2", dict(layer_types=["conv", "full_attention"], conv_L_cache=4,
                   block_auto_adjust_ff_dim=False), "Lfm2ShortConv"),
 ])
-def test_recurrent_layers_are_refused_by_name(model_type, overrides, layer):
+def test_recurrent_layers_take_the_generic_path(model_type, overrides, layer):
     # a hybrid's recurrent mixer is never fused or tiled as if it were attention or per-token:
-    # refused for what it is (the old message named only the layer's children), naming the
-    # flags to drop, by apply_max_length too
+    # its layer takes the generic path (the mixer whole, the MLP tiled: exactness in
+    # tests/dist/test_maxlen_hybrid.py); the fused layer, forced, refuses it by name
     model = _model(model_type, **overrides)
-    reason = unsupported_reason(model)
+    assert set(_paths(model)) == {"generic"}, _paths(model)
+    auto = unsupported_reason(model)
+    assert auto is None or OTHER_FINAL_NORM in auto, auto  # LFM2's is embedding_norm
+    reason = _fused_reason(model)
     assert reason is not None and layer in reason and "carry state along the sequence" in reason
-    assert "--mlp-tile/--head-chunk" in reason
-    with pytest.raises(ValueError, match="carry state along the sequence"):
-        apply_max_length(model, 4, 2)
+    with pytest.raises(ValueError, match=f"carry state along the sequence|{OTHER_FINAL_NORM}"):
+        apply_max_length(model, 4, 2, path="fused")
 
 
-def test_layers_handed_state_the_generic_path_cannot_recompute_are_refused():
-    """Gemma 4's layers take per-layer inputs (and share K/V between layers): the generic
-    path would recompute them without that state, so it refuses, naming the argument."""
-    reason = unsupported_reason(_model("gemma4_text", pad_token_id=0))
-    assert reason is not None and "per_layer_input" in reason, reason
+def test_layers_reusing_another_layers_kv_are_refused():
+    """Gemma 4's per-layer inputs go through the generic path's recompute (inputs of it), and
+    its layers that only store their K/V run; a layer that reuses another's K/V
+    (num_kv_shared_layers > 0) would get no gradient back to that layer: refused by name."""
+    assert unsupported_reason(_model("gemma4_text", pad_token_id=0, hidden_size_per_layer_input=8,
+                                     vocab_size_per_layer_input=97)) is None
+    reason = unsupported_reason(_model("gemma4_text", pad_token_id=0, num_kv_shared_layers=1,
+                                       num_hidden_layers=3, layer_types=[
+                                           "sliding_attention", "full_attention",
+                                           "full_attention"]))
+    assert reason is not None and "reuses another layer's keys and values" in reason, reason
 
 
-def test_a_decoder_without_a_final_norm_by_that_name_is_refused():
-    """Max-length mode applies the decoder's final norm inside the loss: Phi's is
-    final_layernorm, so it is refused rather than normed twice or not at all."""
-    reason = unsupported_reason(_model("phi", pad_token_id=0))
-    assert reason is not None and "has none by that name" in reason, reason
+@pytest.mark.parametrize("model_type,norm,overrides", [
+    ("phi", "final_layernorm", {}), ("llama", "norm", {}),
+    ("gpt2", "ln_f", dict(attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0))])
+def test_the_final_norm_is_found_by_what_it_is(model_type, norm, overrides):
+    """Max-length mode applies the decoder's final norm inside the loss, whatever its name
+    (it refused every decoder whose norm was not called ``norm``)."""
+    model = _model(model_type, pad_token_id=0, **overrides)
+    assert unsupported_reason(model) is None
+    assert final_norm(model) is getattr(decoder_of(model), norm)
+
+
+def test_a_final_norm_with_weights_after_it_is_not_folded():
+    """OPT projects the normed states out (project_out) before the head: nothing is folded,
+    the decoder applies its own norm and projection, and the loss takes their output."""
+    model = _model("opt", pad_token_id=0, word_embed_proj_dim=16)
+    assert decoder_of(model).project_out is not None and final_norm(model) is None
+
+
+def test_a_decoder_that_changes_its_final_norms_output_is_refused():
+    """The loss applies the folded final norm to what the decoder returns: a decoder that
+    does more after that norm (here a hook doubling its output) would have the norm applied
+    to the changed states (the old code did so silently); it is refused at the step."""
+    import easy_context as ec
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    model = _model("llama")
+    ec.apply_sequence_parallel(model, "local")
+    apply_max_length(model, 4, 2)
+    ids = torch.randint(0, 97, (1, 8))
+    pos = torch.arange(8)[None]
+    ec.causal_lm_loss(model, ids, pos, ids, chunked=True)  # as it is: runs
+    decoder_of(model).register_forward_hook(
+        lambda m, a, out: BaseModelOutputWithPast(last_hidden_state=out.last_hidden_state * 2))
+    with pytest.raises(ValueError, match="changes the output of its final norm"):
+        ec.causal_lm_loss(model, ids, pos, ids, chunked=True)

@@ -13,6 +13,8 @@ import re
 import statistics
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -564,6 +566,64 @@ def _maxlen_alst_lines() -> list[str]:
     lines.append(growth_row(f"growth {mid // 1024}K -> {last // 1024}K",
                             part["growth_between_longest_mb"]))
     return lines
+
+
+def _maxlen_shape_lines(name: str) -> list[str]:
+    """The page's table for another shape (maxlen.json `shapes`): peak / step per length and
+    system, then the growth rows (bold where a max-length setting is at or below ALST's;
+    the same figures as the part's growth_mb when the run finished)."""
+    part = _results("maxlen.json")["shapes"][name]
+    systems = [s for s in ("alst", "ours-maxlen", "ours-maxlen-frugal")
+               if any(r["system"] == s for r in part["rows"])]
+    cell = {(r["system"], r["seq_len"]): r for r in part["rows"] if r["ok"]}
+    lengths = sorted({L for _, L in cell})
+    lines = ["| " + " | ".join(
+        [f"{L // 1024}K"] + [f"{max(cell[(s, L)]['rank_peaks_bytes']) / 2**20:.0f} MB / "
+                             f"{cell[(s, L)]['step_s']:.0f} s" if (s, L) in cell else "-"
+                             for s in systems]) + " |" for L in lengths]
+    peak = {k: max(r["rank_peaks_bytes"]) / 2**20 for k, r in cell.items()}
+    for L in lengths[1:]:  # from the rows themselves: a run stopped part-way has no growth_mb
+        g = {s: peak[(s, L)] - peak[(s, lengths[0])] if (s, L) in peak and
+             (s, lengths[0]) in peak else None for s in systems}
+        out = []
+        for s in systems:
+            if g[s] is None:
+                out.append("-")
+                continue
+            text = f"{g[s]:.1f} MB"
+            better = s != "alst" and g["alst"] is not None and g[s] <= g["alst"]
+            out.append(f"**{text}**" if better else text)
+        lines.append(f"| growth {lengths[0] // 1024}K -> {L // 1024}K | " + " | ".join(out) + " |")
+    return lines
+
+
+@pytest.mark.parametrize("name", ["gemma3-tiny", "deepseek3-tiny"])
+def test_maxlen_shape_tables(name):
+    """The benchmarks page's tables for the Gemma 3 and DeepSeek-V3 shapes are maxlen.json's
+    `shapes` rows, with the load averages the runs recorded."""
+    shapes = _results("maxlen.json").get("shapes", {})
+    if name not in shapes:
+        pytest.skip(f"maxlen.json has no {name} rows")
+    page = (REPO / "docs" / "benchmarks.md").read_text()
+    for line in _maxlen_shape_lines(name):
+        assert line in page, line
+    loads = [r["load_average_after"][0] for r in shapes[name]["rows"]]
+    assert f"`{name}`: 1-minute load average {min(loads):.1f}-{max(loads):.1f}" in page
+    # the prose below the tables: our peak below ALST's at every length, our growth above
+    peak = {(r["system"], r["seq_len"]): max(r["rank_peaks_bytes"]) for r in shapes[name]["rows"]
+            if r["ok"]}
+    lengths = sorted({L for _, L in peak})
+    g = shapes[name]["growth_between_longest_mb"]
+    assert ("| growth 16K -> 32K | " + " | ".join(f"{g[s]:.1f} MB" for s in ("alst", "ours-maxlen"))
+            + " |") in page
+    # "max-length mode's peak is below ALST's at every length, and from 16K to 32K it grows
+    # less"; its growth from 2K is at or below ALST's for Gemma 3's 32K only
+    assert "On both shapes max-length mode's peak is below ALST's at every length" in page
+    assert all(peak[("ours-maxlen", L)] < peak[("alst", L)] for L in lengths)
+    assert g["ours-maxlen"] < g["alst"]
+    growth = shapes[name]["growth_mb"]
+    at_or_below = [L for L in growth["alst"] if growth["ours-maxlen"][L] <= growth["alst"][L]]
+    assert at_or_below == (["32768"] if name == "gemma3-tiny" else []), at_or_below
 
 
 def test_maxlen_alst_table_and_readme_row():

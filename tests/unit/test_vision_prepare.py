@@ -201,3 +201,107 @@ def test_image_sizes_features_checked_against_the_counts():
     model.get_image_features = one_more
     with pytest.raises(ValueError, match="gave 11 feature rows .* not the 10 tokens"):
         vision_embeddings(model, local["local_input_ids"], local["vision"])
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_one_tower_call_per_rank_images_and_video_together(rank):
+    """Each rank calls the tower once per step, its images and video frames together (the
+    count every rank must share when the tower is sharded), and the embeddings are those of
+    encoding each modality apart."""
+    from easy_context.integrations import vision as V
+
+    model = tiny_vlm("qwen2_5_vl")
+    step = make_step("qwen2_5_vl", video=True)
+    local = prepare_vision_inputs(
+        model, "ring_attn", step["input_ids"], step["target_ids"], rank, 2,
+        pixel_values=step["pixel_values"], image_grid_thw=step["image_grid_thw"],
+        pixel_values_videos=step["pixel_values_videos"], video_grid_thw=step["video_grid_thw"])
+    assert all(m.encoded for m in local["vision"].media) and len(local["vision"].media) == 2
+    calls = []
+    hook = model.model.visual.register_forward_hook(lambda *_: calls.append(1))
+    embeds, _ = V.vision_embeddings(model, local["local_input_ids"], local["vision"])
+    hook.remove()
+    assert len(calls) == 1
+    # each modality on its own (what get_video_features / get_image_features give)
+    expected = model.get_input_embeddings()(local["local_input_ids"])
+    for media in local["vision"].media:
+        get = (model.get_image_features if media.modality == "image"
+               else model.get_video_features)
+        features = torch.cat(list(get(media.pixel_values, media.grid_thw).pooler_output))
+        expected = expected.masked_scatter(media.token_mask.unsqueeze(-1), features[media.rows])
+    torch.testing.assert_close(embeds, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava", "internvl", "qwen3_vl"])
+def test_a_rank_without_images_runs_a_sharded_tower_on_a_dummy(family, monkeypatch):
+    """With the tower sharded (FSDP2, ZeRO-3: vision.tower_sharded), a rank with nothing to
+    encode still calls the tower once (on vision.dummy_image), the embeddings are the text's
+    exactly and every tower parameter gets a zero gradient through that call."""
+    from easy_context.integrations import vision as V
+
+    monkeypatch.setattr(V, "tower_sharded", lambda model: True)
+    model = tiny_vlm(family)
+    step = make_step(family)
+    ids = step["input_ids"].clone()
+    ids[ids == 90] = 5  # no image token anywhere
+    local = prepare_vision_inputs(model, "ring_attn", ids, step["target_ids"], 1, 2)
+    tower = model.model.visual if hasattr(model.model, "visual") else model.model.vision_tower
+    calls = []
+    hook = tower.register_forward_hook(lambda *_: calls.append(1))
+    embeds, extra = V.vision_embeddings(model, local["local_input_ids"], local["vision"])
+    hook.remove()
+    assert len(calls) == 1 and not extra
+    assert torch.equal(embeds, model.get_input_embeddings()(local["local_input_ids"]))
+    embeds.sum().backward()
+    params = V.tower_parameters(model)
+    used = [p for p in params if p.grad is not None]
+    # every parameter the tower's forward uses (LLaVA's CLIP post_layernorm is not)
+    assert len(used) >= len(params) - 2 and all(torch.isfinite(p.grad).all() and
+                                                not p.grad.any() for p in used)
+
+
+@pytest.mark.parametrize("family", ["llava_next", "llava_onevision", "mistral3"])
+def test_a_sharded_any_resolution_tower_runs_on_a_dummy(family, monkeypatch):
+    """An any-resolution tower (image_sizes) on a rank with nothing to encode, the tower
+    sharded: one tower call on dummy_image with dummy_image_sizes (all the tiles of one tile's
+    size; Mistral 3: 2 x 2 merged patches), the embeddings the text's exactly, zero gradients."""
+    from easy_context.integrations import vision as V
+
+    monkeypatch.setattr(V, "tower_sharded", lambda model: True)
+    model = tiny_vlm(family)
+    family_ = V.describe(model)
+    assert family_.image_sizes
+    pixels, _ = V.dummy_image(model, family_, "cpu")
+    sizes = V.dummy_image_sizes(model, family_, "cpu")
+    # what the model's own code takes for that image: its tiles, or the padded image
+    assert pixels.size(0) == (V.anyres_tiles(model, sizes)[0] if family != "mistral3" else 1)
+    ids = torch.randint(3, 89, (1, 16))
+    local = prepare_vision_inputs(model, "ring_attn", ids, ids, 1, 2)
+    calls = []
+    hook = V._vision_tower(model).register_forward_hook(lambda *_: calls.append(1))
+    embeds, _ = V.vision_embeddings(model, local["local_input_ids"], local["vision"])
+    hook.remove()
+    assert len(calls) == 1
+    assert torch.equal(embeds, model.get_input_embeddings()(local["local_input_ids"]))
+    embeds.sum().backward()
+    used = [p for p in V.tower_parameters(model) if p.grad is not None]
+    assert used and all(torch.isfinite(p.grad).all() and not p.grad.any() for p in used)
+
+
+def test_a_logit_transform_is_refused_with_images(monkeypatch):
+    """The vision loss applies no soft-cap or scale: a model whose head reports one (a
+    vision-language model with a config of its own, not a composite one) is refused, not
+    trained on untransformed logits."""
+    import easy_context.integrations.hf as hf
+    from easy_context.memory.loss import LogitTransform
+
+    model = tiny_vlm("qwen2_5_vl")
+    step = make_step("qwen2_5_vl")
+    local = prepare_vision_inputs(model, "zigzag_ring_attn", step["input_ids"],
+                                  step["target_ids"], 0, 1, pixel_values=step["pixel_values"],
+                                  image_grid_thw=step["image_grid_thw"])
+    head = model.get_output_embeddings()
+    monkeypatch.setattr(hf, "output_head", lambda m: (head, LogitTransform(2.0, None)))
+    with pytest.raises(ValueError, match="transforms its logits"):
+        hf.causal_lm_loss(model, local["local_input_ids"], local["local_position_ids"],
+                          local["local_target_ids"], vision=local["vision"])

@@ -72,10 +72,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ...integrations.hf import CausalLMLoss, output_head
-from ...memory.maxlen import max_length_settings
+from ...memory.maxlen import loss_modules, max_length_settings
 from ..config import TrainConfig
 from ..weights import Pretrained, checkpoint_names
-from ...utils.decoder import decoder_of
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +229,7 @@ class DeepSpeedEngine:
         head = output_head(model)[0]
         external = list(head.parameters(recurse=False)) if head is not None else []
         if max_length_settings(model) is not None:  # max-length mode: the final norm too
-            external += list(decoder_of(model).norm.parameters())
+            external += [p for m in loss_modules(model) for p in m.parameters()]
         for p in external:
             register_external_parameter(self.engine.module, p)
         # The torch optimizer DeepSpeed steps (on the fp32 partitions): the LR scheduler's.

@@ -37,7 +37,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from ...integrations.hf import CausalLMLoss
 from ..weights import (Pretrained, SafetensorsFolder, checkpoint_names, decoder_layers,  # noqa: F401
                        has_meta_parameters)
 
@@ -102,13 +101,15 @@ class FSDPEngine:
             offload_policy = CPUOffloadPolicy(pin_memory=device.type != "cpu")
         # Real buffers (rotary tables) survive the materialisation of a meta model.
         buffers = {n: b.detach().clone() for n, b in model.named_buffers()} if meta else {}
-        for layer in decoder_layers(model):
+        from ..vision import layers_to_shard, loss_module
+
+        for layer in layers_to_shard(model, decoder_layers(model)):
             fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload_policy)
         # The root is the loss module, so embeddings, final norm and head are gathered
         # for the whole loss computation (see CausalLMLoss). It keeps its inputs as they
         # are (the module docstring says why).
         self.loss_module = fully_shard(
-            CausalLMLoss(model, chunked=chunked_loss), mesh=mesh, offload_policy=offload_policy,
+            loss_module(model, chunked_loss), mesh=mesh, offload_policy=offload_policy,
             mp_policy=dataclasses.replace(mp, cast_forward_inputs=False))
         for m in self.loss_module.modules():
             if hasattr(m, "set_gradient_divide_factor"):

@@ -1,0 +1,121 @@
+"""Memory of max-length mode's generic layer (easy_context.memory.generic_layer), per device.
+
+The generic layer keeps what the fused one keeps between forward and backward (the layer's
+input, through the same storage: plan/fused.py ``stored`` / ``host``), and its head chunks
+send what the fused layer's head groups send (the same buffers). Its backward differs: it
+runs the layer's own forward again with grad over the whole local sequence, so while that
+layer is differentiated the autograd graph of the recompute holds, for the s local tokens
+(G, per token, below), where the fused layer holds only the attention results (R):
+
+    each normalisation     its output and normalised value (2 H a; in bf16 also its float32
+                           input: H x (4 + 2a)), and its float32 rsqrt
+    sandwich norms         (Gemma 2/3: 4 norms a layer) the input each extra norm saves (the
+                           attention's and the MLP's outputs): H a each
+    the residual           after attention, saved by the next norm: H a
+    q/k norms              (Gemma 3, Qwen 3) their inputs and outputs: 2 (Hq + Hkv) D a
+    MLA                    (DeepSeek-V2/V3) the query's low-rank projection, its norm and
+                           the up-projection (3 r_q + Hq D) a, the compressed K/V with its
+                           RoPE part, its norm and the expanded K/V
+                           (r_kv + rope + 2 r_kv + Hq (D - rope + Dv)) a
+    attention              what the method keeps for all heads (every chunk's calls are in
+                           the graph at once): its saved_per_token (q, k, v, output, lse)
+    the chunks' output     concatenated, o_proj's input: Hq Dv a
+
+The MLP runs in checkpointed tiles, so only one tile's intermediates exist at a time, as in
+the fused layer; an MoE tile holds, per token, the router's float32 scores (logits, scores,
+the scores it chooses from: 12 E), the top-k gathered inputs and weighted outputs
+(2 k H a) and its active experts' gated intermediates (6 (k I_e + I_shared) a, the
+dense tile's 6 I a).
+
+The two halves of plan/fused.py then hold G instead of R: the generic layer's MLP half is the
+fused layer's plus s x (G - R), with the MLP tile of the widest MLP kind; its attention half
+the fused one's plus s x (G_attn - R), G_attn being the part of G that precedes the attention
+output (the input norm, q/k norms, MLA's projections, the method's saved tensors): the
+backward has freed the rest by the time it reaches the attention. Where any layer of a
+model takes the generic path the planner prices every layer so (the generic terms are the
+larger); a model whose layers all verify on the fused path keeps the fused terms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .fused import FusedTerms, fused_terms, results_per_token
+from .shapes import ModelShape
+
+
+def norm_per_token(shape: ModelShape, a: int) -> int:
+    """One RMSNorm's saved tensors per token (its input apart, which is saved elsewhere)."""
+    h = shape.hidden
+    return h * (4 + 2 * a) - (4 * h if a == 4 else 0) + 4
+
+
+def attention_graph_per_token(shape: ModelShape, a: int, method: str, world: int,
+                              ring_degree: int | None) -> int:
+    """The part of G that is still there when the layer's backward reaches its attention
+    (what follows the attention has been differentiated and freed): the input norm, q/k
+    norms, MLA's projections and what the method keeps (module docstring)."""
+    from ..parallel import get_method
+
+    hq, hkv, d = shape.heads, shape.kv_heads, shape.hd
+    vd = shape.v_head_dim or d
+    g = norm_per_token(shape, a)
+    if shape.qk_norm:
+        g += 2 * (hq + hkv) * d * a
+    if shape.kv_lora_rank:
+        r, rope, rq = shape.kv_lora_rank, shape.rope_head_dim or 0, shape.q_lora_rank or 0
+        g += (3 * rq + hq * d) * a + (r + rope + 2 * r + hq * (d - rope + vd)) * a
+    m = get_method("local" if world == 1 else method)
+    return g + m.saved_per_token(shape.attention_dims(), a, world, ring_degree)
+
+
+def graph_per_token(shape: ModelShape, kind, a: int, method: str, world: int,
+                    ring_degree: int | None) -> int:
+    """G: the bytes per local token that a generic layer's recompute graph holds (its input
+    apart) when the layer's backward starts (see the module docstring)."""
+    h, hq = shape.hidden, shape.heads
+    vd = shape.v_head_dim or shape.hd
+    x = h * a
+    norms = shape.layer_norms if kind.attention and kind.mlp else max(shape.layer_norms // 2, 1)
+    g = norms * norm_per_token(shape, a) + max(norms - 2, 0) * x
+    if kind.attention is None:
+        return g
+    g += x  # the residual after attention (the next norm's input)
+    g += attention_graph_per_token(shape, a, method, world, ring_degree) - norm_per_token(shape, a)
+    return g + hq * vd * a  # the chunks' output, concatenated
+
+
+def tile_per_token(shape: ModelShape, kind, a: int) -> int:
+    """One MLP tile's working set per tile token (plan/fused.py's, an MoE's: module docstring)."""
+    h = shape.hidden
+    x = h * a
+    base = 3 * x + h * (4 + 2 * a)
+    if kind.mlp == "moe" and shape.moe is not None:
+        moe = shape.moe
+        return base + 6 * moe.active_intermediate() * a + 2 * moe.top_k * x + 12 * moe.experts
+    return base + 6 * shape.intermediate * a
+
+
+def generic_terms(shape: ModelShape, s: int, a: int, method: str, world: int,
+                  checkpointing: str, mlp_tile: int, heads_per_chunk: int,
+                  ring_degree: int | None = None, keep_every: int = 1, workspace=None,
+                  budget: int | None = None) -> FusedTerms:
+    """The generic layer's memory for s local tokens: plan/fused.py's terms with the
+    recompute graph G in place of the attention results (module docstring)."""
+    ft = fused_terms(shape, s, a, method, world, checkpointing, mlp_tile, heads_per_chunk,
+                     ring_degree, keep_every, workspace=workspace, budget=budget)
+    kinds = [k for k, _ in shape.layer_counts()]
+    g = max(graph_per_token(shape, k, a, method, world, ring_degree) for k in kinds)
+    results = results_per_token(shape, a, method, world, ring_degree)
+    extra = s * max(g - results, 0)
+    extra_attention = s * max(attention_graph_per_token(shape, a, method, world, ring_degree)
+                              - results, 0)
+    t = min(mlp_tile, s)
+    dense = 3 * shape.hidden * a + shape.hidden * (4 + 2 * a) + 6 * shape.intermediate * a
+    tile = t * max((tile_per_token(shape, k, a) for k in kinds if k.mlp), default=dense)
+    return replace(ft, mlp_half=ft.mlp_half + extra + tile - t * dense,
+                   attention_half=ft.attention_half + extra_attention)
+
+
+__all__ = ["attention_graph_per_token", "generic_terms", "graph_per_token", "norm_per_token",
+           "tile_per_token"]
