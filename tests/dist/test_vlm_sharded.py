@@ -30,6 +30,19 @@ def test_sharded_tower_2_ranks(dist2, family, engine):
 
 
 @pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
+@pytest.mark.parametrize("family", ["llava_next", "mistral3"])
+def test_sharded_any_resolution_tower_2_ranks(dist2, family, engine):
+    """Towers that take image_sizes (LLaVA-NeXT's tiles, Mistral 3's cropped padded batch):
+    one image in the first shard; the second rank runs the tower on dummy_image with
+    dummy_image_sizes."""
+    if engine == "zero3":
+        pytest.importorskip("deepspeed")
+    results = dist2.run(sharded_vlm_step, family, engine)
+    assert [r["encoded"] for r in results] == [1, 0], results
+    _check(results)
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
 def test_sharded_tower_4_ranks(dist4, engine):
     """Ranks 0 and 1 hold 2 and 1 images (one straddles their edge), ranks 2 and 3 none."""
     if engine == "zero3":

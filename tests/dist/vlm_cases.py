@@ -240,7 +240,7 @@ def make_step(family: str, batch: int = 1, seed: int = 1, video: bool = False) -
 
 def _mm_kwargs(model, step: dict) -> dict:
     keys = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
-            "second_per_grid_ts", "image_position_ids")
+            "second_per_grid_ts", "image_position_ids", "image_sizes")
     kw = {k: step[k] for k in keys if k in step}
     if "image_grid_thw" in step or "image_position_ids" in step:
         ids = step["input_ids"]

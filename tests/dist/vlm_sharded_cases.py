@@ -22,7 +22,7 @@ import easy_context as ec
 from easy_context.integrations.loss_forward import LossSettings, install_loss_forward
 from easy_context.integrations.vision import prepare_vision_inputs
 
-from .vlm_cases import IMAGE, make_step, reference_loss, tiny_vlm
+from .vlm_cases import IMAGE, make_anyres_step, make_step, reference_loss, tiny_vlm
 
 KEEP = 2  # images kept: tokens 4-7 and 10-15 (Qwen; LLaVA 4-7, 10-13), all before 24
 
@@ -43,6 +43,23 @@ def early_images_step(family: str) -> dict:
         step["pixel_values"] = step["pixel_values"][:KEEP]
     later = torch.tensor(runs[kept_tokens:], dtype=torch.long)
     ids[0, later] = torch.randint(3, 89, (later.numel(),), generator=gen)
+    return step
+
+
+def early_anyres_step(model, family: str) -> dict:
+    """make_anyres_step's step with only its first image (its tokens from 12, all in
+    ring_attn's first shard of two; the other images' tokens turned into text)."""
+    from easy_context.integrations.vision import _sized_tokens
+
+    step = make_anyres_step(model, family)
+    ids = step["input_ids"]
+    runs = (ids[0] == IMAGE).nonzero().flatten().tolist()
+    kept = _sized_tokens(model, step["image_sizes"][:1])[0]
+    gen = torch.Generator().manual_seed(7)
+    later = torch.tensor(runs[kept:], dtype=torch.long)
+    ids[0, later] = torch.randint(3, 89, (later.numel(),), generator=gen)
+    step["pixel_values"] = step["pixel_values"][:1]
+    step["image_sizes"] = step["image_sizes"][:1]
     return step
 
 
@@ -76,7 +93,9 @@ def sharded_vlm_step(family: str, engine: str, method: str = "ring_attn",
     rank, world = dist.get_rank(), dist.get_world_size()
     base = tiny_vlm(family)  # units="tower": FSDP2 on the whole tower, one unit
     # video: make_step's images and a two-frame video, every rank holding some of both
-    step = make_step(family, video=True) if video else early_images_step(family)
+    anyres = family in ("llava_next", "llava_onevision", "mistral3")  # image_sizes towers
+    step = (early_anyres_step(base, family) if anyres else
+            make_step(family, video=True) if video else early_images_step(family))
     ref = copy.deepcopy(base)
     ref_loss = reference_loss(ref, step)
     ref_loss.backward()
@@ -90,7 +109,8 @@ def sharded_vlm_step(family: str, engine: str, method: str = "ring_attn",
                                   image_grid_thw=step.get("image_grid_thw"),
                                   pixel_values_videos=step.get("pixel_values_videos"),
                                   video_grid_thw=step.get("video_grid_thw"),
-                                  second_per_grid_ts=step.get("second_per_grid_ts"))
+                                  second_per_grid_ts=step.get("second_per_grid_ts"),
+                                  image_sizes=step.get("image_sizes"))
     inputs = dict(input_ids=local["local_input_ids"], position_ids=local["local_position_ids"],
                   easy_context_targets=local["local_target_ids"],
                   easy_context_vision=local["vision"])
