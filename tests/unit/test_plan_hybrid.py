@@ -172,6 +172,14 @@ def test_auto_does_not_tile_layers_the_fused_layer_does_not_run():
         assert plan.setup is not None and not plan.setup.fused, plan.setup
     with pytest.raises(ValueError, match="plan it untiled"):
         estimate_memory(qwen, 65536, 8, "zigzag_ring_attn", mlp_tile=1024)
+    # with the layers' own paths read from the (meta-built) model, as `plan` and `train` read
+    # them: max-length mode runs a recurrent layer on its generic path, but the planner has no
+    # terms for it, so it refuses rather than price it as an attention layer
+    built = shape_from_config(tiny_qwen3_next().config, "tiny Qwen3-Next")
+    assert any(p == "generic" for _, p in built.layer_paths)
+    assert not built.tileable
+    with pytest.raises(ValueError, match="no max-length terms for recurrent mixers"):
+        estimate_memory(built, 4096, 2, "zigzag_ring_attn", mlp_tile=256)
 
 
 def test_gpu_delta_rule_kernel_keeps_its_chunk_matrix_only():
