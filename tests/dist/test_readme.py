@@ -39,8 +39,9 @@ START_ENV = dict(os.environ)
 README = REPO / "README.md"
 SKIP = re.compile(r"<!-- readme-test: skip: [^>]+-->\s*$")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
-MAX_SKIPPED = 4  # the set-up commands, the 8-GPU recipe run, the site build, TRL's vision
+MAX_SKIPPED = 5  # the set-up commands, the 8-GPU recipe run, the site build, TRL's vision
 # SFT example (a VLM checkpoint, its processor and an image dataset; test_trainer_vlm.py runs it)
+# and the CLI's image-conversation commands (a VLM folder and images; test_train_vision.py)
 
 
 def doc_files() -> list[Path]:
