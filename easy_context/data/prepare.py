@@ -208,13 +208,13 @@ def _open(spec: SourceSpec, cfg: PrepareConfig) -> datasets.Dataset | datasets.I
 
 def prepare_data(cfg: PrepareConfig) -> dict:
     """Run the pipeline; return the stats written to ``<output>/stats.json``."""
+    _check_output(Path(cfg.output).expanduser())
     if cfg.processor is not None:
         from .vision import prepare_vision_data
 
         return prepare_vision_data(cfg)
     t0 = time.perf_counter()
     out = Path(cfg.output).expanduser()
-    _check_output(out)
     specs = [parse_source(s) for s in cfg.inputs]
     names = [s.name for s in specs]
     if len(set(names)) != len(names):

@@ -313,12 +313,10 @@ def _check_images(ds, spec: SourceSpec, cfg, conv: ConversationProcessor) -> int
 
 def prepare_vision_data(cfg) -> dict:
     """prepare-data with ``cfg.processor``: the pipeline above; returns the stats written to
-    ``<output>/stats.json``. ``cfg`` is a :class:`~easy_context.data.prepare.PrepareConfig`."""
-    from .prepare import _check_output
-
+    ``<output>/stats.json``. ``cfg`` is a :class:`~easy_context.data.prepare.PrepareConfig`
+    (prepare_data has checked the output folder)."""
     t0 = time.perf_counter()
     out = Path(cfg.output).expanduser()
-    _check_output(out)
     specs = [parse_source(s) for s in cfg.inputs]
     for spec in specs:
         if spec.kind == "text":

@@ -55,6 +55,12 @@ Tensor = torch.Tensor
 
 MODALITIES = ("image", "video")
 
+IMAGE_SPANS_KWARG = "image_spans"
+"""The keyword argument under which a vision-language step hands its image spans (per batch
+row, whole-sequence (first, stop) of each image whose tokens attend to each other both ways:
+Gemma 3, Gemma 4) through the decoder to every attention call, which applies them where the
+model does (integrations/hf.py ``layer_image_spans``: Gemma 4's sliding layers only)."""
+
 
 @dataclass(frozen=True)
 class VisionFamily:
@@ -853,8 +859,6 @@ def vision_language_loss(model: nn.Module, head: nn.Linear | None, input_ids: Te
     settings = max_length_settings(model)
     if settings is not None and describe(model).deepstack:
         _check_deepstack_max_length(model, settings.keep_every)
-    from .hf import IMAGE_SPANS_KWARG
-
     embeds, more = vision_embeddings(model, input_ids, vision)
     if any(vision.image_spans):
         more[IMAGE_SPANS_KWARG] = vision.image_spans

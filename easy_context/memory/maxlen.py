@@ -57,6 +57,7 @@ from . import fused_layer, generic_layer, recomputed
 from ..utils.decoder import decoder_of
 from .fused_layer import FusedLayer, LayerSpec, Run, head_chunks
 from .generic_layer import GenericLayer, GenericRun
+from .head_transform import head_transform
 from .layer_check import fused_layer_mismatch, state_carrying_layers
 from .offload import DeviceStorage, LayerStorage
 
@@ -314,7 +315,7 @@ class _State:
         self.last_output = None  # the last layer's output in this forward, until normed
         self.final_norm = None  # the norm the loss applies (final_norm), or None
         self.folded = None  # what that norm passed on un-normed in this forward (the loss's)
-        # (projection, per-token transform) of a BERT-style head (integrations.hf.head_transform)
+        # (projection, per-token transform) of a BERT-style head (memory.head_transform)
         self.head: tuple | None = None
 
     def output(self, index: int, y: torch.Tensor) -> torch.Tensor:
@@ -517,11 +518,7 @@ def apply_max_length(model: nn.Module, mlp_tile: int, heads_per_chunk: int,
 
 def _transform_head(model: nn.Module) -> tuple | None:
     """(projection, per-token transform) where the logits are not a plain linear layer of
-    the decoder's output but a BERT-style head; None otherwise."""
-    from ..integrations.hf import head_transform, output_head
-
-    if output_head(model)[0] is not None:
-        return None
+    the decoder's output but a BERT-style head (memory.head_transform); None otherwise."""
     head, transform = head_transform(model)
     return None if head is None else (head, transform)
 

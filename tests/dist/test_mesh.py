@@ -54,6 +54,30 @@ def restart_world_between_usp_runs():
     return first, second, before.ring is not after.ring
 
 
+def deepspeed_after_the_world_is_restarted():
+    """DeepSpeed's cached clone of the world (made by a ZeRO engine's broadcast) outlives a
+    world restarted with torch.distributed: the next engine's start must not use it."""
+    from deepspeed.utils import groups
+
+    from easy_context.train.engines.deepspeed import _start_deepspeed_comm
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _start_deepspeed_comm()
+    groups._get_broadcast_src_rank()  # caches DeepSpeed's clone of this world
+    port = [free_port() if rank == 0 else None]
+    dist.broadcast_object_list(port, src=0)
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            init_method=f"tcp://127.0.0.1:{port[0]}",
+                            timeout=datetime.timedelta(seconds=60))
+    _start_deepspeed_comm()
+    return groups._get_broadcast_src_rank()
+
+
+def test_deepspeed_after_the_world_is_restarted(dist2):
+    assert dist2.run(deepspeed_after_the_world_is_restarted) == [0, 0]
+
+
 def test_usp_after_the_world_is_restarted(dist4):
     for first, second, renewed in dist4.run(restart_world_between_usp_runs):
         assert renewed

@@ -181,6 +181,35 @@ def _start_deepspeed_comm() -> None:
     backend = str(dist.get_backend())
     deepspeed.init_distributed(dist_backend="nccl" if "nccl" in backend else backend,
                                auto_mpi_discovery=False)
+    _forget_destroyed_groups()
+
+
+def _forget_destroyed_groups() -> None:
+    """DeepSpeed caches process groups (its clone of the world, the data-parallel group) in
+    module globals and forgets them only when its own ``deepspeed.comm`` tears them down. A
+    world destroyed and made anew in the same process with torch.distributed (as between
+    recipe stages) leaves them pointing at groups torch no longer knows, and the next engine
+    fails with "Group ... is not registered": release them as DeepSpeed's own world teardown
+    does."""
+    from deepspeed.utils import groups
+
+    cached = [getattr(groups, name, None) for name in ("_WORLD_GROUP", "_DATA_PARALLEL_GROUP")]
+    if all(g is None or _registered(g) for g in cached):
+        return
+    release = getattr(groups, "_release_process_group_references", None)
+    if release is not None:
+        release(None)
+    else:  # older DeepSpeed: the cached world clone alone
+        groups._WORLD_GROUP = None
+        groups._DATA_PARALLEL_GROUP = None
+
+
+def _registered(group) -> bool:
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):  # KeyError: torch 2.13 for an unknown group
+        return False
+    return True
 
 
 def zero_init(config: TrainConfig, model_config, device: torch.device):
