@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import inspect
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -122,28 +121,15 @@ def _mixer_only(layer: nn.Module) -> bool:
 FFN_METHODS = ("feed_forward_chunk",)
 
 
-def mlp_site(layer: nn.Module) -> tuple[str, object, str] | None:
-    """Where the layer's feed-forward is called: (its name, the object, the attribute that
-    max-length mode tiles): an MLP child's ``forward``, or a feed-forward method of the
-    layer; None when it has neither."""
-    found = find_mlp(layer)
-    if found is not None:
-        return found[0], found[1], "forward"
-    for name in FFN_METHODS:
-        if callable(getattr(layer, name, None)):
-            return name, layer, name
-    return None
-
-
 def mlp_sites(layer: nn.Module) -> list[tuple[str, object, str]]:
-    """Every feed-forward site max-length mode tiles in ``layer``: each MLP child's
-    ``forward`` (find_mlps), or else the layer's feed-forward method; [] for a layer of token
-    mixers and norms only (run whole)."""
+    """Every feed-forward site max-length mode tiles in ``layer``, as (its name, the object,
+    the attribute tiled): each MLP child's ``forward`` (find_mlps), or else the layer's
+    feed-forward method; [] for a layer of token mixers and norms only (run whole)."""
     children = [(n, m, "forward") for n, m in find_mlps(layer)]
     if children:
         return children
-    site = mlp_site(layer)
-    return [site] if site is not None else []
+    return [(name, layer, name) for name in FFN_METHODS
+            if callable(getattr(layer, name, None))][:1]
 
 
 def static_mismatch(layer: nn.Module, config) -> str | None:
@@ -156,7 +142,7 @@ def static_mismatch(layer: nn.Module, config) -> str | None:
                 "grad; turn it off (router_aux_loss_coef=0)")
     # a recurrent mixer (a state carried along the sequence) runs whole, in the layer's own
     # forward, routed to the sequence-parallel kernels as without max-length mode
-    if mlp_site(layer) is None and not _mixer_only(layer):
+    if not mlp_sites(layer) and not _mixer_only(layer):
         return (f"max-length mode tiles a decoder layer's MLP child ({', '.join(MLP_NAMES)}) "
                 f"or feed-forward method ({', '.join(FFN_METHODS)}); "
                 f"{name} has {sorted(n for n, _ in layer.named_children())}. Train this model "
@@ -188,13 +174,6 @@ def static_mismatch(layer: nn.Module, config) -> str | None:
 # runs the layer unchanged). Others are handed on too (_generic_forward: values as they are,
 # tensors that require grad as inputs of the layer's recompute, Gemma 4's per-layer inputs);
 # only K/V shared between layers is refused (kv_sharing).
-KNOWN_ARGUMENTS = frozenset({
-    "hidden_states", "attention_mask", "position_ids", "position_embeddings", "cache",
-    "past_key_values", "past_key_value", "use_cache", "cache_position", "output_attentions",
-    "output_router_logits", "kwargs", "args",
-    "mamba_attention_mask"})  # Falcon-H1: its Mamba mixer's padding mask (None unpadded)
-
-
 # The attribute by which an attention module reads another layer's K/V instead of computing
 # its own (Gemma 3n / Gemma 4's KV sharing, through the shared_kv_states dict every layer is
 # handed): a gradient between layers, which a layer's own recompute cannot hand back. (The
@@ -207,17 +186,6 @@ def kv_sharing(layer: nn.Module) -> list[str]:
     """The modules of ``layer`` that reuse another layer's K/V."""
     return [n or "self" for n, m in layer.named_modules()
             if getattr(m, KV_SHARING_FLAG, False) is True]
-
-
-def unknown_arguments(layer: nn.Module) -> list[str]:
-    """The named parameters of the layer's own forward that the generic path does not know."""
-    forward = getattr(layer, "_ec_original_forward", layer.forward)
-    try:
-        params = inspect.signature(forward).parameters
-    except (TypeError, ValueError):
-        return []
-    return [n for n, p in params.items() if n not in KNOWN_ARGUMENTS
-            and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
 # ------------------------------------------------------------------------- MLP tiles

@@ -363,10 +363,11 @@ def _by_name(forward: Callable, hidden_states, args: tuple, kwargs: dict) -> dic
     import inspect
 
     try:
-        bound = inspect.signature(forward).bind(hidden_states, *args, **kwargs)
+        signature = inspect.signature(forward)
+        bound = signature.bind(hidden_states, *args, **kwargs)
     except (TypeError, ValueError):
         return None
-    params = inspect.signature(forward).parameters
+    params = signature.parameters
     named: dict = {}
     for i, (name, value) in enumerate(bound.arguments.items()):
         kind = params[name].kind
