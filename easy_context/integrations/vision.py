@@ -680,9 +680,9 @@ def dummy_image(model: nn.Module, family: VisionFamily, device) -> tuple[Tensor,
     if family.image_sizes:
         # an any-resolution tower: the image of dummy_image_sizes, as its processor would
         # give it (LLaVA-NeXT, OneVision: all its tiles; Mistral 3: 2 x 2 merged patches)
-        (height, width), = dummy_image_sizes(model, family, "cpu").tolist()
-        tiles = anyres_tiles(model, dummy_image_sizes(model, family, "cpu"))[0] \
-            if _packs_tiles(model) else 1
+        sizes = dummy_image_sizes(model, family, "cpu")
+        (height, width), = sizes.tolist()
+        tiles = anyres_tiles(model, sizes)[0] if _packs_tiles(model) else 1
         return torch.zeros(tiles, channels, height, width, dtype=dtype, device=device), None
     return torch.zeros(1, channels, int(height), int(width), dtype=dtype, device=device), None
 
