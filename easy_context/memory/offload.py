@@ -268,8 +268,21 @@ class HostCheckpoints:
     def __init__(self, layers: int):
         self.layers = layers
         self.copies = LayerStorage(layers)  # the side stream, the pool and the copies
-        self.entries: dict[int, list[_Entry]] = {}
+        # the forward saving now: per layer, its saved tensors' entries. Each handle names
+        # its forward, so forwards that wait for one backward each find their own.
+        self._pass = _Pass()
+        self._passes: weakref.WeakSet = weakref.WeakSet([self._pass])
         self._last = -1  # the layer that packed last: a lower one starts a new forward pass
+
+    @property
+    def entries(self) -> dict[int, list[_Entry]]:
+        """The latest forward's entries, by layer index."""
+        return self._pass.entries
+
+    def pending(self) -> list[_Pass]:
+        """The forwards that still hold a host copy for a backward to come."""
+        return [p for p in list(self._passes)
+                if any(e.host for entries in p.entries.values() for e in entries)]
 
     def hooks(self, index: int) -> torch.autograd.graph.saved_tensors_hooks:
         """Saved-tensor hooks for layer ``index``'s checkpoint call."""
@@ -278,23 +291,25 @@ class HostCheckpoints:
 
     def _pack(self, index: int, t: Tensor):
         if index < self._last:
-            self.entries = {}  # a new forward pass (the last one's were all taken back)
+            self._pass = _Pass()  # a new forward (the earlier ones stay with their handles)
+            self._passes.add(self._pass)
         self._last = index
+        fwd = self._pass
         if index == self.layers - 1 or not t.numel():
-            return (index, t)  # kept where it is
+            return (fwd, index, t)  # kept where it is
         host, ready = self.copies._to_host([t])
-        self.entries.setdefault(index, []).append(_Entry(host, t.device, ready))
-        return (index, len(self.entries[index]) - 1)
+        fwd.entries.setdefault(index, []).append(_Entry(host, t.device, ready))
+        return (fwd, index, len(fwd.entries[index]) - 1)
 
     def _unpack(self, handle) -> Tensor:
-        index, slot = handle
+        fwd, index, slot = handle
         if isinstance(slot, Tensor):  # kept on the device
             t = slot
         else:
-            entry = self.entries[index][slot]
+            entry = fwd.entries[index][slot]
             (t,) = self.copies._take(entry)  # prefetched, unless the layer after kept it
             self.copies._release(entry)
-        for previous in self.entries.get(index - 1, ()):
+        for previous in fwd.entries.get(index - 1, ()):
             if previous.arriving is None and previous.host:
                 self.copies._to_device(previous)  # overlaps this layer's backward
         return t
