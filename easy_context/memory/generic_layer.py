@@ -95,11 +95,18 @@ def _token_mixer(module: nn.Module) -> bool:
 
 def find_mlps(layer: nn.Module) -> list[tuple[str, nn.Module]]:
     """The layer's MLP children (name and module each): those of MLP_NAMES, and a child of
-    MIXER_NAMES that mixes no tokens (Nemotron-H's MLP and MoE blocks)."""
+    MIXER_NAMES that mixes no tokens (Nemotron-H's MLP and MoE blocks); where there are none,
+    the MLP children of a child that is a transformer block (attention and an MLP), under
+    "child.name": Zamba2's hybrid layers call the shared attention block
+    (``shared_transformer``), whose ``feed_forward`` is the layer's MLP."""
     found = [(n, m) for n in MLP_NAMES if isinstance(m := getattr(layer, n, None), nn.Module)]
     found += [(n, m) for n in MIXER_NAMES if isinstance(m := getattr(layer, n, None), nn.Module)
               and not _token_mixer(m)]
-    return found
+    if found:
+        return found
+    return [(f"{cn}.{n}", m) for cn, child in layer.named_children()
+            if any(hasattr(c, "is_causal") for c in child.modules())
+            for n in MLP_NAMES if isinstance(m := getattr(child, n, None), nn.Module)]
 
 
 def _mixer_only(layer: nn.Module) -> bool:
@@ -238,22 +245,25 @@ def tiled(forward: Callable, tile: int) -> Callable:
     """``forward`` (an MLP's, on (B, S, H)) over sequence tiles of ``tile`` tokens, each
     checkpointed when grad is on: backward computes a tile's intermediates again."""
 
-    def contiguous(x: Tensor):
+    def contiguous(x: Tensor, *args, **kwargs):
         # a tile of a batch of rows is a strided view; MoE blocks view it as (B * T, H). The
         # copy is made inside the checkpoint, which keeps the view (of a kept tensor) only.
-        return forward(x.contiguous())
+        return forward(x.contiguous(), *args, **kwargs)
 
     @functools.wraps(forward)  # its signature: BERT's apply_chunking_to_forward counts it
     def run(hidden_states: Tensor, *args, **kwargs):
-        if args or kwargs or hidden_states.dim() != 3 or hidden_states.size(1) <= tile:
+        # other arguments that are not tensors (Zamba2's shared MLP takes the layer's index)
+        # go to every tile; a tensor beside the hidden states: the MLP runs whole
+        if any(isinstance(a, Tensor) for a in (*args, *kwargs.values())) or \
+                hidden_states.dim() != 3 or hidden_states.size(1) <= tile:
             return forward(hidden_states, *args, **kwargs)
         outs, lengths = [], []
         for t in tiles(hidden_states.size(1), tile):
             x = hidden_states[:, t]
             if torch.is_grad_enabled():
-                outs.append(checkpoint(contiguous, x, use_reentrant=False))
+                outs.append(checkpoint(contiguous, x, *args, use_reentrant=False, **kwargs))
             else:
-                outs.append(contiguous(x))
+                outs.append(contiguous(x, *args, **kwargs))
             lengths.append(x.size(1))
         return _tile_output(outs, hidden_states.size(0), lengths)
 
@@ -344,21 +354,41 @@ def site_tiled(owner, attr: str | tuple, tile: int, batch: int | None = None):
     return mlp_tiled(owner, tile, attr)
 
 
-def mlp_mismatch(layer: nn.Module, tile: int = 3) -> str | None:
+# The name transformers gives a decoder layer's index, which the decoder hands each layer and
+# some MLPs take beside the hidden states (Zamba2's shared MLP picks its per-layer adapter)
+LAYER_INDEX_ARG = "layer_idx"
+
+
+def mlp_mismatch(layer: nn.Module, tile: int = 3, index: int | None = None) -> str | None:
     """Run the layer's MLP on a few random tokens whole and in tiles (no grad, eval mode)
     and say how far apart they are when they differ: a check that it is per token (an MoE
     whose routing looks at other tokens is not). Skipped (None) where the weights are not
     whole and local (meta, ZeRO-3, DTensor) or not floating point. Each of the layer's
-    feed-forward sites (mlp_sites) is checked; none: None."""
+    feed-forward sites (mlp_sites) is checked; none: None. ``index``: the layer's index in
+    the decoder, for an MLP that takes it (LAYER_INDEX_ARG)."""
     for name, mlp, attr in mlp_sites(layer):
-        check = inline_mismatch if isinstance(attr, tuple) else _one_mlp_mismatch
-        reason = check(layer, name, mlp, attr, tile)
+        if isinstance(attr, tuple):
+            reason = inline_mismatch(layer, name, mlp, attr, tile)
+        else:
+            reason = _one_mlp_mismatch(layer, name, mlp, attr, tile, index)
         if reason:
             return reason
     return None
 
 
-def _one_mlp_mismatch(layer: nn.Module, name: str, mlp, attr: str, tile: int) -> str | None:
+def _index_kwargs(forward: Callable, index: int | None) -> dict:
+    """{LAYER_INDEX_ARG: index} where ``forward`` takes the layer's index, else {}."""
+    import inspect
+
+    try:
+        takes = LAYER_INDEX_ARG in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {LAYER_INDEX_ARG: index} if takes and index is not None else {}
+
+
+def _one_mlp_mismatch(layer: nn.Module, name: str, mlp, attr: str, tile: int,
+                      index: int | None = None) -> str | None:
     params = list(mlp.parameters())
     if not params or any(p.is_meta or hasattr(p, "ds_id") or type(p.data) is not torch.Tensor
                          or not p.is_floating_point() for p in params):
@@ -373,14 +403,20 @@ def _one_mlp_mismatch(layer: nn.Module, name: str, mlp, attr: str, tile: int) ->
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, PROBE_TOKENS, hidden, generator=gen).to(p.device, p.dtype)
     training = mlp.training
+    kw = _index_kwargs(getattr(mlp, attr), index)
     try:
         mlp.train(False)
         with torch.no_grad():
-            want = getattr(mlp, attr)(x)
+            want = getattr(mlp, attr)(x, **kw)
             with mlp_tiled(mlp, tile, attr):
-                got = getattr(mlp, attr)(x)
+                got = getattr(mlp, attr)(x, **kw)
     except ValueError as e:
         return str(e)
+    except Exception as e:  # noqa: BLE001  (an MLP that takes more than the probe gives it)
+        return (f"max-length mode: could not check {type(layer).__name__}.{name} in sequence "
+                f"tiles on random tokens ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); train without "
+                "--mlp-tile/--head-chunk")
     finally:
         mlp.train(training)
     want = want[0] if isinstance(want, tuple) else want

@@ -266,8 +266,17 @@ def path_for(layer: nn.Module, model: nn.Module | None = None, path: str = "auto
             return "fused"
         if path == "fused":
             return fused_reason
-    reason = generic_layer.static_mismatch(layer, config) or generic_layer.mlp_mismatch(layer)
-    return reason or "generic"
+    reason = generic_layer.static_mismatch(layer, config)
+    return reason or generic_layer.mlp_mismatch(layer, index=_index(model, layer)) or "generic"
+
+
+def _index(model: nn.Module | None, layer: nn.Module) -> int | None:
+    """The layer's index in the decoder (which the decoder hands it: an MLP may take it)."""
+    try:
+        layers = decoder_layers(model) if model is not None else []
+    except (ValueError, AttributeError):
+        return None
+    return next((i for i, other in enumerate(layers) if other is layer), None)
 
 
 def _layer_config(layer: nn.Module):

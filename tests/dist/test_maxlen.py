@@ -225,6 +225,33 @@ def test_generic_path_refuses_mlp_across_tokens():
     assert mlp_mismatch(layer) is None
 
 
+class _Indexed(nn.Module):
+    """An MLP that takes more than the hidden states (as Zamba2's shared MLP takes the
+    layer's index) and fails without it."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.forward = {"layer_idx": self.by_layer_idx, "other": self.by_other}[name]
+
+    def by_layer_idx(self, x, layer_idx=None):
+        return self.proj(x) * {3: 2.0}[layer_idx]
+
+    def by_other(self, x, other=None):
+        return self.proj(x) * {3: 2.0}[other]
+
+
+def test_generic_path_probes_an_mlp_with_the_layer_index():
+    # an MLP taking the layer's index (transformers' name, layer_idx) is probed with it ...
+    layer = nn.Module()
+    layer.mlp = _Indexed("layer_idx")
+    assert mlp_mismatch(layer, index=3) is None
+    # ... an argument the probe cannot give: refused (not run unverified)
+    assert "could not check" in mlp_mismatch(layer)
+    layer.mlp = _Indexed("other")
+    assert "could not check" in mlp_mismatch(layer, index=3)
+
+
 class _InlineLayer(nn.Module):
     """A layer with an inline feed-forward (fc1, activation_fn, fc2 children); ``between``:
     what its forward does between the activation and fc2."""
