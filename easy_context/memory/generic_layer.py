@@ -6,7 +6,9 @@ re-implements nothing: it runs the layer's own ``forward``, so whatever the laye
 LoRA adapters) runs as written. Around and inside that forward:
 
 - the layer's MLP module (its ``mlp`` / ``feed_forward`` / ``block_sparse_moe`` child,
-  whatever it is: gated, dense, an MoE with its router) runs over sequence tiles of ``tile``
+  whatever it is: gated, dense, an MoE with its router; the MLP of a transformer block the
+  layer calls, Zamba2's shared block; or, inline in the layer's forward, ``fc1`` ->
+  activation -> ``fc2``: OPT, BioGPT, Whisper's decoder) runs over sequence tiles of ``tile``
   tokens, each tile under its own (non-reentrant) checkpoint, so a tile's (B, tile, I)
   intermediates are not kept for backward but computed again there, tile by tile;
 - the attention function transformers calls (any sequence-parallel method's included) runs
@@ -37,7 +39,9 @@ MLP to tile and runs whole.
 
 Exact: the same modules on the same numbers; MLP tiles and head chunks are independent
 (per-token MLPs, per-head attention), which :func:`mlp_mismatch` checks for the MLP on a
-few random tokens and the MoE checks below refuse where routing looks past one token.
+few random tokens and the MoE checks below refuse where routing looks past one token
+(:func:`inline_mismatch`, for an inline fc1 -> activation -> fc2, the layer's own forward
+against the swapped one).
 """
 
 from __future__ import annotations
