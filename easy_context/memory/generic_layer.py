@@ -391,6 +391,21 @@ def _index_kwargs(forward: Callable, index: int | None) -> dict:
     return {LAYER_INDEX_ARG: index} if takes and index is not None else {}
 
 
+def _probe_call(forward: Callable, x: Tensor, index: int | None):
+    """``forward`` on the probe's tokens as the layer would call it: on the hidden states
+    alone (Moshi's MLP takes a layer_idx it is not given), or, where that fails and it takes
+    the layer's index, with it (Zamba2's shared MLP needs it to pick its adapter)."""
+    try:
+        return forward(x)
+    except ValueError:
+        raise
+    except Exception:  # noqa: BLE001
+        kw = _index_kwargs(forward, index)
+        if not kw:
+            raise
+        return forward(x, **kw)
+
+
 def _one_mlp_mismatch(layer: nn.Module, name: str, mlp, attr: str, tile: int,
                       index: int | None = None) -> str | None:
     params = list(mlp.parameters())
@@ -407,13 +422,12 @@ def _one_mlp_mismatch(layer: nn.Module, name: str, mlp, attr: str, tile: int,
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, PROBE_TOKENS, hidden, generator=gen).to(p.device, p.dtype)
     training = mlp.training
-    kw = _index_kwargs(getattr(mlp, attr), index)
     try:
         mlp.train(False)
         with torch.no_grad():
-            want = getattr(mlp, attr)(x, **kw)
+            want = _probe_call(getattr(mlp, attr), x, index)
             with mlp_tiled(mlp, tile, attr):
-                got = getattr(mlp, attr)(x, **kw)
+                got = _probe_call(getattr(mlp, attr), x, index)
     except ValueError as e:
         return str(e)
     except Exception as e:  # noqa: BLE001  (an MLP that takes more than the probe gives it)

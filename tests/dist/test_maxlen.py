@@ -232,13 +232,19 @@ class _Indexed(nn.Module):
     def __init__(self, name: str):
         super().__init__()
         self.proj = nn.Linear(8, 8)
-        self.forward = {"layer_idx": self.by_layer_idx, "other": self.by_other}[name]
+        self.forward = {"layer_idx": self.by_layer_idx, "other": self.by_other,
+                        "optional": self.optional}[name]
 
     def by_layer_idx(self, x, layer_idx=None):
         return self.proj(x) * {3: 2.0}[layer_idx]
 
     def by_other(self, x, other=None):
         return self.proj(x) * {3: 2.0}[other]
+
+    def optional(self, x, layer_idx=None):  # Moshi's: a layer_idx its layer does not give
+        if layer_idx is not None:
+            raise TypeError("Linear.forward() takes 2 positional arguments but 3 were given")
+        return self.proj(x)
 
 
 def test_generic_path_probes_an_mlp_with_the_layer_index():
@@ -250,6 +256,9 @@ def test_generic_path_probes_an_mlp_with_the_layer_index():
     assert "could not check" in mlp_mismatch(layer)
     layer.mlp = _Indexed("other")
     assert "could not check" in mlp_mismatch(layer, index=3)
+    # an MLP that takes layer_idx but runs on the hidden states alone is probed on those
+    layer.mlp = _Indexed("optional")
+    assert mlp_mismatch(layer, index=3) is None
 
 
 class _InlineLayer(nn.Module):
