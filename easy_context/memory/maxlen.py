@@ -32,7 +32,8 @@ tokens, gives what the fused layer gives (probe_mismatch: what no attribute show
 other layer (post-norm layers such as OLMo-2's, Cohere's parallel block, fused qkv
 projections, norms over all heads, OLMo's clip_qkv, sandwich norms, MoE blocks, LoRA
 adapters on the projections) takes the generic path (easy_context.memory.generic_layer:
-the layer's own forward, its MLP module in checkpointed sequence tiles, its attention
+the layer's own forward, its MLP module (or inline fc1 -> activation -> fc2, or the MLP of
+a transformer block it calls: Zamba2's) in checkpointed sequence tiles, its attention
 function a chunk of heads at a time, its input kept as the fused layer's), unless that
 refuses it too (dropout, router logits for an auxiliary loss, expert capacities, an MLP
 that is not per token): then a ValueError says what does not fit. A hybrid's layer holding
@@ -266,8 +267,17 @@ def path_for(layer: nn.Module, model: nn.Module | None = None, path: str = "auto
             return "fused"
         if path == "fused":
             return fused_reason
-    reason = generic_layer.static_mismatch(layer, config) or generic_layer.mlp_mismatch(layer)
-    return reason or "generic"
+    reason = generic_layer.static_mismatch(layer, config)
+    return reason or generic_layer.mlp_mismatch(layer, index=_index(model, layer)) or "generic"
+
+
+def _index(model: nn.Module | None, layer: nn.Module) -> int | None:
+    """The layer's index in the decoder (which the decoder hands it: an MLP may take it)."""
+    try:
+        layers = decoder_layers(model) if model is not None else []
+    except (ValueError, AttributeError):
+        return None
+    return next((i for i, other in enumerate(layers) if other is layer), None)
 
 
 def _layer_config(layer: nn.Module):
