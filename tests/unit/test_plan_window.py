@@ -55,3 +55,16 @@ def test_a_window_as_long_as_the_sequence_is_a_global_layer():
     est = estimate_memory(_gemma3(L), L, N, "zigzag_ring_attn")
     assert est.window_communication_per_layer == est.communication_per_layer
     assert "sent per window layer" in est.table()
+
+
+def test_zigzag_sends_window_rows_to_their_reader_not_round_the_ring():
+    """Zigzag at N >= 4 under a window: chunk 2N-1-r is read by rank r - 1, N - 1 ring steps
+    away; each rank sends its read rows straight to their reader (traffic.RingPlan.direct):
+    3 + 3 rows of a window of 4, at 4 and at 8 ranks (relayed: 9 and 21)."""
+    from easy_context.parallel.method import AttentionDims
+
+    for world in (4, 8):
+        t = window_traffic("zigzag_ring_attn", AttentionDims(2, 2, 8), 32 * world, world, 4,
+                           a=1)
+        assert t["forward_bytes"] == 6 * 32, (world, t)
+        assert t["backward_bytes"] == (6 + 6) * 32, (world, t)  # again, and dK/dV partials
