@@ -36,6 +36,7 @@ from ..mesh import process_group
 from .blocks import (backward_block, block_calls, forward_block, group_buffer_choice,
                      plain_documents)
 from .comm import all_gather_into, gather_shards, reduce_scatter_into
+from .halo import Halo, exchange_kv, halo_plan, plain_halo, rank_geometry, return_partials
 from .function import GroupAlgorithm, check_inputs, run_attention
 from .method import AttentionDims, Method
 from .zigzag import check_two_chunks
@@ -93,11 +94,38 @@ def gather_documents(doc: Tensor | None, group, world: int, geometry: Geometry |
                                                              geometry)
 
     def build():
-        gathered = gather_shards(doc, group)  # (N, B, s)
+        # the ids are gathered once, whatever rank's plan is asked (halo.py asks every rank's)
+        gathered = once_per_ids(doc, ("gathered ids", group_key(group), world),
+                                lambda: gather_shards(doc, group))  # (N, B, s)
         whole = layouts.unshard(gathered.movedim(0, 1).flatten(1, 2), "zigzag", world, dim=1)
-        return ShardDocuments.from_ids([doc, whole], geometry)
+        mine = gathered[rank_of(geometry, world)] if geometry is not None else doc
+        return ShardDocuments.from_ids([mine, whole], geometry)
 
     return once_per_ids(doc, ("gathered", group_key(group), world, geometry), build)
+
+
+def rank_of(geometry: Geometry, world: int) -> int:
+    """The rank whose queries ``geometry`` plans (shard 0's first chunk is chunk r)."""
+    return geometry.segments[0][0][2] // geometry.segments[0][0][1]
+
+
+def gather_halo(doc: Tensor | None, group, world: int, local_len: int, causal: bool,
+                geometry: Geometry | None) -> Halo | None:
+    """The rows of other ranks' K/V this call reads (halo.py), or None where the all-gather
+    moves no more (no geometry, or a window that reads nearly everything)."""
+    if geometry is None or world == 1:
+        return None
+    if doc is None:
+        halo = plain_halo(world, local_len, causal, geometry)
+    else:
+        def build():
+            return halo_plan(world, local_len, lambda r: list(_block_calls(
+                r, world, local_len, causal, gather_documents(
+                    doc, group, world, rank_geometry(geometry, r, world, local_len),
+                    local_len))))
+
+        halo = once_per_ids(doc, ("halo", group_key(group), world, geometry, causal), build)
+    return halo if halo.useful() else None
 
 
 def _block_calls(rank, world, s, causal, docs):
@@ -109,10 +137,18 @@ def _block_calls(rank, world, s, causal, docs):
             yield rows, keys, calls
 
 
-def allgather_forward(q, k, v, group, causal, scale, kernel, docs=None):
+def _kv_all(k: Tensor, v: Tensor, group, rank: int, world: int, halo: Halo | None) -> Tensor:
+    """The whole sequence's K/V packed (:func:`_pack`), sequence order: gathered, or with a
+    halo only the rows this rank's calls read (halo.py)."""
+    if halo is None:
+        return _gather_kv(k, v, group, world)
+    return exchange_kv(_pack(k, v), halo, rank, group)
+
+
+def allgather_forward(q, k, v, group, causal, scale, kernel, docs=None, halo=None):
     """(out in q's dtype, lse (B, H, S) float32) for this rank's queries."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    k_all, v_all = _unpack(_gather_kv(k, v, group, world), k.size(-1))
+    k_all, v_all = _unpack(_kv_all(k, v, group, rank, world, halo), k.size(-1))
     return gathered_forward(q, k_all, v_all, rank, world, causal, scale, kernel, docs)
 
 
@@ -143,18 +179,21 @@ def gathered_backward(dout, q, k_all, v_all, out, lse, rank, world, causal, scal
     return dq_acc
 
 
-def allgather_backward(dout, q, k, v, out, lse, group, causal, scale, kernel, docs, *, grads):
+def allgather_backward(dout, q, k, v, out, lse, group, causal, scale, kernel, docs, *, grads,
+                       halo=None):
     """Fills ``grads`` = (dq, dk, dv) (views, the inputs' dtype) for this rank's shards."""
     dq, dk, dv = grads
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    kv = _gather_kv(k, v, group, world)
+    kv = _kv_all(k, v, group, rank, world, halo)
     k_all, v_all = _unpack(kv, k.size(-1))
     dkv = torch.zeros_like(kv, dtype=torch.float32)  # this rank's share, whole sequence
     dk_all, dv_all = _unpack(dkv, k.size(-1))
     dq_acc = gathered_backward(dout, q, k_all, v_all, out, lse, rank, world, causal, scale,
                                kernel, docs, dk_all, dv_all)
     del kv, k_all, v_all
-    if world > 1:
+    if halo is not None:  # the partials of the rows read go back to their owners
+        dkv = return_partials(dkv, halo, rank, group)
+    elif world > 1:
         # send[r] = rank r's zigzag shard of our share; the sum over ranks lands at r.
         send = torch.stack([layouts.shard(dkv, "zigzag", r, world, dim=2) for r in range(world)])
         dkv = torch.empty_like(send[0])
@@ -188,10 +227,11 @@ def allgather_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = T
     geometry = None if variant is None else variant.geometry(
         (layouts.segments("zigzag", rank, world, s), ((0, world * s, 0),)), causal, world * s)
     # image spans: every block is asked, and the plan keeps the ones a span crosses
-    algo = GroupAlgorithm(allgather_forward, allgather_backward, pg,
-                          schedule_causal(bool(causal), geometry), scale,
+    causal = schedule_causal(bool(causal), geometry)
+    halo = gather_halo(document_ids, pg, world, s, causal, geometry)
+    algo = GroupAlgorithm(allgather_forward, allgather_backward, pg, causal, scale,
                           kernel, gather_documents(document_ids, pg, world, geometry, s),
-                          per_group)
+                          per_group, (("halo", halo),))
     return run_attention(algo, q, k, v, sinks)
 
 

@@ -45,10 +45,24 @@ def test_usp_scales_its_ring_part_only():
     assert 0 < est.window_communication_per_layer < est.communication_per_layer
 
 
-@pytest.mark.parametrize("method", ["ulysses_attn", "allgather_attn"])
+@pytest.mark.parametrize("method", ["ulysses_attn"])
 def test_gathering_methods_send_as_for_a_global_layer(method):
     est = estimate_memory(_gemma3(1024), L, N, method)
     assert est.window_communication_per_layer == est.communication_per_layer > 0
+
+
+def test_allgather_sends_its_halo():
+    """All-gather attention under a 1K window over 8K-token shards: each rank's queries read
+    the 1023 rows before each of its two chunks, so it sends 2 x 1023 rows (forward, again
+    in backward, and as float32 dK/dV back) instead of its whole shard to N - 1 ranks."""
+    shape = _gemma3(1024)
+    est = estimate_memory(shape, L, N, "allgather_attn")
+    t = window_traffic("allgather_attn", shape.attention_dims(), L, N, 1024, 2)
+    row = 2 * shape.attention_dims()[1] * shape.attention_dims()[2]
+    assert t["forward_bytes"] == 2 * 1023 * row * 2, t
+    assert t["backward_bytes"] == 2 * 1023 * row * (2 + 4), t
+    assert est.window_communication_per_layer == t["forward_bytes"] + t["backward_bytes"]
+    assert est.communication_per_layer == t["global_forward_bytes"] + t["global_backward_bytes"]
 
 
 def test_a_window_as_long_as_the_sequence_is_a_global_layer():
