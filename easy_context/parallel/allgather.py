@@ -15,6 +15,11 @@ work. Non-causal: every query sees all keys, one block.
 Packed documents: the document ids are gathered once per call (one integer per token) and
 each block runs as one kernel call per document it holds (blocks.py); no mask.
 
+Sliding windows, chunks, image spans: a rank's queries read only some of the other ranks'
+rows; where that is less than the whole shards (:func:`gather_halo`), only those rows travel,
+point-to-point, and backward returns their float32 dK/dV to their owners instead of a
+reduce-scatter (halo.py).
+
 Backward re-gathers K/V (saving the gathered copies would keep O(S) per layer alive), calls
 the kernel's backward per block with the final out and lse, accumulates dK/dV for the whole
 sequence in float32, cuts them back into zigzag shards (layouts.shard) and reduce-scatters

@@ -48,6 +48,7 @@ def cases(shard: int, length: int) -> list[dict]:
         dict(softcap=2.0, window=5), dict(softcap=1.5, sinks=True, dv=6),
         dict(sinks=True), dict(window=4, docs=True, sinks=True), dict(chunk=7, docs=True),
         dict(window=shard), dict(window=shard // 2, batch=1), dict(window=2 * shard + 3, docs=True),
+        dict(window=2 * shard + 1, batch=1),
         dict(window=shard + 1, batch=1, docs=True, dv=6),
     ]
 
