@@ -28,6 +28,8 @@ them: each owner receives the sum of every rank's contribution to its chunks.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -41,7 +43,7 @@ from ..mesh import process_group
 from .blocks import (backward_block, block_calls, forward_block, group_buffer_choice,
                      plain_documents)
 from .comm import all_gather_into, gather_shards, reduce_scatter_into
-from .halo import Halo, exchange_kv, halo_plan, plain_halo, rank_geometry, return_partials
+from .halo import Halo, exchange_kv, halo_plan, rank_geometry, return_partials
 from .function import GroupAlgorithm, check_inputs, run_attention
 from .method import AttentionDims, Method
 from .zigzag import check_two_chunks
@@ -131,6 +133,14 @@ def gather_halo(doc: Tensor | None, group, world: int, local_len: int, causal: b
 
         halo = once_per_ids(doc, ("halo", group_key(group), world, geometry, causal), build)
     return halo if halo.useful() else None
+
+
+@functools.lru_cache(maxsize=64)
+def plain_halo(world: int, local_len: int, causal: bool, geometry: Geometry) -> Halo:
+    """The halo of sequences without documents (every layer of one kind asks the same)."""
+    return halo_plan(world, local_len, lambda r: list(_block_calls(
+        r, world, local_len, causal, plain_documents(
+            (local_len, world * local_len), rank_geometry(geometry, r, world, local_len)))))
 
 
 def _block_calls(rank, world, s, causal, docs):

@@ -25,14 +25,13 @@ float32 dK/dV partials instead of 96.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from .. import layouts
-from ..attention.documents import Geometry, ShardDocuments
+from ..attention.documents import Geometry
 from .accumulate import span
 from .comm import Exchange
 from .traffic import Ranges, merge_ranges, rows_in
@@ -102,18 +101,6 @@ def _sequence_rows(rows: tuple[int, int], src: int, world: int, local_len: int) 
         if r0 <= rows[0] and rows[1] <= r1:
             return slice(seq0 + rows[0] - r0, seq0 + rows[1] - r0)
     raise AssertionError(f"rows {rows} cross a chunk boundary of shard {src}")
-
-
-@functools.lru_cache(maxsize=64)
-def plain_halo(world: int, local_len: int, causal: bool, geometry: Geometry) -> Halo:
-    """The halo of sequences without documents (every layer of one kind asks the same)."""
-    from .allgather import _block_calls
-    from .blocks import plain_documents
-
-    n = world * local_len
-    return halo_plan(world, local_len, lambda r: list(_block_calls(
-        r, world, local_len, causal, plain_documents(
-            (local_len, n), rank_geometry(geometry, r, world, local_len)))))
 
 
 def exchange_kv(packed: Tensor, halo: Halo, rank: int, group) -> Tensor:

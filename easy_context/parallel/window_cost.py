@@ -121,7 +121,7 @@ def _allgather_traffic(dims, seq_len, world, window, a, float32_bytes) -> dict:
     with the float32 dK/dV reduce-scattered), or under a halo worth it only the rows read."""
     from .. import layouts
     from ..attention.variants import Variant
-    from .halo import plain_halo
+    from .allgather import plain_halo
 
     hq, hkv, hd = dims
     s = seq_len // world
