@@ -10,8 +10,8 @@ from torch import nn
 
 from easy_context.memory.generic_layer import mlp_mismatch
 
-from .maxlen_cases import (DROP, check_max_length, fused_layer_work, generic_calls,
-                           max_length_error, paths_of, tiled_layer_runs)
+from .maxlen_cases import (DROP, check_against_plain, check_max_length, fused_layer_work,
+                           generic_calls, max_length_error, paths_of, tiled_layer_runs)
 
 TOL = 1e-5
 # (mlp_tile, heads_per_chunk, checkpointing, keep_every) on 8 query / 4 KV heads: tiles that do
@@ -177,6 +177,65 @@ def test_other_decoders(dist1, dist2, family, overrides, two_ranks):
     if two_ranks:
         _assert(dist2.run(check_max_length, family, "zigzag_ring_attn", GENERIC[:2],
                           overrides=overrides))
+
+
+# Gemma 4's small models share K/V between layers (num_kv_shared_layers): the last layer of
+# each type before the shared ones stores its K/V in the shared_kv_states mapping the decoder
+# hands every layer, and the shared layers (no k/v projections) attend to them. Max-length mode
+# makes the stored K/V outputs of the producing layer's autograd function and inputs of the
+# reading layers' (generic_layer.SharedStore), so their gradient, summed over the readers,
+# reaches the producer's k/v projections through its recompute (without it: 0.93 off). Here
+# layers 2 and 3 read layer 0's (sliding) and layer 1's (full) K/V; tiles of 3-6 tokens
+# against shards of 12 and 24, every kind of keeping, the nested recompute.
+GEMMA4_SHARED = dict(GEMMA4, num_hidden_layers=4, num_kv_shared_layers=2, layer_types=[
+    "sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+# whole heads per attention call (8 of 8): against plain SP within TOL (measured <= 2e-7)
+SHARED_WHOLE_HEADS = [(5, 8, "full", 1), (3, 8, "offload", 2), (4, 8, "attention", 1),
+                      (6, 8, "full", 2), (4, 8, "none", 1)]
+# chunks of 1 and 2 query heads (the shared K/V cut by heads)
+SHARED_CHUNKS = [(5, 1, "full", 1), (3, 2, "offload", 2), (4, 2, "attention", 1)]
+# This tiny Gemma 4 turns fp32 rounding in attention into ~1e-5 in its gradients: multiplying
+# its q/k projections by (1 + 1e-7 noise) moves plain SP's own gradients 1.5e-4; eager against
+# sdpa attention in one process, 1.4e-4. Head chunks round attention differently: max-length
+# mode with chunks of 1-2 heads is 1.5e-5 (2 ranks) to 2.2e-5 (1 rank, 2 threads) off plain
+# SP, as it is on this model without shared K/V (4e-5), and plain SP itself is 7e-6 to 1.1e-5
+# off one process at 1 rank and 2.1e-4 at 2 ranks. Those comparisons are held to GEMMA4_TOL.
+GEMMA4_TOL = 1e-4
+
+
+def _assert_against_plain(reports, tol=TOL, plain_tol=None):
+    bad = []
+    for r, rep in enumerate(reports):
+        le, ge = rep.pop("plain SP vs one process")
+        if plain_tol is not None and not (le <= plain_tol and ge <= plain_tol):
+            bad.append(f"rank {r} plain SP vs one process: loss {le:.1e}, grads {ge:.1e}")
+        bad += [f"rank {r} {case}: loss {le:.1e}, grads {ge:.1e}" for case, (le, ge) in rep.items()
+                if not (le <= tol and ge <= tol)]
+    assert not bad, "\n".join(bad)
+
+
+def test_layers_sharing_kv(dist1, dist2):
+    assert dist1.run(paths_of, "gemma4_text", **GEMMA4_SHARED)[0] == ["generic"] * 4
+    runs, layers = dist1.run(tiled_layer_runs, "gemma4_text", **GEMMA4_SHARED)[0]
+    assert runs == layers, f"{runs} of {layers} layers ran max-length mode's forward"
+    shared = dict(overrides=GEMMA4_SHARED)
+    # whole heads, against plain SP at 1 and 2 ranks (a ring method)
+    _assert_against_plain(dist1.run(check_against_plain, "gemma4_text", "local",
+                                    SHARED_WHOLE_HEADS, **shared), plain_tol=GEMMA4_TOL)
+    _assert_against_plain(dist2.run(check_against_plain, "gemma4_text", "zigzag_ring_attn",
+                                    SHARED_WHOLE_HEADS, **shared))
+    # head chunks: against plain SP at 1 and 2 ranks (ring and Ulysses), and at 1 rank
+    # against the one-process model
+    _assert_against_plain(dist1.run(check_against_plain, "gemma4_text", "local", SHARED_CHUNKS,
+                                    **shared), GEMMA4_TOL)
+    for method in ("zigzag_ring_attn", "ulysses_attn"):
+        _assert_against_plain(dist2.run(check_against_plain, "gemma4_text", method,
+                                        SHARED_CHUNKS[1:], **shared), GEMMA4_TOL)
+    reports = dist1.run(check_max_length, "gemma4_text", "local", SHARED_CHUNKS[:1]
+                        + SHARED_WHOLE_HEADS[1:2], **shared)
+    bad = [f"{case}: {le:.1e} {ge:.1e}" for rep in reports for case, (le, ge) in rep.items()
+           if not (le <= GEMMA4_TOL and ge <= GEMMA4_TOL)]
+    assert not bad, bad
 
 
 def test_generic_path_ulysses(dist2):
