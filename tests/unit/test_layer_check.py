@@ -188,6 +188,20 @@ def test_layers_reusing_another_layers_kv_take_the_generic_path():
     assert layer_paths(model) == ["generic"] * 3
 
 
+def test_a_layer_reusing_kv_handed_no_mapping_is_refused():
+    """A layer that reads another layer's K/V but is called without the mapping holding them
+    (shared_kv_states) has nothing whose gradient max-length mode could route: a ValueError
+    naming the layer, not a KeyError or a silent gradient loss."""
+    model = _model("gemma4_text", pad_token_id=0, num_kv_shared_layers=1, num_hidden_layers=2,
+                   layer_types=["full_attention", "full_attention"])
+    apply_max_length(model, 4, 2)
+    layer = model.model.layers[1]
+    x = torch.randn(1, 6, model.config.hidden_size, requires_grad=True)
+    cos_sin = model.model.rotary_emb(x, torch.arange(6)[None], "full_attention")
+    with pytest.raises(ValueError, match="reuses another layer's keys and values"):
+        layer(x, None, position_embeddings=cos_sin, attention_mask=None)
+
+
 @pytest.mark.parametrize("model_type,norm,overrides", [
     ("phi", "final_layernorm", {}), ("llama", "norm", {}),
     ("gpt2", "ln_f", dict(attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0))])
