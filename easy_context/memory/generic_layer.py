@@ -35,6 +35,12 @@ set for the call (Jamba's document ids: ``CALL_STATE``) is put back before each 
 A layer of norms and token mixers only (Nemotron-H's Mamba and attention blocks) has no
 MLP to tile and runs whole.
 
+K/V shared between layers (Gemma 3n's and Gemma 4's ``num_kv_shared_layers``: a layer writes
+its K/V into the ``shared_kv_states`` mapping every layer is handed, later layers attend to
+them): the entries a layer is handed are inputs of its autograd function and those it writes
+are outputs (:class:`SharedStore`), so their gradient, summed over the reading layers, reaches
+the writing layer's recompute; every recompute reads the K/V its layer was handed.
+
 Exact: the same modules on the same numbers; MLP tiles and head chunks are independent
 (per-token MLPs, per-head attention), which :func:`mlp_mismatch` checks for the MLP on a
 few random tokens and the MoE checks below refuse where routing looks past one token.
