@@ -612,9 +612,10 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
         terms = generic_terms if "generic" in paths else fused_terms
         mlp_tile = s if mlp_tile is None else mlp_tile
         heads_per_chunk = model_shape.heads if heads_per_chunk is None else heads_per_chunk
+        on = {"device": device} if terms is generic_terms else {}  # its recurrent kernels
         ft = terms(model_shape, s, a, method, world_size, checkpointing, mlp_tile,
                    heads_per_chunk, ring_degree, keep_every, workspace=workspace,
-                   budget=_budget(device))
+                   budget=_budget(device), **on)
         stored, mlp_w, attn_w, act_host = ft.stored + ft.head, ft.mlp_half, ft.attention_half, ft.host
         # The loss keeps the un-normed last hidden states and its backward writes their
         # gradient over them (tiled_loss.py): the one s x H tensor loss_bytes counts.
