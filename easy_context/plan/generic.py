@@ -29,7 +29,7 @@ dense tile's 6 I a).
 
 A layer with a recurrent mixer (gated DeltaNet, Mamba-2, a short convolution: hybrids) runs
 the mixer whole inside the same recompute, so its G holds, in place of the attention's part,
-the mixer's saved tensors as the untiled terms count them (plan/estimate.py
+the mixer's saved tensors as the untiled terms count them (plan/recurrent.py
 ``recurrent_saved_per_token``: projections, conv, the kernel's values and intermediates, the
 gated norm), and sequence-parallel the (A, B) maps it gathered and the chained states
 (2 x ``state_bytes``, per sequence); its MLP runs in tiles as above. When the backward reaches
@@ -86,7 +86,7 @@ def graph_per_token(shape: ModelShape, kind, a: int, method: str, world: int,
     """G: the bytes per local token that a generic layer's recompute graph holds (its input
     apart) when the layer's backward starts (see the module docstring; a recurrent mixer's
     gathered states, per sequence, apart: :func:`states_held`)."""
-    from .estimate import recurrent_saved_per_token
+    from .recurrent import recurrent_saved_per_token
 
     h, hq = shape.hidden, shape.heads
     vd = shape.v_head_dim or shape.hd
@@ -110,9 +110,9 @@ def graph_per_token(shape: ModelShape, kind, a: int, method: str, world: int,
 def states_held(shape: ModelShape, kind, s: int, method: str, world: int,
                 ring_degree: int | None) -> int:
     """Bytes per sequence a recurrent layer's recompute graph holds besides G: every piece's
-    gathered (A, B) maps and the chained states (plan/estimate.py ``state_bytes``, each);
+    gathered (A, B) maps and the chained states (plan/recurrent.py ``state_bytes``, each);
     0 on one device or for a layer without a recurrent mixer."""
-    from .estimate import state_bytes
+    from .recurrent import state_bytes
 
     return 2 * state_bytes(shape, s, method, world, ring_degree) if kind.recurrent else 0
 
@@ -125,7 +125,7 @@ def recurrent_half(shape: ModelShape, kind, s: int, a: int, method: str, world: 
     the input norm's and the mixer's saved tensors, the mixer's gradients (the residual's in
     and out: dh and dx) and the states' three copies; with attention beside the mixer
     (Falcon-H1), the attention's graph too (module docstring)."""
-    from .estimate import recurrent_saved_per_token, recurrent_transient_per_token
+    from .recurrent import recurrent_saved_per_token, recurrent_transient_per_token
     from .fused import group_per_token
 
     r = results_per_token(shape, a, method, world, ring_degree)
@@ -158,7 +158,7 @@ def generic_terms(shape: ModelShape, s: int, a: int, method: str, world: int,
     """The generic layer's memory for s local tokens: plan/fused.py's terms with the
     recompute graph G in place of the attention results (module docstring); each half the
     largest over the layer kinds. ``device``: whose recurrent kernels' saved tensors count
-    (plan/estimate.py ``recurrent_saved_per_token``)."""
+    (plan/recurrent.py ``recurrent_saved_per_token``)."""
     ft = fused_terms(shape, s, a, method, world, checkpointing, mlp_tile, heads_per_chunk,
                      ring_degree, keep_every, workspace=workspace, budget=budget)
     kinds = [k for k, _ in shape.layer_counts()]
