@@ -570,20 +570,20 @@ def _fold_final_norm(model: nn.Module, state: _State) -> None:
 
     def forward(self, hidden_states):
         # Inside max_length_loss the loss applies this norm chunk by chunk to the last
-        # layer's output. Other calls (NanoChat norms its embeddings with it too, before
-        # the layers) run it; one on anything else once the layers have run would be
-        # normed twice, and is refused.
+        # layer's output, when that is what it gets. Any other input is normed here, as the
+        # decoder does without max-length mode: what the decoder hands it before the layers
+        # (NanoChat norms its embeddings with it too), or what the decoder makes of the last
+        # layer's output first (Gemma 3n combines its AltUp streams, a per-token transform
+        # with weights of its own): the fold is off for that forward and the loss takes the
+        # decoder's output, normed, as where there is no final norm to fold.
         state = self._ec_state
-        if not _SKIP_FINAL_NORM.get():
+        if not _SKIP_FINAL_NORM.get() or state.last_output is None:
             if _same(hidden_states, state.last_output):
                 state.last_output = None  # not kept past its forward
             return self._ec_original_forward(hidden_states)
-        if state.last_output is None:
-            return self._ec_original_forward(hidden_states)
         if not _same(hidden_states, state.last_output):
-            raise ValueError("max-length mode: the decoder changes the last layer's output "
-                             "before its final norm, which the loss applies; train this "
-                             "model without --mlp-tile/--head-chunk")
+            state.last_output = None  # the decoder transformed it: nothing is folded
+            return self._ec_original_forward(hidden_states)
         state.last_output = None
         state.folded = hidden_states  # max_length_loss checks the decoder returns it as is
         return hidden_states

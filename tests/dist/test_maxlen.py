@@ -159,6 +159,13 @@ GPT2 = dict(n_inner=112, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
 FALCON = dict(head_dim=DROP, num_kv_heads=4, new_decoder_architecture=True, hidden_dropout=0.0,
               attention_dropout=0.0)
 GEMMA4 = dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=97, pad_token_id=0)
+# Gemma 3n: four AltUp streams through every layer (predict, correct, per-layer inputs, LAuReL),
+# combined after the last layer (unembedding projections, magnitudes, mean) before the final
+# norm: that norm is not folded (the decoder applies it, the loss takes its output); a
+# sparsified MLP (top-k of its activations per token) in layer 0
+GEMMA3N = dict(GEMMA4, num_kv_shared_layers=0, laurel_rank=4, sliding_window=7,
+               layer_types=["sliding_attention", "full_attention"],
+               activation_sparsity_pattern=[0.95, 0.0])
 BERT = dict(is_decoder=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
             pad_token_id=0)
 
@@ -169,7 +176,7 @@ BERT = dict(is_decoder=True, hidden_dropout_prob=0.0, attention_probs_dropout_pr
     # one rank only: at 2 ranks plain sequence parallelism is itself 2e-5 off this family's
     # one-process fp32 gradients (its fp32 rounding, amplified; max-length mode gives the
     # very same numbers as plain SP there)
-    ("gemma4_text", GEMMA4, False)])
+    ("gemma4_text", GEMMA4, False), ("gemma3n_text", GEMMA3N, True)])
 def test_other_decoders(dist1, dist2, family, overrides, two_ranks):
     runs, layers = dist1.run(tiled_layer_runs, family, **overrides)[0]
     assert runs == layers, f"{runs} of {layers} layers ran max-length mode's forward"
