@@ -57,7 +57,7 @@ from . import fused_layer, generic_layer, recomputed
 from ..utils.decoder import decoder_of
 from .fused_layer import FusedLayer, LayerSpec, Run, head_chunks
 from .generic_layer import GenericLayer, GenericRun
-from .head_transform import head_transform
+from .head_transform import head_transform, vocab_scaled_head
 from .layer_check import fused_layer_mismatch, state_carrying_layers
 from .offload import DeviceStorage, LayerStorage
 
@@ -315,14 +315,42 @@ class _State:
         self.last_output = None  # the last layer's output in this forward, until normed
         self.final_norm = None  # the norm the loss applies (final_norm), or None
         self.folded = None  # what that norm passed on un-normed in this forward (the loss's)
-        # (projection, per-token transform) of a BERT-style head (memory.head_transform)
+        # (projection, per-token transform | None) of a BERT-style head or of a head with a
+        # factor per vocabulary entry (memory.head_transform)
         self.head: tuple | None = None
+        self.vocab_scale = None  # that factor (head_transform.VocabScale), or None
+        self.previous = None  # (index, output) of the layer that ran last in this forward
+
+    def start(self) -> None:
+        """A decoder forward begins (a forward pre-hook on the decoder, _watch_decoder)."""
+        self.last_output = self.folded = self.previous = None
+
+    def enter(self, index: int, x: torch.Tensor, layer: nn.Module) -> None:
+        """Refuse a layer call that the layer storage would get wrong. LayerStorage
+        (offload, keep_every > 1) keeps one input per layer index, and the nested recompute
+        (keep_every > 1) regenerates a layer's input by running the layer before it: each
+        layer must run once per decoder forward, in order, and (keep_every > 1) on the
+        previous layer's output as it is. Decoders that run layers more than once (Dory's
+        recurrent section) or change the hidden states between layers (Dory's norms between
+        its sections) train with the input of every call kept (DeviceStorage)."""
+        if not isinstance(self.storage, LayerStorage):
+            return
+        what = (f"max-length mode: layer {index} ({type(layer).__name__}) runs after "
+                f"{'no layer' if self.previous is None else f'layer {self.previous[0]}'} in "
+                "one forward")
+        if index != (0 if self.previous is None else self.previous[0] + 1):
+            raise ValueError(f"{what}: the decoder runs layers more than once or out of order, "
+                             "and --checkpointing offload and --keep-every keep one input per "
+                             "layer; use --checkpointing full or attention with --keep-every 1")
+        if self.keep_every > 1 and index and not _same(x, self.previous[1]):
+            raise ValueError(f"{what}, on another input than that layer's output (the decoder "
+                             "changes it between them): the nested recompute would regenerate "
+                             "it without that change; use --keep-every 1")
 
     def output(self, index: int, y: torch.Tensor) -> torch.Tensor:
         """Note the last layer's output (the one input of the final norm that the loss
-        applies instead, _fold_final_norm); a first layer starts a new forward."""
-        if index == 0:
-            self.last_output = self.folded = None
+        applies instead, _fold_final_norm), and this layer as the one that ran last."""
+        self.previous = (index, y)
         if index == self.layers - 1:
             self.last_output = y
         return y
@@ -345,6 +373,7 @@ def _fused_forward(self, hidden_states, *args, attention_mask=None, position_ids
         return self._ec_original_forward(hidden_states, *args, attention_mask=attention_mask,
                                          position_ids=position_ids,
                                          position_embeddings=position_embeddings, **kwargs)
+    state.enter(index, hidden_states, self)
     attn_kwargs = {k: v for k, v in kwargs.items() if k not in _CACHE_KEYS}
     attn_kwargs["position_ids"] = position_ids
     cos, sin = position_embeddings
@@ -392,6 +421,7 @@ def _generic_forward(self, hidden_states, *args, **kwargs):
         # generation with a cache: the layer as it was
         return self._ec_original_forward(hidden_states, **kwargs)
     kwargs = {k: v for k, v in kwargs.items() if k not in _CACHE_KEYS}
+    state.enter(index, hidden_states, self)
     # tensors that require grad (Gemma 4's per_layer_input) go in as inputs of the recompute
     grads = tuple(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad)
     tables = None
@@ -504,8 +534,9 @@ def apply_max_length(model: nn.Module, mlp_tile: int, heads_per_chunk: int,
         layer.forward = types.MethodType(_fused_forward if spec else _generic_forward, layer)
         _mark_zero3_leaf(layer)
     state.paths = paths
+    _watch_decoder(model, state)
     _fold_final_norm(model, state)
-    state.head = _transform_head(model)
+    state.head = _transform_head(model, state)
     _tile_rotary(model)
     state.embedding = recomputed.watch(
         model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None,
@@ -517,16 +548,25 @@ def apply_max_length(model: nn.Module, mlp_tile: int, heads_per_chunk: int,
     return model
 
 
-def _transform_head(model: nn.Module) -> tuple | None:
-    """(projection, per-token transform) where the logits are not a plain linear layer of
-    the decoder's output but a BERT-style head (memory.head_transform); None otherwise."""
+def _transform_head(model: nn.Module, state: "_State") -> tuple | None:
+    """(projection, per-token transform | None) where the logits are not a plain linear
+    layer of the decoder's output but a BERT-style head (memory.head_transform), or a head
+    that scales each vocabulary entry's logit (its VocabScale, in state.vocab_scale); None
+    otherwise."""
     head, transform = head_transform(model)
-    return None if head is None else (head, transform)
+    if head is not None:
+        return head, transform
+    head, scale = vocab_scaled_head(model)
+    if head is None:
+        return None
+    state.vocab_scale = scale
+    return head, None
 
 
 def max_length_head(model: nn.Module) -> tuple:
-    """(projection, per-token transform) of the model's BERT-style head in max-length mode,
-    which the chunked loss applies chunk by chunk; (None, None) otherwise."""
+    """(projection, per-token transform | None) of the model's BERT-style head, or of a head
+    with a factor per vocabulary entry, in max-length mode, which the chunked loss applies
+    chunk by chunk; (None, None) otherwise."""
     state = max_length_settings(model)
     return (None, None) if state is None or state.head is None else state.head
 
@@ -559,6 +599,15 @@ def _same(a, b) -> bool:
                    and a.stride() == b.stride()))
 
 
+def _watch_decoder(model: nn.Module, state: _State) -> None:
+    """Every decoder forward starts afresh (_State.start), whatever its layers do."""
+    decoder = decoder_of(model)
+    old = decoder.__dict__.get("_ec_start_hook")
+    if old is not None:
+        old.remove()  # an earlier apply_max_length's state
+    decoder._ec_start_hook = decoder.register_forward_pre_hook(lambda *_: state.start())
+
+
 def _fold_final_norm(model: nn.Module, state: _State) -> None:
     norm = state.final_norm = final_norm(model)
     if norm is None:  # the decoder applies its own, and the loss takes its output
@@ -584,6 +633,11 @@ def _fold_final_norm(model: nn.Module, state: _State) -> None:
         if not _same(hidden_states, state.last_output):
             state.last_output = None  # the decoder transformed it: nothing is folded
             return self._ec_original_forward(hidden_states)
+        if state.folded is not None:
+            # the decoder went on from an earlier output of its last layer, un-normed here
+            raise ValueError("max-length mode: the decoder runs its last layer and its final "
+                             "norm more than once in one forward (its layers run again after "
+                             "the norm); train this model without --mlp-tile/--head-chunk")
         state.last_output = None
         state.folded = hidden_states  # max_length_loss checks the decoder returns it as is
         return hidden_states
@@ -653,10 +707,13 @@ def max_length_loss(model: nn.Module, head: nn.Linear, input_ids, position_ids, 
     pre = _PreHead(norm, head_transform)
     for module in pre.parts:
         unshard_for_direct_use(module)  # read directly, never called
+    weight, bias = head.weight, head.bias
+    if state.vocab_scale is not None and state.vocab_scale.head is head:
+        weight, bias = state.vocab_scale.projection()  # (V, H): W times each entry's factor
     # the last layer's output, which nothing but the loss reads, takes its own gradient; the
     # output of a norm the decoder applied itself may be saved by that norm's backward
-    return normed_chunked_cross_entropy(hidden, pre, head.weight, target_ids,
-                                        head.bias, chunk_size=chunk_size, group=group,
+    return normed_chunked_cross_entropy(hidden, pre, weight, target_ids,
+                                        bias, chunk_size=chunk_size, group=group,
                                         num_items_in_batch=num_items_in_batch, transform=transform,
                                         overwrite_hidden=folded is not None, stats=stats)
 
@@ -688,5 +745,5 @@ def loss_modules(model: nn.Module) -> list[nn.Module]:
     state = max_length_settings(model)
     norm = state.final_norm if state is not None else final_norm(model)
     head = state.head if state is not None else None
-    extra = [head[0], *head[1].parts] if head is not None else []
+    extra = [head[0], *(head[1].parts if head[1] is not None else ())] if head is not None else []
     return [m for m in (norm, *extra) if m is not None]

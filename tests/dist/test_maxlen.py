@@ -11,7 +11,7 @@ from torch import nn
 from easy_context.memory.generic_layer import mlp_mismatch
 
 from .maxlen_cases import (DROP, check_max_length, fused_layer_work, generic_calls,
-                           max_length_error, paths_of, tiled_layer_runs)
+                           max_length_error, max_length_step_error, paths_of, tiled_layer_runs)
 
 TOL = 1e-5
 # (mlp_tile, heads_per_chunk, checkpointing, keep_every) on 8 query / 4 KV heads: tiles that do
@@ -184,6 +184,39 @@ def test_other_decoders(dist1, dist2, family, overrides, two_ranks):
     if two_ranks:
         _assert(dist2.run(check_max_length, family, "zigzag_ring_attn", GENERIC[:2],
                           overrides=overrides))
+
+
+# Dory: its head scales each vocabulary entry's logit by a learned factor (DoryLMHead's
+# logit_scale, drawn here: maxlen_cases._drawn_logit_scale), which the chunked loss folds into
+# the projection; L2 norms between its input, recurrent and output sections (so a layer's
+# input is not the previous layer's output), and its recurrent section run twice.
+DORY = dict(n_input_layers=1, n_output_layers=1, pad_token_id=0)  # no recurrent layer
+DORY_LOOPS = dict(DORY, num_hidden_layers=3)  # layer 1 recurrent: runs twice per forward
+
+
+@pytest.mark.parametrize("overrides", [DORY, DORY_LOOPS], ids=["sections", "loops"])
+def test_dory(dist1, dist2, overrides):
+    cases = [(5, 1, "full", 1), (4, 2, "attention", 1)]
+    _assert(dist1.run(check_max_length, "dory", "local", cases, overrides=overrides))
+    _assert(dist2.run(check_max_length, "dory", "zigzag_ring_attn", cases[:1],
+                      overrides=overrides))
+    # the nested recompute would run layer 0 to regenerate layer 1's input (the decoder
+    # norms it in between), and offload keeps one input per layer (layer 1 runs twice)
+    nested = dist1.run(max_length_step_error, "dory", "local", (6, 2, "full", 2), **overrides)[0]
+    assert "on another input than that layer's output" in nested and "--keep-every 1" in nested
+    if overrides is DORY_LOOPS:
+        twice = dist1.run(max_length_step_error, "dory", "local", (3, 2, "offload", 1),
+                          **overrides)[0]
+        assert "runs after layer 1" in twice and "more than once" in twice
+
+
+def test_final_norm_folded_once(dist1):
+    """A decoder that runs its layers again after normalising the last layer's output (Dory
+    with its input and output sections both all of its layers) is refused: the fold would
+    hand the un-normed states to the layers that follow."""
+    err = dist1.run(max_length_step_error, "dory", "local", (5, 2, "full", 1),
+                    n_input_layers=2, n_output_layers=2, pad_token_id=0)[0]
+    assert "runs its last layer and its final norm more than once" in err
 
 
 def test_generic_path_ulysses(dist2):
