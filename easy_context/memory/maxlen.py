@@ -82,8 +82,11 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 def layer_list(model: nn.Module) -> nn.ModuleList:
     """The decoder's list of layers: its ``layers``, or else its one ``nn.ModuleList`` (not
     inside another: GPT-2's ``h``, DBRX's ``blocks``, BERT's ``encoder.layer``) of as many
-    modules as the config has layers. Two such lists (HRM's two stacks, run in turns) or none:
-    a ValueError."""
+    modules as the config has layers. Where there is none, its lists of transformers decoder
+    layers (``GradientCheckpointingLayer``s, all of one class), one after the other: HRM's two
+    stacks, each layer run several times per forward (its config counts the calls), where
+    every call keeps its own input (_State.enter refuses what would not). Two lists of as many
+    layers as the config has, or no list of layers: a ValueError."""
     decoder = decoder_of(model)
     layers = getattr(decoder, "layers", None)
     if isinstance(layers, nn.ModuleList) and len(layers):
@@ -97,11 +100,19 @@ def layer_list(model: nn.Module) -> nn.ModuleList:
             continue  # a layer's own lists (experts) are not the decoder's
         stack += [(f"{name}.{n}", m) for n, m in module.named_children()]
     found = [m for _, m in lists if len(m) and (want is None or len(m) == want)]
+    if not found:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        stacks = [m for _, m in lists if len(m) and all(
+            isinstance(layer, GradientCheckpointingLayer) for layer in m)]
+        if stacks and len({type(layer) for m in stacks for layer in m}) == 1:
+            return nn.ModuleList([layer for m in stacks for layer in m])  # not registered
     if len(found) != 1:
         seen = ", ".join(f"{n} ({len(m)})" for n, m in lists) or "none"
         raise ValueError(f"max-length mode: cannot tell {type(decoder).__name__}'s list of "
-                         f"decoder layers: one list of its {want} layers, run once each, is "
-                         f"needed (its lists: {seen}); train this model without "
+                         f"decoder layers: one list of its {want} layers, or lists of decoder "
+                         f"layers of one class, is needed (its lists: {seen}); train this "
+                         "model without "
                          "--mlp-tile/--head-chunk")
     return found[0]
 
@@ -124,12 +135,12 @@ def final_norm(model: nn.Module) -> nn.Module | None:
     norm = getattr(decoder, "norm", None)
     if isinstance(norm, nn.Module):
         return norm
-    layers = layer_list(model)
+    layers = {id(layer) for layer in layer_list(model)}
     norms, others = [], []
     for name, child in decoder.named_children():
         if not any(True for _ in child.parameters()):
             continue
-        if any(m is layers for m in child.modules()) or any(
+        if any(id(m) in layers for m in child.modules()) or any(
                 isinstance(m, nn.Embedding) for m in child.modules()):
             continue  # the layers, or what feeds them (embeddings, their norms)
         (norms if _is_norm(child) else others).append(child)

@@ -210,6 +210,24 @@ def test_dory(dist1, dist2, overrides):
         assert "runs after layer 1" in twice and "more than once" in twice
 
 
+# HRM: two stacks of 2 layers (L and H), run in turns: per H cycle 2 L cycles (the first
+# without grad: its one-step gradient trick) and then the H stack, twice; each layer runs
+# 6 times per forward, 4 of them with grad, each call's input kept.
+HRM = dict(num_hidden_layers=12, num_layers_per_stack=2, H_cycles=2, L_cycles=2,
+           L_bp_cycles=[1], pad_token_id=0)
+
+
+def test_hrm_layers_run_several_times(dist1, dist2):
+    assert dist1.run(paths_of, "hrm_text", **HRM)[0] == ["generic"] * 4
+    cases = [(5, 1, "full", 1), (4, 2, "attention", 1)]
+    _assert(dist1.run(check_max_length, "hrm_text", "local", cases, overrides=HRM))
+    _assert(dist2.run(check_max_length, "hrm_text", "zigzag_ring_attn", cases[:1],
+                      overrides=HRM))
+    for case in [(3, 2, "offload", 1), (6, 2, "full", 2)]:  # one kept input per layer
+        err = dist1.run(max_length_step_error, "hrm_text", "local", case, **HRM)[0]
+        assert "layer 0 (HrmTextDecoderLayer) runs after layer 1" in err, err
+
+
 def test_final_norm_folded_once(dist1):
     """A decoder that runs its layers again after normalising the last layer's output (Dory
     with its input and output sections both all of its layers) is refused: the fold would
