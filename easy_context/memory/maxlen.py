@@ -706,6 +706,7 @@ def max_length_loss(model: nn.Module, head: nn.Linear, input_ids, position_ids, 
     from .tiled_loss import normed_chunked_cross_entropy
 
     state = max_length_settings(model)
+    state.start()  # as the decoder's forward pre-hook does, should a wrapper bypass it
     with final_norm_skipped():
         hidden = decoder_of(model)(input_ids=input_ids, position_ids=position_ids,
                                      use_cache=False, **extra).last_hidden_state
