@@ -3,7 +3,6 @@ exactly, answer NLL within fp32 rounding) and perplexity NLL sums (counts exactl
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.unit.eval_fixtures import eval_config, random_model_dir
 
@@ -51,10 +50,6 @@ def _hybrid_model_dir(folder: str, family: str) -> str:
     return folder
 
 
-def _world_size(_: int) -> int:
-    return dist.get_world_size()
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return str(random_model_dir(tmp_path_factory.getbasetemp() / "ppl_model"))
@@ -89,10 +84,3 @@ def test_ppl_of_hybrid_models_equals_single_process(dist1, dist2, tmp_path, fami
         for a, b in zip(single, sp):
             assert (b[1], b[3]) == (a[1], a[3])  # token counts: exact
             assert b[0] == pytest.approx(a[0], rel=1e-6) and b[2] == pytest.approx(a[2], rel=1e-6)
-
-
-@pytest.mark.slow
-def test_launch_spawns_ranks():
-    from easy_context.launch import launch
-
-    assert launch(_world_size, 2, 0) == 2  # spawned ranks; rank 0's value comes back

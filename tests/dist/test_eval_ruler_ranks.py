@@ -1,7 +1,8 @@
 """``easy-context eval-ruler`` as a user runs it, on 2 spawned ranks: the answers equal the
 same evaluation in this process (plain attention), and a run stopped part-way (samples.jsonl cut inside a line)
-continues where it stopped, redoing only the samples that were not written whole, with the
-same answers (rank 0 tells the other rank which samples are done)."""
+continues where it stopped (the ranks' part of the command, on the session's 2-rank pool),
+redoing only the samples that were not written whole, with the same answers (rank 0 tells
+the other rank which samples are done)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,27 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _argv(model: Path | str, out: Path | str, ranks: int) -> list[str]:
+    return ["eval-ruler", "--model", str(model), "--tasks", "niah_single_1", "vt",
+            "--lengths", "500", "--num-samples", "2", "--max-new-tokens", "6",
+            "--nproc-per-node", str(ranks), "--output-dir", str(out)]
+
+
 def _ruler(model: Path, out: Path, ranks: int) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "easy_context.cli", "eval-ruler", "--model", str(model),
-         "--tasks", "niah_single_1", "vt", "--lengths", "500", "--num-samples", "2",
-         "--max-new-tokens", "6", "--nproc-per-node", str(ranks), "--output-dir", str(out)],
-        capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PYTHONPATH": str(REPO)})
+    return subprocess.run([sys.executable, "-m", "easy_context.cli", *_argv(model, out, ranks)],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def ruler_ranks_part(model: str, out: str) -> None:
+    """What ``easy-context eval-ruler`` runs on each spawned rank (after its checks in the
+    launching process), here on a rank of the session's pool."""
+    from easy_context.cli import build_parser
+    from easy_context.eval.cli import _check_common, _ruler_rank, ruler_config
+
+    args = build_parser(only="eval-ruler").parse_args(_argv(model, out, 2))
+    _check_common(args, [args.model], tokenizer=True)  # sets args.method, as the CLI does
+    _ruler_rank(args, ruler_config(args), Path(out))
 
 
 def _records(out: Path) -> dict:
@@ -39,7 +54,7 @@ def _one_process(model: Path, out: Path) -> None:
     run_ruler(m, tok, cfg, out, method="local", progress=False)
 
 
-def test_two_ranks_equal_one_and_resume(tmp_path, trained_needle_model):
+def test_two_ranks_equal_one_and_resume(tmp_path, trained_needle_model, dist2):
     """On the trained needle fixture, whose answers depend on the context (it copies what
     followed an earlier match): an untrained model repeats the prompt's last character
     whatever came before, and could not tell a broken attention or cache from a sound one."""
@@ -50,11 +65,12 @@ def test_two_ranks_equal_one_and_resume(tmp_path, trained_needle_model):
     assert run.returncode == 0, run.stderr[-3000:]
     assert _records(two) == _records(one) and len(_records(one)) == 4
     assert len(set(_records(one).values())) > 1, _records(one)  # not one answer for all
-    # stopped after one sample and half of the second: the rerun does the other three
+    # stopped after one sample and half of the second: the rerun does the other three (the
+    # ranks' part of the command, in the session's 2-rank pool: a second launch of the
+    # command cost ~8 s and runs the same code; the launcher's checks ran above)
     lines = (two / "samples.jsonl").read_text().splitlines(keepends=True)
     (two / "samples.jsonl").write_text("".join(lines[:1]) + lines[1][:25])
-    run = _ruler(model, two, 2)
-    assert run.returncode == 0, run.stderr[-3000:]
+    dist2.run(ruler_ranks_part, str(model), str(two))
     assert _records(two) == _records(one)
     assert len((two / "samples.jsonl").read_text().splitlines()) == 4  # the cut line dropped
     assert (two / "scores.csv").read_text() == (one / "scores.csv").read_text()

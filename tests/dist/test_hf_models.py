@@ -1,6 +1,7 @@
 """Sequence-parallel training of Hugging Face model families equals one process (fp32).
 
-For every family and method, on 2 and 4 gloo ranks: the loss (exact global token mean, with
+For every family and method on 2 gloo ranks, and on 4 for Llama and the attention
+variants (MLA, soft-capping, sinks, chunks): the loss (exact global token mean, with
 uneven numbers of valid targets per rank) within 1e-5 relative of the single-process loss,
 and every parameter's gradient, summed over ranks, within 1e-5 relative (to that parameter's
 max |grad|) of the single-process gradient. Both the chunked loss and the logits path.
@@ -29,9 +30,11 @@ def test_family_2_ranks(dist2, family):
     _assert(dist2.run(check_family, family, METHODS))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_family_4_ranks(dist4, family):
-    _assert(dist4.run(check_family, family, METHODS, (True,)))
+def test_family_4_ranks(dist4):
+    """Every method at 4 ranks on Llama (the rank count reaches the attention, not the
+    family's other layers: Qwen3's q/k norms and the others, every method at 2 ranks above;
+    the attention variants at 4 ranks below)."""
+    _assert(dist4.run(check_family, "llama", METHODS, (True,)))
 
 
 @pytest.mark.parametrize("family", sorted(VARIANT_FAMILIES))

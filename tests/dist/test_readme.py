@@ -13,9 +13,11 @@ mkdocs.yml's navigation) runs as written, so the examples cannot drift from the 
 - A block right after ``<!-- readme-test: skip: <why> -->`` is not run: the set-up commands
   (CI runs them itself: .ci/run and tests/dist/test_install.py), the 8-GPU recipe run, and
   the site build (tests/unit/test_docs_site.py).
-A block passes when it finishes without an error (bash: ``set -euo pipefail``); the
-examples assert what they show where that is cheap (e.g. sequence-parallel output equals
-one-process attention).
+A block passes when it finishes without an error (bash: ``set -euo pipefail``) and without a
+C++ abort on its way out (issue 45: "terminate called without an active exception" once after
+a finished 2-rank eval-needle; the bash blocks run ~10 two-rank commands, eval-needle among
+them, so they are that check too); the examples assert what they show where that is cheap
+(e.g. sequence-parallel output equals one-process attention).
 """
 
 from __future__ import annotations
@@ -124,6 +126,13 @@ OWN_FOLDER = "<!-- readme-test: own folder -->"
 HEADING = r"^#{1,2} .+"  # a page's title or a section
 
 
+def cpp_abort(stderr: str) -> bool:
+    """What a process that exits with gloo threads still running prints (std::terminate, then
+    SIGABRT; easy_context.launch.teardown prevents it), whatever the exit status."""
+    return any("terminate called" in line or line.strip() == "Aborted"
+               or "Aborted (core dumped)" in line for line in stderr.splitlines())
+
+
 def bash_chains() -> dict[str, list[tuple[str, int]]]:
     """The bash blocks by the folder they run in: "main", or "file: heading" of a section
     marked as starting from nothing; each list in file and line order."""
@@ -180,6 +189,8 @@ def test_bash_blocks_in_order(workdir):
                 errors = [l for l in run.stderr.splitlines() if "Error" in l][:20]
                 return (f"{where} failed:\n{code}\n" + "\n".join(errors) +
                         f"\n...\n{run.stderr[-4000:]}")
+            if cpp_abort(run.stderr):
+                return f"{where} exited 0 but aborted on its way out:\n{run.stderr[-4000:]}"
         return None
 
     with ThreadPoolExecutor(len(chains)) as pool:
@@ -244,3 +255,11 @@ def test_shown_plan_output_is_current(cmd, expected, where):
         assert main(argv) == 0
     assert expected in out.getvalue().splitlines(), (
         f"{where} shows {expected!r}; the command prints:\n{out.getvalue()[-800:]}")
+
+
+def test_cpp_abort_is_recognised():
+    """The bash blocks' exit check (issue 45's text; a rank's line can sit after another's)."""
+    assert cpp_abort("average score 0.5\nterminate called without an active exception\n")
+    assert cpp_abort("rank 0 done\n[rank1] terminate called without an active exception")
+    assert cpp_abort("Aborted (core dumped)\n") and cpp_abort("Aborted\n")
+    assert not cpp_abort("step 2 loss 3.1\nAbortedRunError is not raised here\n")

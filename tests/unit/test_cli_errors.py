@@ -291,6 +291,25 @@ def test_debug_prints_the_traceback_before_the_line(paths, capsys, monkeypatch):
     assert "Traceback" not in _run("plan --devices 0", paths, capsys)[1]
 
 
+def test_debug_prints_a_failed_ranks_own_traceback(capsys):
+    """A RankError under --debug: the rank's traceback (the one of this process only shows
+    launch() re-raising), then the one error line, last. A real 2-rank failure through the
+    command line without --debug: tests/dist/test_cli_ranks.py."""
+    from easy_context.cli import report_error
+    from easy_context.errors import RankError
+
+    rank_tb = ('Traceback (most recent call last):\n  File "loader.py", line 9, in load\n'
+               "safetensors_rust.SafetensorError: Error while deserializing header\n")
+    try:
+        raise RankError(1, "SafetensorError", "Error while deserializing header", rank_tb)
+    except RankError as e:
+        assert report_error("train", e, debug=True) == 1
+    err = capsys.readouterr().err
+    before, line = err.rsplit("easy-context train: error:", 1)
+    assert before == rank_tb  # the rank's own, not this process's
+    assert line == " rank 1: Error while deserializing header\n"
+
+
 def test_help_lists_debug(capsys):
     for argv in ([], ["--debug"]):
         assert main(argv) == 0
