@@ -13,31 +13,34 @@ own forward in passes, each over sequence tiles except the attention itself:
 0. no grad, whole sequence: the forward up to its attention call, stopped there (q, k, v
    kept), and the attention head chunk by chunk, its results recorded
    (easy_context.attention.saving) or, with ``keep_attention``, replayed;
-1. per tile, the forward under no grad with grad turned on at the attention call, which
-   hands back the tile's rows of the attention output as a leaf: differentiating the tile's
-   output gives d(out) for those rows, the gradients of what comes after attention (o_proj,
-   post-attention and sandwich norms, the MLP) and the residual's part of dx;
-2. per head chunk: the attention on the recorded results (no second pass of its
-   communication) differentiated from d(out): dq, dk, dv over the whole sequence, through the
-   sequence-parallel method's own backward;
+1. per tile, the forward with grad, its attention call handing back the tile's rows of the
+   attention output as a leaf: differentiating the tile's output from dy gives d(out) for
+   those rows and the gradients along every path that does not pass through attention (what
+   follows it, the residual, a parallel MLP on the same normed input as Falcon's and Phi's,
+   a gate computed before attention and applied after it as in Qwen3-Next's);
+2. per head chunk: the attention on the recorded results (no second pass of its forward
+   communication) differentiated from d(out): dq, dk, dv over the whole sequence, through
+   the sequence-parallel method's own backward;
 3. per tile, the forward with grad up to the attention call, stopped there, differentiated
-   from the tile's rows of (dq, dk, dv): the gradients of what comes before attention (the
-   input norm, the projections, q/k norms, RoPE) and the rest of dx.
+   from the tile's rows of (dq, dk, dv): the gradients along the paths through attention.
+The gradients of passes 1 and 3 add up to the layer's (the chain rule over the two kinds of
+path); the parameters' are summed over the tiles, in another order than one backward would.
 
 At its peak backward holds the layer input, q, k, v, the attention output or its gradient,
 dq, dk, dv over the whole sequence (about 5 hidden-sized tensors per token on Gemma 3's
-layer) and one tile's graph.
+layer) and one tile's graph; each forward of the layer's per-token parts runs three more
+times (passes 0, 1 and 3) where the plain backward runs it once.
 
 Where it holds is checked, not assumed (:func:`qualifies`): on the first backward of each
-layer structure, the layer's forward runs on a few random tokens with the real call's
-arguments, its attention replaced by a per-token stand-in, once whole with autograd and once
-split in two tiles as above; the output and every gradient must agree. A layer that computes
-something before its attention call and uses it after (a gate from the input, as Qwen3-Next's
-gated attention does) gets no gradient through that path in pass 1, and fails the check; so
-does one whose attention reads keys of another length than its queries (MLA's gathered
-latent), calls attention more than once, or takes a per-token argument this module does not
-know how to cut. Those layers keep the plain backward. The verdict is the same on every rank
-(a MIN all-reduce), since the backward's collectives must match.
+layer structure (its module types and argument names), the layer's forward runs on a few
+random tokens with the real call's arguments for those tokens, its attention replaced by a
+per-token stand-in, once whole with autograd and once split in two tiles as above; the output
+and every gradient must agree. A layer that calls attention more than once, whose attention
+reads keys of another length than its queries (MLA's gathered latent), that takes an
+attention mask or a per-token argument this module does not know how to cut
+(:data:`SEQUENCE_DIMS`), or whose results differ in tiles for any other reason, keeps the
+plain backward (an INFO log line says why). The verdict is the same on every rank (a MIN
+all-reduce: the backward's collectives must match).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ from torch import nn
 from easy_context.memory.generic_layer import mlp_mismatch
 
 from .maxlen_cases import (DROP, check_max_length, fused_layer_work, generic_calls,
-                           max_length_error, paths_of, tiled_layer_runs)
+                           max_length_error, paths_of, tiled_backward_verdicts,
+                           tiled_layer_runs)
 
 TOL = 1e-5
 # (mlp_tile, heads_per_chunk, checkpointing, keep_every) on 8 query / 4 KV heads: tiles that do
@@ -177,6 +178,31 @@ def test_other_decoders(dist1, dist2, family, overrides, two_ranks):
     if two_ranks:
         _assert(dist2.run(check_max_length, family, "zigzag_ring_attn", GENERIC[:2],
                           overrides=overrides))
+
+
+# Qwen3-Next's attention layers: a gate from the input applied after attention
+QWEN3_NEXT_ATTENTION = dict(layer_types=["full_attention", "full_attention"])
+
+
+def test_generic_backward_in_tiles(dist1, dist2):
+    """The generic path's backward runs in sequence tiles split at the attention call
+    (memory/tiled_backward.py) where its check passes: a sandwich-norm layer (Gemma 3), a
+    parallel attention + MLP block on one normed input (Falcon), a gate computed before
+    attention and applied after it (Qwen3-Next); exact at 1 and 2 ranks. A layer that mixes
+    tokens outside its attention fails the check and keeps the whole backward, still exact."""
+    cases = [(dist1, "local", "falcon", FALCON, "auto"),
+             (dist1, "local", "qwen3_next", QWEN3_NEXT_ATTENTION, "generic"),
+             (dist2, "zigzag_ring_attn", "gemma3_text", {}, "auto")]
+    for pool, method, family, overrides, path in cases:
+        runs = pool.run(tiled_backward_verdicts, family, method, GENERIC[:2], path, **overrides)
+        _assert([report for report, _ in runs])
+        for _, verdicts in runs:
+            assert verdicts and all(v is None for v in verdicts.values()), verdicts
+    report, verdicts = dist1.run(tiled_backward_verdicts, "llama", "local", GENERIC[:3],
+                                 "generic", mixing=True)[0]
+    _assert([report])
+    assert verdicts == {"LlamaDecoderLayer": "its output differs when split at the attention "
+                                             "call"}, verdicts
 
 
 def test_generic_path_ulysses(dist2):
