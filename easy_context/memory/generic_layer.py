@@ -6,7 +6,9 @@ re-implements nothing: it runs the layer's own ``forward``, so whatever the laye
 LoRA adapters) runs as written. Around and inside that forward:
 
 - the layer's MLP module (its ``mlp`` / ``feed_forward`` / ``block_sparse_moe`` child,
-  whatever it is: gated, dense, an MoE with its router) runs over sequence tiles of ``tile``
+  whatever it is: gated, dense, an MoE with its router; the MLP of a transformer block the
+  layer calls, Zamba2's shared block; or, inline in the layer's forward, ``fc1`` ->
+  activation -> ``fc2``: OPT, BioGPT, Whisper's decoder) runs over sequence tiles of ``tile``
   tokens, each tile under its own (non-reentrant) checkpoint, so a tile's (B, tile, I)
   intermediates are not kept for backward but computed again there, tile by tile;
 - the attention function transformers calls (any sequence-parallel method's included) runs
@@ -37,7 +39,9 @@ MLP to tile and runs whole.
 
 Exact: the same modules on the same numbers; MLP tiles and head chunks are independent
 (per-token MLPs, per-head attention), which :func:`mlp_mismatch` checks for the MLP on a
-few random tokens and the MoE checks below refuse where routing looks past one token.
+few random tokens and the MoE checks below refuse where routing looks past one token
+(:func:`inline_mismatch`, for an inline fc1 -> activation -> fc2, the layer's own forward
+against the swapped one).
 """
 
 from __future__ import annotations
@@ -96,11 +100,18 @@ def _token_mixer(module: nn.Module) -> bool:
 
 def find_mlps(layer: nn.Module) -> list[tuple[str, nn.Module]]:
     """The layer's MLP children (name and module each): those of MLP_NAMES, and a child of
-    MIXER_NAMES that mixes no tokens (Nemotron-H's MLP and MoE blocks)."""
+    MIXER_NAMES that mixes no tokens (Nemotron-H's MLP and MoE blocks); where there are none,
+    the MLP children of a child that is a transformer block (attention and an MLP), under
+    "child.name": Zamba2's hybrid layers call the shared attention block
+    (``shared_transformer``), whose ``feed_forward`` is the layer's MLP."""
     found = [(n, m) for n in MLP_NAMES if isinstance(m := getattr(layer, n, None), nn.Module)]
     found += [(n, m) for n in MIXER_NAMES if isinstance(m := getattr(layer, n, None), nn.Module)
               and not _token_mixer(m)]
-    return found
+    if found:
+        return found
+    return [(f"{cn}.{n}", m) for cn, child in layer.named_children()
+            if any(hasattr(c, "is_causal") for c in child.modules())
+            for n in MLP_NAMES if isinstance(m := getattr(child, n, None), nn.Module)]
 
 
 def _mixer_only(layer: nn.Module) -> bool:
@@ -122,15 +133,38 @@ def _mixer_only(layer: nn.Module) -> bool:
 FFN_METHODS = ("feed_forward_chunk",)
 
 
-def mlp_sites(layer: nn.Module) -> list[tuple[str, object, str]]:
+# A feed-forward inline in the layer's forward, on children: ``fc2(act(fc1(x)))`` (OPT, on
+# hidden states flattened to (B * S, H); BioGPT and Whisper's decoder, on (B, S, H)). The
+# names of its two linear children and of the activation between them (a module or a function).
+INLINE_LINEARS = ("fc1", "fc2")
+INLINE_ACTIVATIONS = ("activation_fn", "act_fn", "activation")
+
+
+def _inline_ffn(layer: nn.Module) -> tuple[str, str, str] | None:
+    """(fc1, activation, fc2) attribute names where ``layer`` holds the two linear children
+    and a callable activation of an inline feed-forward, else None."""
+    first, second = INLINE_LINEARS
+    if not all(isinstance(getattr(layer, n, None), nn.Module) for n in INLINE_LINEARS):
+        return None
+    act = next((a for a in INLINE_ACTIVATIONS if callable(getattr(layer, a, None))), None)
+    return (first, act, second) if act else None
+
+
+def mlp_sites(layer: nn.Module) -> list[tuple[str, object, str | tuple]]:
     """Every feed-forward site max-length mode tiles in ``layer``, as (its name, the object,
     the attribute tiled): each MLP child's ``forward`` (find_mlps), or else the layer's
-    feed-forward method; [] for a layer of token mixers and norms only (run whole)."""
+    feed-forward method, or else its inline ``fc1 -> activation -> fc2`` (the attribute is
+    then the three names, :func:`inline_tiled`); [] for a layer of token mixers and norms
+    only (run whole). :func:`site_tiled` tiles any of them."""
     children = [(n, m, "forward") for n, m in find_mlps(layer)]
     if children:
         return children
-    return [(name, layer, name) for name in FFN_METHODS
-            if callable(getattr(layer, name, None))][:1]
+    methods = [(name, layer, name) for name in FFN_METHODS
+               if callable(getattr(layer, name, None))][:1]
+    if methods:
+        return methods
+    inline = _inline_ffn(layer)
+    return [(" -> ".join(inline), layer, inline)] if inline else []
 
 
 def static_mismatch(layer: nn.Module, config) -> str | None:
@@ -144,8 +178,9 @@ def static_mismatch(layer: nn.Module, config) -> str | None:
     # a recurrent mixer (a state carried along the sequence) runs whole, in the layer's own
     # forward, routed to the sequence-parallel kernels as without max-length mode
     if not mlp_sites(layer) and not _mixer_only(layer):
-        return (f"max-length mode tiles a decoder layer's MLP child ({', '.join(MLP_NAMES)}) "
-                f"or feed-forward method ({', '.join(FFN_METHODS)}); "
+        return (f"max-length mode tiles a decoder layer's MLP child ({', '.join(MLP_NAMES)}), "
+                f"feed-forward method ({', '.join(FFN_METHODS)}) or inline "
+                f"{' -> '.join(INLINE_LINEARS)} (an activation between them); "
                 f"{name} has {sorted(n for n, _ in layer.named_children())}. Train this model "
                 "without --mlp-tile/--head-chunk")
     shared = kv_sharing(layer)
@@ -215,22 +250,25 @@ def tiled(forward: Callable, tile: int) -> Callable:
     """``forward`` (an MLP's, on (B, S, H)) over sequence tiles of ``tile`` tokens, each
     checkpointed when grad is on: backward computes a tile's intermediates again."""
 
-    def contiguous(x: Tensor):
+    def contiguous(x: Tensor, *args, **kwargs):
         # a tile of a batch of rows is a strided view; MoE blocks view it as (B * T, H). The
         # copy is made inside the checkpoint, which keeps the view (of a kept tensor) only.
-        return forward(x.contiguous())
+        return forward(x.contiguous(), *args, **kwargs)
 
     @functools.wraps(forward)  # its signature: BERT's apply_chunking_to_forward counts it
     def run(hidden_states: Tensor, *args, **kwargs):
-        if args or kwargs or hidden_states.dim() != 3 or hidden_states.size(1) <= tile:
+        # other arguments that are not tensors (Zamba2's shared MLP takes the layer's index)
+        # go to every tile; a tensor beside the hidden states: the MLP runs whole
+        if any(isinstance(a, Tensor) for a in (*args, *kwargs.values())) or \
+                hidden_states.dim() != 3 or hidden_states.size(1) <= tile:
             return forward(hidden_states, *args, **kwargs)
         outs, lengths = [], []
         for t in tiles(hidden_states.size(1), tile):
             x = hidden_states[:, t]
             if torch.is_grad_enabled():
-                outs.append(checkpoint(contiguous, x, use_reentrant=False))
+                outs.append(checkpoint(contiguous, x, *args, use_reentrant=False, **kwargs))
             else:
-                outs.append(contiguous(x))
+                outs.append(contiguous(x, *args, **kwargs))
             lengths.append(x.size(1))
         return _tile_output(outs, hidden_states.size(0), lengths)
 
@@ -253,20 +291,124 @@ def mlp_tiled(mlp: nn.Module, tile: int, attr: str = "forward"):
             delattr(mlp, attr)
 
 
-def mlp_mismatch(layer: nn.Module, tile: int = 3) -> str | None:
+def _identity(x, *args, **kwargs):
+    return x
+
+
+@contextlib.contextmanager
+def _forward_replaced(owner: nn.Module, name: str, by: Callable):
+    """``owner.<name>`` (a child module, or a function attribute) acts as ``by`` inside: a
+    module gets ``by`` as its instance ``forward`` (its hooks still run), a function is
+    shadowed by an instance attribute; both put back after."""
+    target = getattr(owner, name)
+    obj, attr = (target, "forward") if isinstance(target, nn.Module) else (owner, name)
+    had = attr in vars(obj)
+    old = vars(obj).get(attr)
+    object.__setattr__(obj, attr, by)
+    try:
+        yield
+    finally:
+        if had:
+            object.__setattr__(obj, attr, old)
+        else:
+            delattr(obj, attr)
+
+
+@contextlib.contextmanager
+def inline_tiled(layer: nn.Module, names: tuple[str, str, str], tile: int,
+                 batch: int | None = None):
+    """The layer's inline feed-forward ``fc2(act(fc1(x)))`` in sequence tiles inside: fc1 and
+    the activation return their input, and fc2 computes all three, tile by tile (tiled: each
+    tile checkpointed, so its I-wide intermediates are computed again in backward). The
+    three's own computations are taken before the swap, so a checkpoint's recompute (in
+    backward, after this context closed) runs them. fc2 gets (B, S, H), or OPT's (B * S, H)
+    with ``batch`` = B: viewed as (B, S, H) for the tiles (B x tile tokens each), flattened
+    back. Exact where the layer calls nothing between fc1, the activation and fc2 that is not
+    the identity (a dropout of p > 0 is refused: static_mismatch); inline_mismatch checks."""
+    first, act, second = names
+    fc1, fc2, fn = getattr(layer, first), getattr(layer, second), getattr(layer, act)
+    f1, f2 = fc1.forward, fc2.forward
+    fa = fn.forward if isinstance(fn, nn.Module) else fn
+
+    def ffn(x: Tensor) -> Tensor:  # (B, T, H) -> (B, T, H)
+        return f2(fa(f1(x)))
+
+    over_tiles = tiled(ffn, tile)
+
+    def fused_fc2(x: Tensor, *args, **kwargs) -> Tensor:
+        if args or kwargs:  # not the call this swap is for: nothing is exact to do
+            raise ValueError(f"max-length mode: {type(layer).__name__}.{second} was called "
+                             "with more than its input; it cannot run in sequence tiles")
+        if x.dim() == 2 and batch and x.size(0) % batch == 0:
+            return over_tiles(x.unflatten(0, (batch, -1))).flatten(0, 1)
+        return over_tiles(x)
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_forward_replaced(layer, first, _identity))
+        stack.enter_context(_forward_replaced(layer, act, _identity))
+        stack.enter_context(_forward_replaced(layer, second, fused_fc2))
+        yield
+
+
+def site_tiled(owner, attr: str | tuple, tile: int, batch: int | None = None):
+    """One feed-forward site of :func:`mlp_sites` in sequence tiles (a context manager):
+    an MLP child or feed-forward method (mlp_tiled), or an inline fc1 -> act -> fc2
+    (inline_tiled; ``batch``: the layer's input's B)."""
+    if isinstance(attr, tuple):
+        return inline_tiled(owner, attr, tile, batch)
+    return mlp_tiled(owner, tile, attr)
+
+
+# The name transformers gives a decoder layer's index, which the decoder hands each layer and
+# some MLPs take beside the hidden states (Zamba2's shared MLP picks its per-layer adapter)
+LAYER_INDEX_ARG = "layer_idx"
+
+
+def mlp_mismatch(layer: nn.Module, tile: int = 3, index: int | None = None) -> str | None:
     """Run the layer's MLP on a few random tokens whole and in tiles (no grad, eval mode)
     and say how far apart they are when they differ: a check that it is per token (an MoE
     whose routing looks at other tokens is not). Skipped (None) where the weights are not
     whole and local (meta, ZeRO-3, DTensor) or not floating point. Each of the layer's
-    feed-forward sites (mlp_sites) is checked; none: None."""
+    feed-forward sites (mlp_sites) is checked; none: None. ``index``: the layer's index in
+    the decoder, for an MLP that takes it (LAYER_INDEX_ARG)."""
     for name, mlp, attr in mlp_sites(layer):
-        reason = _one_mlp_mismatch(layer, name, mlp, attr, tile)
+        if isinstance(attr, tuple):
+            reason = inline_mismatch(layer, name, mlp, attr, tile)
+        else:
+            reason = _one_mlp_mismatch(layer, name, mlp, attr, tile, index)
         if reason:
             return reason
     return None
 
 
-def _one_mlp_mismatch(layer: nn.Module, name: str, mlp, attr: str, tile: int) -> str | None:
+def _index_kwargs(forward: Callable, index: int | None) -> dict:
+    """{LAYER_INDEX_ARG: index} where ``forward`` takes the layer's index, else {}."""
+    import inspect
+
+    try:
+        takes = LAYER_INDEX_ARG in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {LAYER_INDEX_ARG: index} if takes and index is not None else {}
+
+
+def _probe_call(forward: Callable, x: Tensor, index: int | None):
+    """``forward`` on the probe's tokens as the layer would call it: on the hidden states
+    alone (Moshi's MLP takes a layer_idx it is not given), or, where that fails and it takes
+    the layer's index, with it (Zamba2's shared MLP needs it to pick its adapter)."""
+    try:
+        return forward(x)
+    except ValueError:
+        raise
+    except Exception:  # noqa: BLE001
+        kw = _index_kwargs(forward, index)
+        if not kw:
+            raise
+        return forward(x, **kw)
+
+
+def _one_mlp_mismatch(layer: nn.Module, name: str, mlp, attr: str, tile: int,
+                      index: int | None = None) -> str | None:
     params = list(mlp.parameters())
     if not params or any(p.is_meta or hasattr(p, "ds_id") or type(p.data) is not torch.Tensor
                          or not p.is_floating_point() for p in params):
@@ -284,11 +426,16 @@ def _one_mlp_mismatch(layer: nn.Module, name: str, mlp, attr: str, tile: int) ->
     try:
         mlp.train(False)
         with torch.no_grad():
-            want = getattr(mlp, attr)(x)
+            want = _probe_call(getattr(mlp, attr), x, index)
             with mlp_tiled(mlp, tile, attr):
-                got = getattr(mlp, attr)(x)
+                got = _probe_call(getattr(mlp, attr), x, index)
     except ValueError as e:
         return str(e)
+    except Exception as e:  # noqa: BLE001  (an MLP that takes more than the probe gives it)
+        return (f"max-length mode: could not check {type(layer).__name__}.{name} in sequence "
+                f"tiles on random tokens ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); train without "
+                "--mlp-tile/--head-chunk")
     finally:
         mlp.train(training)
     want = want[0] if isinstance(want, tuple) else want
@@ -301,6 +448,72 @@ def _one_mlp_mismatch(layer: nn.Module, name: str, mlp, attr: str, tile: int) ->
     return (f"max-length mode: {type(layer).__name__}.{name} gives other results in sequence "
             f"tiles ({err:.1e} relative on {PROBE_TOKENS} random tokens): it is not per token "
             "(e.g. routing that looks at the other tokens); train without --mlp-tile/--head-chunk")
+
+
+def _local_weights(module: nn.Module) -> bool:
+    """Whole, local, floating-point weights (not meta, ZeRO-3 or DTensor): a probe can run."""
+    params = list(module.parameters())
+    return bool(params) and not any(
+        p.is_meta or hasattr(p, "ds_id") or type(p.data) is not torch.Tensor
+        or not p.is_floating_point() for p in params)
+
+
+@contextlib.contextmanager
+def _eager_attention(layer: nn.Module):
+    """The layer's attention through transformers' eager function inside: one process, no
+    sequence-parallel collective (a probe runs on every rank before training starts)."""
+    configs = _configs(layer)
+    old = [c._attn_implementation_internal for c in configs]
+    for c in configs:
+        c._attn_implementation_internal = "eager"
+    try:
+        yield
+    finally:
+        for c, name in zip(configs, old):
+            c._attn_implementation_internal = name
+
+
+def inline_mismatch(layer: nn.Module, name: str, owner: nn.Module, names: tuple, tile: int
+                    ) -> str | None:
+    """The layer's own forward, whole, against the same forward with its inline feed-forward
+    swapped for the tiled one (inline_tiled), on a few random tokens, eval mode, eager
+    attention, no grad: they must agree (nothing else between fc1, the activation and fc2),
+    else the reason. Skipped (None) where the weights are not whole and local."""
+    if not _local_weights(layer):
+        return None
+    fc1 = getattr(layer, names[0])
+    hidden = getattr(fc1, "in_features", None) or _width(fc1)
+    p = next(layer.parameters())
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, PROBE_TOKENS, hidden, generator=gen).to(p.device, p.dtype)
+    forward = getattr(layer, "_ec_original_forward", None) or layer.forward
+    training = layer.training
+
+    def first(out):
+        return out[0] if isinstance(out, tuple) else out
+
+    try:
+        layer.train(False)
+        with torch.no_grad(), _eager_attention(layer):
+            want = first(forward(x))
+            with inline_tiled(layer, names, tile, batch=x.size(0)):
+                got = first(forward(x))
+    except Exception as e:  # noqa: BLE001  (any failure: the swap is not verified)
+        return (f"max-length mode: could not check {type(layer).__name__}'s inline "
+                f"{name} in sequence tiles against its own forward ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); train without "
+                "--mlp-tile/--head-chunk")
+    finally:
+        layer.train(training)
+    err = float((got.float() - want.float()).abs().max() /
+                want.float().abs().max().clamp(min=1e-12))
+    tol = 1e-5 if p.dtype in (torch.float32, torch.float64) else 5e-2
+    if err <= tol:
+        return None
+    return (f"max-length mode: {type(layer).__name__}'s inline {name} in sequence tiles "
+            f"gives other results than its own forward ({err:.1e} relative on {PROBE_TOKENS} "
+            "random tokens): its forward computes more between them than fc2(act(fc1(x))); "
+            "train without --mlp-tile/--head-chunk")
 
 
 def _width(layer: nn.Module) -> int | None:
@@ -461,7 +674,7 @@ class GenericRun:
             self.restore()  # this call's document ids, not the latest forward's
         with contextlib.ExitStack() as stack:
             for _, mlp, attr in mlp_sites(self.layer):
-                stack.enter_context(mlp_tiled(mlp, self.tile, attr))
+                stack.enter_context(site_tiled(mlp, attr, self.tile, batch=x.size(0)))
             stack.enter_context(heads_chunked(self.layer, self.heads_per_chunk))
             out = self.forward(x, **kwargs)
         if isinstance(out, tuple) and out and isinstance(out[0], Tensor) and all(

@@ -32,7 +32,8 @@ tokens, gives what the fused layer gives (probe_mismatch: what no attribute show
 other layer (post-norm layers such as OLMo-2's, Cohere's parallel block, fused qkv
 projections, norms over all heads, OLMo's clip_qkv, sandwich norms, MoE blocks, LoRA
 adapters on the projections) takes the generic path (easy_context.memory.generic_layer:
-the layer's own forward, its MLP module in checkpointed sequence tiles, its attention
+the layer's own forward, its MLP module (or inline fc1 -> activation -> fc2, or the MLP of
+a transformer block it calls: Zamba2's) in checkpointed sequence tiles, its attention
 function a chunk of heads at a time, its input kept as the fused layer's), unless that
 refuses it too (dropout, router logits for an auxiliary loss, expert capacities, an MLP
 that is not per token): then a ValueError says what does not fit. A hybrid's layer holding
@@ -266,8 +267,17 @@ def path_for(layer: nn.Module, model: nn.Module | None = None, path: str = "auto
             return "fused"
         if path == "fused":
             return fused_reason
-    reason = generic_layer.static_mismatch(layer, config) or generic_layer.mlp_mismatch(layer)
-    return reason or "generic"
+    reason = generic_layer.static_mismatch(layer, config)
+    return reason or generic_layer.mlp_mismatch(layer, index=_index(model, layer)) or "generic"
+
+
+def _index(model: nn.Module | None, layer: nn.Module) -> int | None:
+    """The layer's index in the decoder (which the decoder hands it: an MLP may take it)."""
+    try:
+        layers = decoder_layers(model) if model is not None else []
+    except (ValueError, AttributeError):
+        return None
+    return next((i for i, other in enumerate(layers) if other is layer), None)
 
 
 def _layer_config(layer: nn.Module):
@@ -477,19 +487,6 @@ def apply_max_length(model: nn.Module, mlp_tile: int, heads_per_chunk: int,
     config = _text_config(model)
     layers = decoder_layers(model)
     paths = layer_paths(model, path)
-    zero3 = [i for i, (layer, p) in enumerate(zip(layers, paths)) if p == "generic"
-             and any(hasattr(q, "ds_id") for q in layer.parameters())
-             and not all(q.requires_grad for q in layer.parameters())]
-    if zero3:
-        # not yet working: with frozen parameters in the layer (LoRA's base weights) the
-        # backward fails under ZeRO-3 ("size of tensor a (0) must match ... (32)" when a
-        # gradient is accumulated into a released partition); cause not yet found. (The
-        # earlier failure, no _kernel_funcs, came from zero.Init undoing kernels'
-        # use_kernelized_func; train/model.py builds outside it first since d2b328d.)
-        raise ValueError(f"max-length mode's generic path (layer {zero3[0]}, "
-                         f"{type(layers[zero3[0]]).__name__}, with frozen parameters such as "
-                         "LoRA's) does not run under DeepSpeed ZeRO-3 yet; use --engine fsdp, "
-                         "or train without --mlp-tile/--head-chunk")
     specs = [layer_spec(layer, config) if p == "fused" else None
              for layer, p in zip(layers, paths)]
     heads, kv_heads = (specs[0].heads, specs[0].kv_heads) if specs[0] else _heads(config)
@@ -503,6 +500,9 @@ def apply_max_length(model: nn.Module, mlp_tile: int, heads_per_chunk: int,
         layer._ec_max_length = (state, spec, index)
         layer.forward = types.MethodType(_fused_forward if spec else _generic_forward, layer)
         _mark_zero3_leaf(layer)
+        if not hasattr(layer, "_ec_input_hook"):
+            layer._ec_input_hook = layer.register_forward_pre_hook(_input_takes_grad,
+                                                                   with_kwargs=True)
     state.paths = paths
     _fold_final_norm(model, state)
     state.head = _transform_head(model)
@@ -549,6 +549,33 @@ def _mark_zero3_leaf(layer: nn.Module) -> None:
     # uses its submodules' weights directly, so the whole layer must be gathered at once: a
     # "leaf module" (what deepspeed.utils.set_z3_leaf_module sets, without importing DeepSpeed).
     layer._z3_leaf = True
+
+
+def _input_takes_grad(layer: nn.Module, args: tuple, kwargs: dict):
+    """Under ZeRO-3, a layer input that requires grad (a forward pre-hook of the layer).
+
+    ZeRO-3 reduces a leaf module's parameter gradients (and zero-fills those still None) in
+    the module's full backward hook, which fires when the gradients of the module's inputs
+    are computed, after its backward. When no input requires grad (the first layer, whose
+    input is the embedding of frozen weights: LoRA), torch fires that hook on the gradient
+    of its *output*, before the layer's backward: DeepSpeed then gave each adapter a zero
+    gradient of its partition's size (0 elements on this rank, the weights not yet gathered
+    for backward) and the layer's gradient (32 wide) could not be added to it ("The size of
+    tensor a (0) must match the size of tensor b (32)" in AccumulateGrad). A detached copy
+    of the input that requires grad puts the hook after the layer's backward, as for every
+    other layer; its gradient (one layer input's) is dropped. Runs before DeepSpeed's own
+    pre-hooks (registered later, at initialize), so they see it too."""
+    if not torch.is_grad_enabled():
+        return None
+    params = list(layer.parameters())
+    if not any(hasattr(p, "ds_id") for p in params) or not any(p.requires_grad for p in params):
+        return None
+    if args and isinstance(args[0], torch.Tensor) and not args[0].requires_grad:
+        return (args[0].detach().requires_grad_(True), *args[1:]), kwargs
+    x = kwargs.get("hidden_states")
+    if not args and isinstance(x, torch.Tensor) and not x.requires_grad:
+        return args, {**kwargs, "hidden_states": x.detach().requires_grad_(True)}
+    return None
 
 
 def _same(a, b) -> bool:

@@ -32,6 +32,7 @@ the group's last layer runs backward); with offload the device memory goes first
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -63,6 +64,20 @@ class _Entry:
         self.arrived = None  # CUDA event: the prefetch is complete
 
 
+class _Pass:
+    """One forward's kept layer tensors (an entry per layer index: an _Entry on the host, a
+    list on the device, a recipe, or None for a layer the nested recompute regenerates) and
+    its layers' forwards (for that recompute). Each layer's handle holds its pass, so a
+    second forward before the backward (gradient accumulation as (model(a) + model(b))
+    .backward()) keeps its own; a pass whose graph is dropped without a backward goes with it."""
+
+    __slots__ = ("entries", "forwards", "__weakref__")
+
+    def __init__(self):
+        self.entries: dict[int, object] = {}
+        self.forwards: dict[int, Callable | None] = {}
+
+
 class LayerStorage:
     """Layer inputs in host memory, the previous layer's prefetched while one runs backward.
 
@@ -70,16 +85,32 @@ class LayerStorage:
     device);
     ``offload``: False keeps the tensors on the device (for the nested recompute alone);
     ``keep_every``: keep every k-th layer's input only (nested recompute, k > 1).
+
+    Every forward (its first layer packs index 0) starts a new pass (_Pass); a layer's handle
+    names its pass, so forwards that wait for one backward each find their own tensors.
     """
 
     def __init__(self, layers: int, offload: bool = True, keep_every: int = 1):
         if keep_every < 1:
             raise ValueError(f"keep_every must be >= 1, got {keep_every}")
         self.layers, self.offload, self.keep_every = layers, offload, keep_every
-        self.entries: dict[int, object] = {}
-        self.forwards: dict[int, Callable | None] = {}
+        self._pass = _Pass()  # the forward packing now (or the last one)
+        self._passes: weakref.WeakSet = weakref.WeakSet()  # every pass a graph still holds
         self._stream = None
         self.pool: PinnedPool | None = None
+
+    @property
+    def entries(self) -> dict[int, object]:
+        """The latest forward's kept entries, by layer index."""
+        return self._pass.entries
+
+    @property
+    def forwards(self) -> dict[int, Callable | None]:
+        return self._pass.forwards
+
+    def pending(self) -> list[_Pass]:
+        """The passes that still hold tensors for a backward to come."""
+        return [p for p in list(self._passes) if p.entries]
 
     def _host_buffer(self, t: Tensor) -> Tensor:
         if self.pool is None:
@@ -171,28 +202,31 @@ class LayerStorage:
         lets the nested recompute regenerate the next layer's input (``keep``: this layer's
         backward comes next, so it may keep what that would recompute); ``recipe() -> tensors[0]``,
         when given, is kept instead of the one tensor. Returns the handle."""
-        if index == 0:
-            self.entries, self.forwards = {}, {}  # a new forward pass
-        self.forwards[index] = forward
+        if index == 0 or index in self._pass.forwards:
+            self._pass = _Pass()  # a new forward (the earlier ones stay with their handles)
+            self._passes.add(self._pass)
+        fwd = self._pass
+        fwd.forwards[index] = forward
         if recipe is not None:
-            self.entries[index] = recipe  # computed again where it is needed, never copied
+            fwd.entries[index] = recipe  # computed again where it is needed, never copied
         elif self.offload and index == self.layers - 1:
             # needed first in backward: stays put rather than going out and straight back.
             # Without offload (the nested recompute alone) it follows keep_every like the
             # others: kept, it would only add one input to the forward and the loss while the
             # backward's peak (the last group's regenerated inputs) stays the same.
-            self.entries[index] = list(tensors)
+            fwd.entries[index] = list(tensors)
         elif index % self.keep_every == 0:
             host, ready = self._to_host(tensors)
-            self.entries[index] = _Entry(host, tensors[0].device, ready)
+            fwd.entries[index] = _Entry(host, tensors[0].device, ready)
         else:  # nested recompute: regenerated from the last kept input in backward
-            self.entries[index] = None
-        return index
+            fwd.entries[index] = None
+        return fwd, index
 
-    def unpack(self, index: int) -> list[Tensor]:
-        entry = self.entries.pop(index)
+    def unpack(self, handle: tuple[_Pass, int]) -> list[Tensor]:
+        fwd, index = handle
+        entry = fwd.entries.pop(index)
         if entry is None:
-            entry = self._regenerate(index)
+            entry = self._regenerate(fwd, index)
         if isinstance(entry, list):
             tensors = entry
         elif callable(entry):  # a recipe
@@ -200,25 +234,26 @@ class LayerStorage:
         else:  # prefetched, or (the first one) copied now
             tensors = self._take(entry)
             self._release(entry)  # popped: its host copy is done with
-        self.forwards.pop(index, None)
-        previous = self.entries.get(index - 1)
+        fwd.forwards.pop(index, None)
+        previous = fwd.entries.get(index - 1)
         if isinstance(previous, _Entry) and previous.arriving is None:
             self._to_device(previous)  # overlaps this layer's backward
         return tensors
 
-    def _regenerate(self, index: int) -> list[Tensor]:
-        """Run layers first..index-1 forward again from the last kept input (layer first's),
-        keep the inputs they produce on the host, return layer index's (on the device)."""
+    def _regenerate(self, fwd: _Pass, index: int) -> list[Tensor]:
+        """Run layers first..index-1 of the forward ``fwd`` again from the last kept
+        input (layer first's), keep the inputs they produce on the host, return layer
+        index's (on the device)."""
         first = index - index % self.keep_every
-        kept = self.entries[first]
+        kept = fwd.entries[first]
         x = kept() if callable(kept) else self._take(kept)[0]
         for i in range(first, index):
             # the layer whose backward comes next keeps the attention it computes on the way
             # (on the device: offloading is for when the device is the limit, so not then)
-            x = self.forwards[i](x, i + 1 == index and not self.offload)
+            x = fwd.forwards[i](x, i + 1 == index and not self.offload)
             if i + 1 < index:
                 host, ready = self._to_host([x])
-                self.entries[i + 1] = _Entry(host, x.device, ready)
+                fwd.entries[i + 1] = _Entry(host, x.device, ready)
         return [x]
 
 
@@ -233,8 +268,21 @@ class HostCheckpoints:
     def __init__(self, layers: int):
         self.layers = layers
         self.copies = LayerStorage(layers)  # the side stream, the pool and the copies
-        self.entries: dict[int, list[_Entry]] = {}
+        # the forward saving now: per layer, its saved tensors' entries. Each handle names
+        # its forward, so forwards that wait for one backward each find their own.
+        self._pass = _Pass()
+        self._passes: weakref.WeakSet = weakref.WeakSet([self._pass])
         self._last = -1  # the layer that packed last: a lower one starts a new forward pass
+
+    @property
+    def entries(self) -> dict[int, list[_Entry]]:
+        """The latest forward's entries, by layer index."""
+        return self._pass.entries
+
+    def pending(self) -> list[_Pass]:
+        """The forwards that still hold a host copy for a backward to come."""
+        return [p for p in list(self._passes)
+                if any(e.host for entries in p.entries.values() for e in entries)]
 
     def hooks(self, index: int) -> torch.autograd.graph.saved_tensors_hooks:
         """Saved-tensor hooks for layer ``index``'s checkpoint call."""
@@ -243,23 +291,25 @@ class HostCheckpoints:
 
     def _pack(self, index: int, t: Tensor):
         if index < self._last:
-            self.entries = {}  # a new forward pass (the last one's were all taken back)
+            self._pass = _Pass()  # a new forward (the earlier ones stay with their handles)
+            self._passes.add(self._pass)
         self._last = index
+        fwd = self._pass
         if index == self.layers - 1 or not t.numel():
-            return (index, t)  # kept where it is
+            return (fwd, index, t)  # kept where it is
         host, ready = self.copies._to_host([t])
-        self.entries.setdefault(index, []).append(_Entry(host, t.device, ready))
-        return (index, len(self.entries[index]) - 1)
+        fwd.entries.setdefault(index, []).append(_Entry(host, t.device, ready))
+        return (fwd, index, len(fwd.entries[index]) - 1)
 
     def _unpack(self, handle) -> Tensor:
-        index, slot = handle
+        fwd, index, slot = handle
         if isinstance(slot, Tensor):  # kept on the device
             t = slot
         else:
-            entry = self.entries[index][slot]
+            entry = fwd.entries[index][slot]
             (t,) = self.copies._take(entry)  # prefetched, unless the layer after kept it
             self.copies._release(entry)
-        for previous in self.entries.get(index - 1, ()):
+        for previous in fwd.entries.get(index - 1, ()):
             if previous.arriving is None and previous.host:
                 self.copies._to_device(previous)  # overlaps this layer's backward
         return t

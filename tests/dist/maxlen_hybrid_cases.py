@@ -10,6 +10,7 @@ Returns {case: (loss relative error, worst gradient error relative to each param
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 import torch.distributed as dist
@@ -132,13 +133,14 @@ def hybrid_calls(family: str, tile: int, chunk: int) -> dict:
             seen[key].append(x.size(1))
         return module.register_forward_pre_hook(hook, with_kwargs=True)
 
-    for layer in decoder_layers(model):
-        for _, mlp in find_mlps(layer):
-            def forward(x, forward=mlp.forward):  # an instance forward: the tiles call it
-                seen["mlp tokens"].append(x.size(1))
-                return forward(x)
+    mlps = {id(m): m for layer in decoder_layers(model) for _, m in find_mlps(layer)}
+    for mlp in mlps.values():  # once each: Zamba2's hybrid layers share one block's MLP
+        @functools.wraps(mlp.forward)  # its signature: the probe reads it (Zamba2's layer_idx)
+        def forward(x, *args, _forward=mlp.forward, **kwargs):  # an instance forward: the
+            seen["mlp tokens"].append(x.size(1))  # tiles call it
+            return _forward(x, *args, **kwargs)
 
-            mlp.forward = forward
+        mlp.forward = forward
     for mixer in stateful_modules(model):
         spy(mixer, "mixer tokens")
     apply_max_length(model, tile, chunk, "full")

@@ -5,7 +5,8 @@
   gradient); frozen weights get no gradient.
 - Engine level, FSDP2 (every method) and DeepSpeed ZeRO-3: the trainer's model and engine on 2 ranks give
   the second step's loss and adapter gradients of FSDP on one process within 1e-5 (the
-  first step's update makes B non-zero); the optimizer holds the adapters only.
+  first step's update makes B non-zero); the optimizer holds the adapters only. ZeRO-3 with
+  max-length mode's generic path (the adapters' layers) gives ZeRO-3's untiled step.
 - Runs: the loss trajectory equals one process; checkpoints hold only the adapters and
   their optimizer state; the exported adapter loads with peft, and the merged model with
   transformers, with the same logits; a run killed by SIGKILL and resumed reproduces the
@@ -96,13 +97,33 @@ def test_fsdp_engine_equals_one_process(dist2, workdir, one_process, method):
     assert got["optimized"] == one_process["optimized"] == adapters
 
 
-def test_deepspeed_engine_equals_one_process(dist2, workdir, one_process):
+@pytest.fixture(scope="module")
+def deepspeed_step(dist2, workdir) -> dict:
     pytest.importorskip("deepspeed")
-    got = dist2.run(engine_step_gradients, workdir, engine="deepspeed")[0]
+    return dist2.run(engine_step_gradients, workdir, engine="deepspeed")[0]
+
+
+def test_deepspeed_engine_equals_one_process(deepspeed_step, one_process):
+    got = deepspeed_step
     _assert_same_step(got, one_process)
     adapters = sum(g.numel() for g in got["grads"].values())
     # ZeRO-3's fp32 partitions of the adapters, padded to a multiple of the world per group
     assert adapters <= got["optimized"] < adapters + 2 * len(got["grads"]), got["optimized"]
+
+
+@pytest.mark.parametrize("checkpointing,keep_every", [("offload", 1), ("full", 2)])
+def test_deepspeed_max_length_generic_path_equals_untiled(dist2, workdir, deepspeed_step,
+                                                          checkpointing, keep_every):
+    """LoRA's layers take max-length mode's generic path (adapters on the projections); under
+    ZeRO-3 their frozen base weights are partitioned like the adapters. The second step's
+    loss and every adapter's gradient (after one AdamW update of the adapters) equal ZeRO-3's
+    untiled layers within 1e-5 relative; the frozen weights get no gradient. With offload and
+    one input in two regenerated (the nested recompute gathers a layer's weights outside its
+    forward) too. Refused before: the frozen weights' partitions were handed a gradient."""
+    got = dist2.run(engine_step_gradients, workdir, engine="deepspeed", mlp_tile="5",
+                    head_chunk="1", checkpointing=checkpointing, keep_every=keep_every)[0]
+    _assert_same_step(got, deepspeed_step)
+    assert got["optimized"] == deepspeed_step["optimized"]
 
 
 def _losses(metrics):

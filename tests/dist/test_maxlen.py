@@ -10,9 +10,11 @@ from torch import nn
 
 from easy_context.memory.generic_layer import mlp_mismatch
 
+from easy_context.memory.maxlen import decoder_layers, path_for
+
 from .maxlen_cases import (DROP, check_max_length, fused_layer_work, generic_calls,
                            max_length_error, paths_of, tiled_backward_verdicts,
-                           tiled_layer_runs)
+                           tiled_layer_runs, tiny)
 
 TOL = 1e-5
 # (mlp_tile, heads_per_chunk, checkpointing, keep_every) on 8 query / 4 KV heads: tiles that do
@@ -162,11 +164,21 @@ FALCON = dict(head_dim=DROP, num_kv_heads=4, new_decoder_architecture=True, hidd
 GEMMA4 = dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=97, pad_token_id=0)
 BERT = dict(is_decoder=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
             pad_token_id=0)
+# Feed-forwards inline in the layer's forward (fc1 -> activation -> fc2 on children, no MLP
+# module): OPT's on hidden states flattened to (B * S, H), BioGPT's (an activation dropout,
+# 0 here, between), Whisper's decoder (WhisperForCausalLM: its cross-attention idle)
+OPT = dict(dropout=0.0, ffn_dim=112)
+BIOGPT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, activation_dropout=0.0)
+WHISPER = dict(dropout=0.0, d_model=64, decoder_layers=2, decoder_attention_heads=8,
+               decoder_ffn_dim=112, encoder_layers=2, encoder_attention_heads=8,
+               encoder_ffn_dim=112, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+               decoder_start_token_id=1)
 
 
 @pytest.mark.parametrize("family,overrides,two_ranks", [
     ("gpt2", GPT2, True), ("falcon", FALCON, True), ("phi", PHI3, True), ("beam", {}, True),
     ("bert", BERT, True), ("roberta-prelayernorm", BERT, True),
+    ("opt", OPT, True), ("biogpt", BIOGPT, True), ("whisper", WHISPER, True),
     # one rank only: at 2 ranks plain sequence parallelism is itself 2e-5 off this family's
     # one-process fp32 gradients (its fp32 rounding, amplified; max-length mode gives the
     # very same numbers as plain SP there)
@@ -210,10 +222,12 @@ def test_generic_path_ulysses(dist2):
                                                                        (5, 4, "offload", 2)]))
 
 
-def test_generic_path_tiles_and_chunks(dist1):
+@pytest.mark.parametrize("family,overrides", [("phi3", PHI3), ("opt", OPT)])
+def test_generic_path_tiles_and_chunks(dist1, family, overrides):
     """The model's modules really get tiles and head chunks: 24 tokens in tiles of 5, one
-    query head of 8 per attention call (forward and the recompute in backward)."""
-    seen = dist1.run(generic_calls, "phi3", 5, 1, **PHI3)[0]
+    query head of 8 per attention call (forward and the recompute in backward); OPT's inline
+    fc1 gets (B, 5, H) tiles of its flattened (B * S, H) input."""
+    seen = dist1.run(generic_calls, family, 5, 1, **overrides)[0]
     assert seen["heads"] and set(seen["heads"]) == {1}
     assert seen["tokens"] and set(seen["tokens"]) == {5, 4}, seen["tokens"]
 
@@ -235,6 +249,68 @@ def test_generic_path_refuses_mlp_across_tokens():
     assert "not per token" in mlp_mismatch(layer)
     layer.mlp.forward = lambda x: layer.mlp.proj(x)  # per token: accepted
     assert mlp_mismatch(layer) is None
+
+
+class _Indexed(nn.Module):
+    """An MLP that takes more than the hidden states (as Zamba2's shared MLP takes the
+    layer's index) and fails without it."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.forward = {"layer_idx": self.by_layer_idx, "other": self.by_other,
+                        "optional": self.optional}[name]
+
+    def by_layer_idx(self, x, layer_idx=None):
+        return self.proj(x) * {3: 2.0}[layer_idx]
+
+    def by_other(self, x, other=None):
+        return self.proj(x) * {3: 2.0}[other]
+
+    def optional(self, x, layer_idx=None):  # Moshi's: a layer_idx its layer does not give
+        if layer_idx is not None:
+            raise TypeError("Linear.forward() takes 2 positional arguments but 3 were given")
+        return self.proj(x)
+
+
+def test_generic_path_probes_an_mlp_with_the_layer_index():
+    # an MLP taking the layer's index (transformers' name, layer_idx) is probed with it ...
+    layer = nn.Module()
+    layer.mlp = _Indexed("layer_idx")
+    assert mlp_mismatch(layer, index=3) is None
+    # ... an argument the probe cannot give: refused (not run unverified)
+    assert "could not check" in mlp_mismatch(layer)
+    layer.mlp = _Indexed("other")
+    assert "could not check" in mlp_mismatch(layer, index=3)
+    # an MLP that takes layer_idx but runs on the hidden states alone is probed on those
+    layer.mlp = _Indexed("optional")
+    assert mlp_mismatch(layer, index=3) is None
+
+
+class _InlineLayer(nn.Module):
+    """A layer with an inline feed-forward (fc1, activation_fn, fc2 children); ``between``:
+    what its forward does between the activation and fc2."""
+
+    def __init__(self, between=lambda h: h):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.activation_fn = nn.GELU()
+        self.between = between
+
+    def forward(self, x):
+        return x + self.fc2(self.between(self.activation_fn(self.fc1(x))))
+
+
+def test_generic_path_refuses_inexact_inline_feed_forward():
+    # fc2(act(fc1(x))) with nothing between: the tiled swap is exact
+    assert mlp_mismatch(_InlineLayer()) is None
+    # something between the activation and fc2 (here a scaling) would be applied to the
+    # layer's input instead once fc1 and the activation return theirs: refused
+    reason = mlp_mismatch(_InlineLayer(lambda h: 2 * h))
+    assert reason and "inline fc1 -> activation_fn -> fc2" in reason, reason
+    # BioGPT's activation dropout (between the activation and fc2) is refused up front
+    model = tiny("biogpt", **{**BIOGPT, "activation_dropout": 0.1})
+    assert "activation_dropout" in path_for(decoder_layers(model)[0], model)
 
 
 @pytest.mark.parametrize("chunk,groups", [(8, 1), (2, 4)])

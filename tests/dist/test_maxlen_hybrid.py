@@ -20,8 +20,12 @@ TOL = 1e-5
 CASES = [(5, 1, "full", 1), (3, 2, "offload", 2), (4, 2, "attention", 1), (6, 2, "full", 2)]
 ULYSSES = [(5, 2, "offload", 2), (4, 2, "attention", 1)]  # a chunk's heads split over 2 ranks
 # gated DeltaNet, Mamba-2 (with Granite's shared MLP; Nemotron-H's Mamba, attention, MLP and
-# MoE blocks; Falcon-H1's attention and Mamba side by side), short conv, Mamba-1 (with an MoE)
-FAMILIES = ["qwen3_next", "granite_hybrid", "nemotron_h", "lfm2", "jamba", "falcon_h1"]
+# MoE blocks; Falcon-H1's attention and Mamba side by side), short conv, Mamba-1 (with an
+# MoE); Zamba2's hybrid layers: Mamba-2 fed by the shared attention block (its parameters
+# tied between the layers: each layer's recompute hands back its part of their gradient,
+# summed), whose MLP (shared_transformer.feed_forward, handed the layer's index) is tiled
+FAMILIES = ["qwen3_next", "granite_hybrid", "nemotron_h", "lfm2", "jamba", "falcon_h1",
+            "zamba2"]
 MORE = ["kimi_linear", "lfm3", "bamba", "olmo_hybrid", "qwen3_5", "qwen3_5_moe"]
 
 
@@ -76,9 +80,10 @@ def test_packed_documents_between_forwards_two_ranks(dist2, family):
     assert all(le <= TOL and ge <= TOL for le, ge in reports), reports
 
 
-@pytest.mark.parametrize("family", ["nemotron_h", "granite_hybrid", "falcon_h1"])
+@pytest.mark.parametrize("family", ["nemotron_h", "granite_hybrid", "falcon_h1", "zamba2"])
 def test_tiles_and_chunks_reach_the_modules(dist1, family):
-    """24 tokens: every MLP (Granite's shared MLP, Nemotron-H's MLP and MoE blocks) gets tiles
+    """24 tokens: every MLP (Granite's shared MLP, Nemotron-H's MLP and MoE blocks, Zamba2's
+    shared block's) gets tiles
     of 5 (forward, and backward's recompute), every attention call one query head, and every
     recurrent mixer the whole sequence."""
     seen = dist1.run(hybrid_calls, family, 5, 1)[0]

@@ -172,10 +172,3 @@ def test_generic_path_trains_under_zero3_like_untiled(dist2, workdir):
     got = dist2.run(train_run, workdir, "olmo_ds_generic", mlp_tile="5", head_chunk="1",
                     checkpointing="offload", **kw)[0]
     _same(got, want)
-
-
-def test_generic_path_under_zero3_is_refused(dist2, workdir):
-    pytest.importorskip("deepspeed")
-    why = dist2.run(train_error, workdir, engine="deepspeed", lora_rank=4, mlp_tile="5",
-                    head_chunk="1")[0]
-    assert "generic path" in why and "ZeRO-3" in why and "--engine fsdp" in why, why

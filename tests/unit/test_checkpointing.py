@@ -54,6 +54,24 @@ def test_offload_trains_like_full_and_holds_each_input_once(monkeypatch):
     assert seen == ["prefetch", "arrived"] * (2 * (layers - 1)), seen
 
 
+def test_offload_two_forwards_then_one_backward():
+    """Two forwards before one backward ((model(a) + model(b)).backward(), gradient
+    accumulation in one graph): each layer's backward takes back its own forward's inputs
+    (before, the second forward's replaced the first's: "not enough values to unpack").
+    The gradients are full checkpointing's, exactly; no host copy is left waiting."""
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, TINY["vocab_size"], (1, n), generator=gen) for n in (24, 16)]
+    grads = {}
+    for kind in ("full", "offload"):
+        model = _model(kind)
+        loss = sum(model(input_ids=ids, labels=ids).loss for ids in batches)
+        loss.backward()
+        grads[kind] = [p.grad for p in model.parameters()]
+    for a, b in zip(grads["full"], grads["offload"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not model._ec_host_checkpoints.pending()
+
+
 def test_the_pool_holds_exact_bytes_where_the_caching_allocator_rounds_up():
     pool = PinnedPool(pin=False)
     shapes = [(3 * 2**18 + 4,)] * 3 + [(5, 7)]  # 3 MiB + 16 bytes each, fp32
