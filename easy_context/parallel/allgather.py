@@ -15,6 +15,11 @@ work. Non-causal: every query sees all keys, one block.
 Packed documents: the document ids are gathered once per call (one integer per token) and
 each block runs as one kernel call per document it holds (blocks.py); no mask.
 
+Sliding windows, chunks, image spans: a rank's queries read only some of the other ranks'
+rows; where that is less than the whole shards (:func:`gather_halo`), only those rows travel,
+point-to-point, and backward returns their float32 dK/dV to their owners instead of a
+reduce-scatter (halo.py).
+
 Backward re-gathers K/V (saving the gathered copies would keep O(S) per layer alive), calls
 the kernel's backward per block with the final out and lse, accumulates dK/dV for the whole
 sequence in float32, cuts them back into zigzag shards (layouts.shard) and reduce-scatters
@@ -22,6 +27,8 @@ them: each owner receives the sum of every rank's contribution to its chunks.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -36,6 +43,7 @@ from ..mesh import process_group
 from .blocks import (backward_block, block_calls, forward_block, group_buffer_choice,
                      plain_documents)
 from .comm import all_gather_into, gather_shards, reduce_scatter_into
+from .halo import Halo, exchange_kv, halo_plan, rank_geometry, return_partials
 from .function import GroupAlgorithm, check_inputs, run_attention
 from .method import AttentionDims, Method
 from .zigzag import check_two_chunks
@@ -93,11 +101,46 @@ def gather_documents(doc: Tensor | None, group, world: int, geometry: Geometry |
                                                              geometry)
 
     def build():
-        gathered = gather_shards(doc, group)  # (N, B, s)
+        # the ids are gathered once, whatever rank's plan is asked (halo.py asks every rank's)
+        gathered = once_per_ids(doc, ("gathered ids", group_key(group), world),
+                                lambda: gather_shards(doc, group))  # (N, B, s)
         whole = layouts.unshard(gathered.movedim(0, 1).flatten(1, 2), "zigzag", world, dim=1)
-        return ShardDocuments.from_ids([doc, whole], geometry)
+        mine = gathered[rank_of(geometry, world)] if geometry is not None else doc
+        return ShardDocuments.from_ids([mine, whole], geometry)
 
     return once_per_ids(doc, ("gathered", group_key(group), world, geometry), build)
+
+
+def rank_of(geometry: Geometry, world: int) -> int:
+    """The rank whose queries ``geometry`` plans (shard 0's first chunk is chunk r)."""
+    return geometry.segments[0][0][2] // geometry.segments[0][0][1]
+
+
+def gather_halo(doc: Tensor | None, group, world: int, local_len: int, causal: bool,
+                geometry: Geometry | None) -> Halo | None:
+    """The rows of other ranks' K/V this call reads (halo.py), or None where the all-gather
+    moves no more (no geometry, or a window that reads nearly everything)."""
+    if geometry is None or world == 1:
+        return None
+    if doc is None:
+        halo = plain_halo(world, local_len, causal, geometry)
+    else:
+        def build():
+            return halo_plan(world, local_len, lambda r: list(_block_calls(
+                r, world, local_len, causal, gather_documents(
+                    doc, group, world, rank_geometry(geometry, r, world, local_len),
+                    local_len))))
+
+        halo = once_per_ids(doc, ("halo", group_key(group), world, geometry, causal), build)
+    return halo if halo.useful() else None
+
+
+@functools.lru_cache(maxsize=64)
+def plain_halo(world: int, local_len: int, causal: bool, geometry: Geometry) -> Halo:
+    """The halo of sequences without documents (every layer of one kind asks the same)."""
+    return halo_plan(world, local_len, lambda r: list(_block_calls(
+        r, world, local_len, causal, plain_documents(
+            (local_len, world * local_len), rank_geometry(geometry, r, world, local_len)))))
 
 
 def _block_calls(rank, world, s, causal, docs):
@@ -109,10 +152,18 @@ def _block_calls(rank, world, s, causal, docs):
             yield rows, keys, calls
 
 
-def allgather_forward(q, k, v, group, causal, scale, kernel, docs=None):
+def _kv_all(k: Tensor, v: Tensor, group, rank: int, world: int, halo: Halo | None) -> Tensor:
+    """The whole sequence's K/V packed (:func:`_pack`), sequence order: gathered, or with a
+    halo only the rows this rank's calls read (halo.py)."""
+    if halo is None:
+        return _gather_kv(k, v, group, world)
+    return exchange_kv(_pack(k, v), halo, rank, group)
+
+
+def allgather_forward(q, k, v, group, causal, scale, kernel, docs=None, halo=None):
     """(out in q's dtype, lse (B, H, S) float32) for this rank's queries."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    k_all, v_all = _unpack(_gather_kv(k, v, group, world), k.size(-1))
+    k_all, v_all = _unpack(_kv_all(k, v, group, rank, world, halo), k.size(-1))
     return gathered_forward(q, k_all, v_all, rank, world, causal, scale, kernel, docs)
 
 
@@ -143,18 +194,21 @@ def gathered_backward(dout, q, k_all, v_all, out, lse, rank, world, causal, scal
     return dq_acc
 
 
-def allgather_backward(dout, q, k, v, out, lse, group, causal, scale, kernel, docs, *, grads):
+def allgather_backward(dout, q, k, v, out, lse, group, causal, scale, kernel, docs, *, grads,
+                       halo=None):
     """Fills ``grads`` = (dq, dk, dv) (views, the inputs' dtype) for this rank's shards."""
     dq, dk, dv = grads
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    kv = _gather_kv(k, v, group, world)
+    kv = _kv_all(k, v, group, rank, world, halo)
     k_all, v_all = _unpack(kv, k.size(-1))
     dkv = torch.zeros_like(kv, dtype=torch.float32)  # this rank's share, whole sequence
     dk_all, dv_all = _unpack(dkv, k.size(-1))
     dq_acc = gathered_backward(dout, q, k_all, v_all, out, lse, rank, world, causal, scale,
                                kernel, docs, dk_all, dv_all)
     del kv, k_all, v_all
-    if world > 1:
+    if halo is not None:  # the partials of the rows read go back to their owners
+        dkv = return_partials(dkv, halo, rank, group)
+    elif world > 1:
         # send[r] = rank r's zigzag shard of our share; the sum over ranks lands at r.
         send = torch.stack([layouts.shard(dkv, "zigzag", r, world, dim=2) for r in range(world)])
         dkv = torch.empty_like(send[0])
@@ -188,10 +242,11 @@ def allgather_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = T
     geometry = None if variant is None else variant.geometry(
         (layouts.segments("zigzag", rank, world, s), ((0, world * s, 0),)), causal, world * s)
     # image spans: every block is asked, and the plan keeps the ones a span crosses
-    algo = GroupAlgorithm(allgather_forward, allgather_backward, pg,
-                          schedule_causal(bool(causal), geometry), scale,
+    causal = schedule_causal(bool(causal), geometry)
+    halo = gather_halo(document_ids, pg, world, s, causal, geometry)
+    algo = GroupAlgorithm(allgather_forward, allgather_backward, pg, causal, scale,
                           kernel, gather_documents(document_ids, pg, world, geometry, s),
-                          per_group)
+                          per_group, (("halo", halo),))
     return run_attention(algo, q, k, v, sinks)
 
 

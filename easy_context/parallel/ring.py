@@ -3,6 +3,9 @@
 At step s, rank r holds the K/V shard of rank (r - s) mod N. It computes attention of its
 queries against that shard (only the parts the mask allows, as told by a *schedule*), folds
 the (out, lse) into its running result, and meanwhile passes the shard on to rank r + 1.
+When a plan leaves rows of the shards unread (a sliding window, chunks, packed documents),
+only the rows later steps read travel, relayed, or sent by their owner straight to the rank
+that reads them where that moves less (traffic.py: the zigzag layout at N >= 4).
 
 Backward replays the ring with the final out and lse: each block's gradient is then exactly
 its share of the full gradient. dQ stays home; each block's dK/dV partial goes straight back to
@@ -95,12 +98,11 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, group, causal: bool, scale: fl
     plan = ring_plan(schedule, docs, world, s, bool(causal), steps)
     out = torch.zeros(b, s, h, v.size(-1), dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
-    held = [k, v]  # what travels
-    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    held = [k, v]  # the shard computed on
     for step in range(steps):
         if step + 1 < steps:  # post the next transfer before computing on this block
             exchange = Exchange(group)
-            arriving, landing = _pass_on(exchange, held, None, nxt, prv,
+            arriving, landing = _pass_on(exchange, held, [k, v], None,
                                          *_travel(plan, rank, world, step))
             exchange.start()
         k_cur, v_cur = held
@@ -117,12 +119,12 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, group, causal: bool, scale: fl
 
 
 def _travel(plan: RingPlan | None, rank: int, world: int, step: int):
-    """(rows of the shard held at ``step`` passed to the next rank, rows of the one arriving
-    from the previous rank) for the step's transfer; None: whole shards."""
+    """The step's K/V transfer (traffic.RingPlan.travel): (whether our own shard's rows go,
+    not the held one's, the peer sent to, its rows, the peer received from, their rows);
+    without a plan the held shard goes whole to the next rank (rows None: whole shards)."""
     if plan is None:
-        return None, None
-    return (plan.carry((rank - step) % world, step + 1),
-            plan.carry((rank - 1 - step) % world, step + 1))
+        return False, (rank + 1) % world, None, (rank - 1) % world, None
+    return plan.travel(rank, step)
 
 
 def ring_terms(schedule: Schedule, rank: int, world: int, local_len: int,
@@ -173,8 +175,7 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
         grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     dq_terms, dkv_terms = ring_terms(schedule, rank, world, s, causal, steps)
     dq, dk, dv = GradSum(grads[0], dq_terms), GradSum(grads[1], dkv_terms), GradSum(grads[2], dkv_terms)
-    nxt, prv = (rank + 1) % world, (rank - 1) % world
-    held = [k, v]  # what travels
+    held = [k, v]  # the shard computed on
     spare = None  # receive buffers whose shard has been passed on: the next one lands there
     for step in range(steps):
         src = (rank - step) % world
@@ -183,7 +184,7 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
         rows = _travel(plan, rank, world, step)
         if early:  # pass the received shard on and fetch the next while the kernel runs
             kv_ex = Exchange(group)
-            arriving, landing = _pass_on(kv_ex, held, spare, nxt, prv, *rows)
+            arriving, landing = _pass_on(kv_ex, held, [k, v], spare, *rows)
             kv_ex.start()
         owed = _ring_step_backward(dout, q, out, lse, held, docs, src, rank, causal, scale,
                                    schedule, kernel, dq, dk, dv, plan)
@@ -191,7 +192,7 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
             break
         ex = Exchange(group)
         if more and not early:  # step 0: our own shard, after the kernel (see above)
-            arriving, landing = _pass_on(ex, held, None, nxt, prv, *rows)
+            arriving, landing = _pass_on(ex, held, [k, v], None, *rows)
         if not more:
             held = None  # the last shard: done with
         if step > 0:  # partials owed to src; ours from the rank that now holds our shard
@@ -227,15 +228,16 @@ def _partial_rows(plan: RingPlan | None, schedule: Schedule, owner: int, compute
     return [r for block in plan.block_reads[(owner, computer)] for r in block]
 
 
-def _pass_on(ex: Exchange, held: list[Tensor], spare: list[Tensor] | None, nxt: int,
-             prv: int, out_rows: Ranges | None = None, in_rows: Ranges | None = None,
+def _pass_on(ex: Exchange, held: list[Tensor], own: list[Tensor],
+             spare: list[Tensor] | None, direct: bool, nxt: int, out_rows: Ranges | None,
+             prv: int, in_rows: Ranges | None,
              ) -> tuple[list[Tensor], list[tuple[Tensor, Tensor]]]:
-    """Add to ``ex`` sending ``held`` (its ``out_rows``; None: whole) to the next rank and
-    receiving the previous rank's shard (its ``in_rows``) into ``spare`` when given, else into
-    new shard-sized buffers; rows that do not travel are never read there (traffic.py).
-    Returns the receive buffers and the (destination, received) copies to make after the
-    wait (row ranges of a batch of several rows are not contiguous views)."""
-    for t in held:
+    """Add to ``ex`` sending ``held`` (``own``, our shard, when ``direct``; its ``out_rows``,
+    None: whole) to ``nxt`` and receiving ``prv``'s shard (its ``in_rows``) into ``spare``
+    when given, else into new shard-sized buffers; rows that do not travel are never read
+    there (traffic.py). Returns the receive buffers and the (destination, received) copies
+    to make after the wait (row ranges of a batch of several rows are not contiguous views)."""
+    for t in (own if direct else held):
         if out_rows is None:
             ex.send(t, nxt)
         else:

@@ -16,7 +16,7 @@ from .traffic import ring_plan, rows_in
 
 def window_traffic(method: str, dims: AttentionDims, seq_len: int, world: int,
                    window: int | None, a: int = 2, ring_degree: int | None = None,
-                   lse_bytes: int = 4) -> dict:
+                   lse_bytes: int = 4, float32_bytes: int = 4) -> dict:
     """What one layer of ``method`` sends, on the busiest rank, under a sliding ``window``
     (None: a global layer) over ``world`` ranks for a ``seq_len``-token sequence with
     attention shape ``dims`` and ``a`` bytes per element (v's head dim taken as q's).
@@ -25,9 +25,12 @@ def window_traffic(method: str, dims: AttentionDims, seq_len: int, world: int,
     layer, "forward_bytes", "backward_bytes", "global_forward_bytes",
     "global_backward_bytes"}. Ring-shaped methods (ring, zigzag, usp's ring part) move only
     the K/V rows the window reads and dist_flash only the keys each task reads (their queries
-    and results still travel whole); allgather, ulysses and usp's Ulysses part send for a
-    window layer what they send for a global one (method.comm_bytes, forward + backward,
-    reported as backward_bytes with forward_bytes None). For usp with ring_degree > 1 the
+    and results still travel whole); allgather sends each rank the rows its calls read (its
+    halo, halo.py: K/V in forward and again in backward, and their dK/dV partials in
+    ``float32_bytes`` a value back) where that moves less than the all-gather; ulysses and
+    usp's Ulysses part send for a window layer what they send for a global one
+    (method.comm_bytes, forward + backward, reported as backward_bytes with forward_bytes
+    None). For usp with ring_degree > 1 the
     figures are its ring's only: its Ulysses all-to-all (ulysses.py) moves the same for a
     window layer as for a global one, on top."""
     from . import get_method
@@ -38,6 +41,8 @@ def window_traffic(method: str, dims: AttentionDims, seq_len: int, world: int,
         return _ring_traffic(m, dims, seq_len, world, window, a, ring_degree)
     if m.name == "dist_flash_attn":
         return _dist_flash_traffic(dims, seq_len, world, window, a, lse_bytes)
+    if m.name == "allgather_attn":
+        return _allgather_traffic(dims, seq_len, world, window, a, float32_bytes)
     total = m.comm_bytes(dims, seq_len // world, a, world, ring_degree)
     return {"steps": None, "of": None, "forward_bytes": None, "backward_bytes": total,
             "global_forward_bytes": None, "global_backward_bytes": total}
@@ -108,4 +113,29 @@ def _dist_flash_traffic(dims, seq_len, world, window, a, lse_bytes) -> dict:
     f, b, steps = sends(_plain("contiguous", world, s, window))
     gf, gb, global_steps = sends(None)
     return {"steps": steps, "of": global_steps, "forward_bytes": f, "backward_bytes": b,
+            "global_forward_bytes": gf, "global_backward_bytes": gb}
+
+
+def _allgather_traffic(dims, seq_len, world, window, a, float32_bytes) -> dict:
+    """All-gather attention: its whole shard to N - 1 ranks (forward, and backward again,
+    with the float32 dK/dV reduce-scattered), or under a halo worth it only the rows read."""
+    from .. import layouts
+    from ..attention.variants import Variant
+    from .allgather import plain_halo
+
+    hq, hkv, hd = dims
+    s = seq_len // world
+    row = 2 * hkv * hd
+    whole = (world - 1) * s
+    gf, gb = whole * row * a, whole * row * (a + float32_bytes)
+    geo = None if window is None or world == 1 else Variant(window).geometry(
+        (layouts.segments("zigzag", 0, world, s), ((0, seq_len, 0),)), True, seq_len)
+    halo = None if geo is None else plain_halo(world, s, True, geo)
+    if halo is None or not halo.useful():
+        f, b = gf, gb
+    else:
+        sent = [halo.sent_rows(r) for r in range(world)]
+        f = max(kv for kv, _ in sent) * row * a
+        b = max(kv * a + p * float32_bytes for kv, p in sent) * row
+    return {"steps": None, "of": None, "forward_bytes": f, "backward_bytes": b,
             "global_forward_bytes": gf, "global_backward_bytes": gb}

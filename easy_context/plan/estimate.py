@@ -341,9 +341,12 @@ def window_communication_per_layer(shape: ModelShape, s: int, a: int, method: st
     """Bytes one rank sends per sliding-window layer, forward and backward: a global layer's
     (communication_per_layer) with its ring part scaled to the K/V rows the window reads
     (parallel/window_cost.window_traffic: the busiest rank's rows; a ring step nobody reads
-    sends nothing). The all-to-all and all-gather methods send what a global layer sends."""
+    sends nothing; all-gather attention's halo, parallel/halo.py). The all-to-all methods,
+    and all-gather moving multi-head latent attention's latent, send what a global layer
+    sends."""
     full = communication_per_layer(shape, s, a, method, world_size, ring_degree)
-    if not full or shape.window is None or shape.window >= s * world_size:
+    if (not full or shape.window is None or shape.window >= s * world_size
+            or latent_width(shape, method)):
         return full
     from ..parallel.window_cost import window_traffic
 

@@ -40,10 +40,11 @@ def test_variants_exact(dist2, dist4, world, method, ring_degree):
 
 @pytest.mark.parametrize("world,method,ring_degree", [
     (2, "zigzag_ring_attn", None), (4, "zigzag_ring_attn", None), (4, "ring_attn", None),
-    (4, "dist_flash_attn", None)])
+    (4, "dist_flash_attn", None), (2, "allgather_attn", None), (4, "allgather_attn", None)])
 def test_a_window_sends_what_it_reads(dist2, dist4, world, method, ring_degree):
     """Under a window of 4 on shards of 32 rows, a ring moves only the K/V rows later steps
-    read and returns only the dK/dV rows read (dist_flash: only the keys a task reads), as
+    read and returns only the dK/dV rows read (dist_flash: only the keys a task reads;
+    allgather: only its halo, K/V from and float32 dK/dV back to their owners), as
     window_cost.window_traffic predicts for the busiest rank, element for element; a global
     layer moves whole shards; all exact."""
     from easy_context.parallel.method import AttentionDims
@@ -56,7 +57,7 @@ def test_a_window_sends_what_it_reads(dist2, dist4, world, method, ring_degree):
         assert all(r["exact"] for r in sent), (window, sent)
         # elements, not bytes: one per element, one per lse entry
         plan = window_traffic(method, AttentionDims(2, 2, 8), length, world, window, a=1,
-                              ring_degree=ring_degree, lse_bytes=1)
+                              ring_degree=ring_degree, lse_bytes=1, float32_bytes=1)
         assert max(r["forward"] for r in sent) == plan["forward_bytes"], (window, sent, plan)
         assert max(r["backward"] for r in sent) == plan["backward_bytes"], (window, sent, plan)
         if window is None:
@@ -65,6 +66,17 @@ def test_a_window_sends_what_it_reads(dist2, dist4, world, method, ring_degree):
         if window == 4:  # rows 3 at a time instead of 32-row shards
             assert plan["backward_bytes"] <= plan["global_backward_bytes"] / 8, plan
             assert plan["forward_bytes"] <= plan["global_forward_bytes"] / 2, plan
+        if window == 4 and method == "zigzag_ring_attn" and world == 4:
+            # nothing relayed: a rank sends the 3 last rows of each of its chunks once, to the
+            # rank that reads them (chunk 2N-1-r's go to rank r - 1, three hops round the
+            # ring: relayed they passed 9 rows through every rank); K and V, 2 heads of 8
+            assert max(r["forward"] for r in sent) == 6 * 2 * 2 * 8, sent
+        if window == 4 and method == "allgather_attn":
+            # the halo: 3 rows before each chunk, from the rank holding the chunk before
+            # it; the busiest rank sends 3 rows per chunk (its first has no reader at N = 2)
+            rows = 3 if world == 2 else 6
+            assert max(r["forward"] for r in sent) == rows * 2 * 2 * 8, sent
+            assert max(r["backward"] for r in sent) == 2 * rows * 2 * 2 * 8, sent
 
 
 @pytest.mark.parametrize("world", [2, 4])

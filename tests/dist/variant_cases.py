@@ -48,6 +48,7 @@ def cases(shard: int, length: int) -> list[dict]:
         dict(softcap=2.0, window=5), dict(softcap=1.5, sinks=True, dv=6),
         dict(sinks=True), dict(window=4, docs=True, sinks=True), dict(chunk=7, docs=True),
         dict(window=shard), dict(window=shard // 2, batch=1), dict(window=2 * shard + 3, docs=True),
+        dict(window=2 * shard + 1, batch=1),
         dict(window=shard + 1, batch=1, docs=True, dv=6),
     ]
 
@@ -103,10 +104,11 @@ def check_variants(method: str, ring_degree: int | None = None, half: int = 6, s
 
 def sent_elements(method: str, window: int | None, half: int = 16, batch: int = 1,
                   ring_degree: int | None = None) -> dict:
-    """Elements this rank hands to point-to-point sends (comm.Exchange.send) in one forward
-    and one backward of a layer with ``window`` (None: global), and whether it was exact
-    (fp32, 1e-5 of the float64 reference's max)."""
-    from easy_context.parallel import comm
+    """Elements this rank hands to point-to-point sends (comm.Exchange.send) and sends in
+    all-gather attention's collectives (its shard to N - 1 ranks; all of a reduce-scatter's
+    input but its own part) in one forward and one backward of a layer with ``window``
+    (None: global), and whether it was exact (fp32, 1e-5 of the float64 reference's max)."""
+    from easy_context.parallel import allgather, comm
 
     rank, world = dist.get_rank(), dist.get_world_size()
     length = 2 * half * world
@@ -123,7 +125,18 @@ def sent_elements(method: str, window: int | None, half: int = 16, batch: int = 
         counts[0] += tensor.numel()
         return original(self, tensor, to)
 
+    gather, scatter = allgather.all_gather_into, allgather.reduce_scatter_into
+
+    def gathering(out, inp, group=None):
+        counts[0] += inp.numel() * (world - 1)
+        return gather(out, inp, group=group)
+
+    def scattering(out, inp, group=None):
+        counts[0] += inp.numel() - out.numel()
+        return scatter(out, inp, group=group)
+
     comm.Exchange.send = counting
+    allgather.all_gather_into, allgather.reduce_scatter_into = gathering, scattering
     try:
         out = ec.sequence_parallel_attention(*sp_in, method=method, ring_degree=ring_degree,
                                              sliding_window=window)
@@ -132,6 +145,7 @@ def sent_elements(method: str, window: int | None, half: int = 16, batch: int = 
         backward = counts[0]
     finally:
         comm.Exchange.send = original
+        allgather.all_gather_into, allgather.reduce_scatter_into = gather, scatter
     errors = [_rel(out.detach(), shard(ref.detach()))] + [
         _rel(t.grad, shard(r.grad)) for t, r in zip(sp_in, ref_in)]
     return {"forward": forward, "backward": backward,

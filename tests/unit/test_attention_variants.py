@@ -319,5 +319,6 @@ def test_window_traffic_for_the_planner():
     assert (t["global_forward_bytes"], t["global_backward_bytes"]) == (8192 * row, 2 * 8192 * row)
     ring = window_traffic("ring_attn", AttentionDims(8, 2, 64), 131072, 8, 4096)
     assert (ring["steps"], ring["of"]) == (2, 8)
-    assert window_traffic("allgather_attn", AttentionDims(8, 2, 64), 4096, 2, 512)[
-        "forward_bytes"] is None  # all-gather sends what a global layer sends
+    # all-gather: its halo, the 511 rows before its later chunk (chunk 2), to rank 0
+    ag = window_traffic("allgather_attn", AttentionDims(8, 2, 64), 4096, 2, 512)
+    assert ag["forward_bytes"] == 511 * 2 * 2 * 64 * 2, ag

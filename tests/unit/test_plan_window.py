@@ -45,13 +45,40 @@ def test_usp_scales_its_ring_part_only():
     assert 0 < est.window_communication_per_layer < est.communication_per_layer
 
 
-@pytest.mark.parametrize("method", ["ulysses_attn", "allgather_attn"])
+@pytest.mark.parametrize("method", ["ulysses_attn"])
 def test_gathering_methods_send_as_for_a_global_layer(method):
     est = estimate_memory(_gemma3(1024), L, N, method)
     assert est.window_communication_per_layer == est.communication_per_layer > 0
+
+
+def test_allgather_sends_its_halo():
+    """All-gather attention under a 1K window over 8K-token shards: each rank's queries read
+    the 1023 rows before each of its two chunks, so it sends 2 x 1023 rows (forward, again
+    in backward, and as float32 dK/dV back) instead of its whole shard to N - 1 ranks."""
+    shape = _gemma3(1024)
+    est = estimate_memory(shape, L, N, "allgather_attn")
+    t = window_traffic("allgather_attn", shape.attention_dims(), L, N, 1024, 2)
+    row = 2 * shape.attention_dims()[1] * shape.attention_dims()[2]
+    assert t["forward_bytes"] == 2 * 1023 * row * 2, t
+    assert t["backward_bytes"] == 2 * 1023 * row * (2 + 4), t
+    assert est.window_communication_per_layer == t["forward_bytes"] + t["backward_bytes"]
+    assert est.communication_per_layer == t["global_forward_bytes"] + t["global_backward_bytes"]
 
 
 def test_a_window_as_long_as_the_sequence_is_a_global_layer():
     est = estimate_memory(_gemma3(L), L, N, "zigzag_ring_attn")
     assert est.window_communication_per_layer == est.communication_per_layer
     assert "sent per window layer" in est.table()
+
+
+def test_zigzag_sends_window_rows_to_their_reader_not_round_the_ring():
+    """Zigzag at N >= 4 under a window: chunk 2N-1-r is read by rank r - 1, N - 1 ring steps
+    away; each rank sends its read rows straight to their reader (traffic.RingPlan.direct):
+    3 + 3 rows of a window of 4, at 4 and at 8 ranks (relayed: 9 and 21)."""
+    from easy_context.parallel.method import AttentionDims
+
+    for world in (4, 8):
+        t = window_traffic("zigzag_ring_attn", AttentionDims(2, 2, 8), 32 * world, world, 4,
+                           a=1)
+        assert t["forward_bytes"] == 6 * 32, (world, t)
+        assert t["backward_bytes"] == (6 + 6) * 32, (world, t)  # again, and dK/dV partials
