@@ -758,7 +758,7 @@ def _tiled_grads(run: GenericRun, x: Tensor, extras: dict, params: list, dy: Ten
     None where the layer does not qualify (it then runs its backward over the whole
     sequence). A layer with a recurrent mixer never does: its mixer carries a state along
     the sequence (and exchanges it between ranks)."""
-    if state_carrying_layers(run.layer) or x.size(1) < 2:
+    if state_carrying_layers(run.layer):
         return None
     length = x.size(1)
 

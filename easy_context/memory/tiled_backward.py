@@ -228,7 +228,9 @@ def split_grads(call: Callable, x: Tensor, extras: dict, params: list, dy: Tenso
         xt, et = _tile_inputs(x, extras, t)
         seen: dict = {}
 
-        def before(q_, k_, v_, calls):
+        def before(q_, k_, v_, calls, n=t.stop - t.start):
+            if not q_.size(2) == k_.size(2) == v_.size(2) == n:
+                raise Unfit("its attention calls do not follow the tiles")
             seen.update(q=q_, k=k_, v=v_)
             raise _Stop
 
@@ -288,9 +290,14 @@ def _stand_in_pair() -> tuple[Callable, Callable]:
 
 # ------------------------------------------------------------------------- the check
 def structure(layer: torch.nn.Module, kwargs: dict) -> tuple:
-    """What the verdict depends on: the layer's module types (LoRA adapters included) and
-    its arguments' names and kinds."""
-    return (tuple(type(m) for m in layer.modules()),
+    """What the verdict depends on: the layer's module types (LoRA adapters included), their
+    settings (the number, flag and name attributes: a sliding or a K/V-sharing layer of the
+    same class is checked on its own) and its arguments' names and kinds."""
+    def settings(m):
+        return tuple(sorted((k, v) for k, v in vars(m).items() if k != "training"
+                            and isinstance(v, (bool, int, float, str, type(None)))))
+
+    return (tuple((type(m), settings(m)) for m in layer.modules()),
             tuple(sorted((k, type(v).__name__) for k, v in kwargs.items())))
 
 
