@@ -37,6 +37,12 @@ set for the call (Jamba's document ids: ``CALL_STATE``) is put back before each 
 A layer of norms and token mixers only (Nemotron-H's Mamba and attention blocks) has no
 MLP to tile and runs whole.
 
+K/V shared between layers (Gemma 3n's and Gemma 4's ``num_kv_shared_layers``: a layer writes
+its K/V into the ``shared_kv_states`` mapping every layer is handed, later layers attend to
+them): the entries a layer is handed are inputs of its autograd function and those it writes
+are outputs (:class:`SharedStore`), so their gradient, summed over the reading layers, reaches
+the writing layer's recompute; every recompute reads the K/V its layer was handed.
+
 Exact: the same modules on the same numbers; MLP tiles and head chunks are independent
 (per-token MLPs, per-head attention), which :func:`mlp_mismatch` checks for the MLP on a
 few random tokens and the MoE checks below refuse where routing looks past one token
@@ -48,8 +54,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy as _copy
 import functools
 import sys
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Callable
 
@@ -183,12 +191,6 @@ def static_mismatch(layer: nn.Module, config) -> str | None:
                 f"{' -> '.join(INLINE_LINEARS)} (an activation between them); "
                 f"{name} has {sorted(n for n, _ in layer.named_children())}. Train this model "
                 "without --mlp-tile/--head-chunk")
-    shared = kv_sharing(layer)
-    if shared:
-        return (f"max-length mode: {name}.{shared[0]} reuses another layer's keys and values "
-                "(shared_kv_states, num_kv_shared_layers > 0): the layer's recompute in "
-                "backward would not hand their gradient back to the layer that computed them; "
-                "train this model without --mlp-tile/--head-chunk")
     drop = [n for n, m in layer.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
     drop += [f"{n + '.' if n else ''}{a}" for n, m in layer.named_modules()
              for a, v in vars(m).items() if "dropout" in a and isinstance(v, (int, float))
@@ -208,13 +210,14 @@ def static_mismatch(layer: nn.Module, config) -> str | None:
 # The arguments a decoder layer's forward may take besides the hidden states that the generic
 # path knows by name: masks, positions, the RoPE tables, the cache ones (a call with a cache
 # runs the layer unchanged). Others are handed on too (_generic_forward: values as they are,
-# tensors that require grad as inputs of the layer's recompute, Gemma 4's per-layer inputs);
-# only K/V shared between layers is refused (kv_sharing).
+# tensors that require grad as inputs of the layer's recompute, Gemma 4's per-layer inputs,
+# and a mapping the layers share, below).
 # The attribute by which an attention module reads another layer's K/V instead of computing
-# its own (Gemma 3n / Gemma 4's KV sharing, through the shared_kv_states dict every layer is
-# handed): a gradient between layers, which a layer's own recompute cannot hand back. (The
-# layers that only store theirs there, "store_full_length_kv", as Gemma 4 does even when no
-# layer reuses them, for assistant models, are run: nothing in the model reads the store.)
+# its own (Gemma 3n / Gemma 4's KV sharing): through the mapping every layer of one forward is
+# handed (``shared_kv_states``), in which the producing layer ("store_full_length_kv") put its
+# K/V. A gradient between layers, which a layer's own recompute would not hand back: the
+# generic path makes the mapping's entries inputs of each layer's autograd function and the
+# entries a layer stores its outputs (SharedStore), so autograd carries it.
 KV_SHARING_FLAG = "is_kv_shared_layer"
 
 
@@ -222,6 +225,81 @@ def kv_sharing(layer: nn.Module) -> list[str]:
     """The modules of ``layer`` that reuse another layer's K/V."""
     return [n or "self" for n, m in layer.named_modules()
             if getattr(m, KV_SHARING_FLAG, False) is True]
+
+
+def shared_store_name(kwargs: dict) -> str | None:
+    """The keyword argument that is a mapping handed to every layer of one forward (Gemma 3n's
+    and Gemma 4's ``shared_kv_states``: a layer writes its K/V there, later layers read them),
+    or None."""
+    names = [k for k, v in kwargs.items() if isinstance(v, MutableMapping)]
+    return names[0] if names else None
+
+
+def _float(t) -> bool:
+    return isinstance(t, Tensor) and t.is_floating_point()
+
+
+def _entry_tensors(value) -> list[Tensor]:
+    """The floating-point tensors of one entry of a shared mapping (a tensor, or a tuple or
+    list of them: Gemma's (keys, values))."""
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    return [t for t in items if _float(t)]
+
+
+def _with_tensors(value, tensors):
+    """``value`` with its floating-point tensors taken in order from the iterator ``tensors``."""
+    if isinstance(value, (tuple, list)):
+        items = [next(tensors) if _float(t) else t for t in value]
+        return items if isinstance(value, list) else tuple(items)
+    return next(tensors) if _float(value) else value
+
+
+class SharedStore:
+    """A mapping the layers of one forward share (``shared_kv_states``), seen by one layer's
+    call: the entries it held when the layer was called (``held``: read by the layer, inputs of
+    its autograd function) and the keys the layer's first call (re)wrote (``written``: outputs
+    of its autograd function, so their gradient, summed over every later layer that read them,
+    comes back to it). The first call of the layer writes into the model's mapping; every later
+    call (backward's recompute, the nested recompute's regeneration) gets a private copy holding
+    what the layer was handed, so it reads the K/V it read in forward (in backward: their
+    differentiable copies) and writes nowhere another layer reads."""
+
+    def __init__(self, mapping: MutableMapping):
+        self.mapping = mapping
+        self.held = dict(mapping.items())  # key -> entry, as the layer was called
+        self.written: list | None = None  # keys the first call wrote; None: not run yet
+
+    def inputs(self) -> list[Tensor]:
+        """The floating-point tensors of the held entries, in order."""
+        return [t for v in self.held.values() for t in _entry_tensors(v)]
+
+    def private(self, tensors: list[Tensor] | None = None) -> MutableMapping:
+        """A copy of the mapping (its type) holding the held entries, their tensors replaced
+        by ``tensors`` (in the order of :meth:`inputs`) when given."""
+        copy_ = _copy.copy(self.mapping)
+        copy_.clear()
+        it = iter(tensors) if tensors is not None else None
+        copy_.update({k: (_with_tensors(v, it) if it is not None else v)
+                      for k, v in self.held.items()})
+        return copy_
+
+    def note_written(self) -> None:
+        """After the layer's first call: which entries of the mapping it wrote."""
+        self.written = [k for k, v in self.mapping.items()
+                        if k not in self.held or self.held[k] is not v]
+
+    def outputs(self, mapping: MutableMapping | None = None) -> list[Tensor]:
+        """The floating-point tensors of the written entries in ``mapping`` (the model's one
+        by default), in order."""
+        mapping = self.mapping if mapping is None else mapping
+        return [t for k in self.written or [] for t in _entry_tensors(mapping[k])]
+
+    def put_back(self, tensors) -> None:
+        """The written entries of the model's mapping, their tensors replaced by ``tensors``
+        (the autograd function's outputs, which carry the gradient back to this layer)."""
+        it = iter(tensors)
+        for k in self.written or []:
+            self.mapping[k] = _with_tensors(self.mapping[k], it)
 
 
 # ------------------------------------------------------------------------- MLP tiles
@@ -644,15 +722,30 @@ class GenericRun:
     restore: Callable | None = None  # () -> None: puts back the call's state (CALL_STATE)
     grad_inputs: tuple = ()  # names of the kwargs that are tensors requiring grad
     tail: tuple | None = None  # the Nones the layer returns after its hidden states, if any
+    store: str | None = None  # the kwarg that is a mapping the layers share (shared_kv_states)
+
+    def __post_init__(self):
+        # what the shared mapping holds as this layer is called (before it writes there)
+        self.shared = SharedStore(self.kwargs[self.store]) if self.store is not None else None
 
     def output(self, y: Tensor):
         """The layer's output as its own forward returns it: y, or (y, None...)."""
         return y if self.tail is None else (y, *self.tail)
 
     def extra_inputs(self) -> list[Tensor]:
-        """The kwargs that require grad (Gemma 4's per_layer_input): inputs of the autograd
-        function beside the hidden states, so their gradients flow back."""
-        return [self.kwargs[k] for k in self.grad_inputs]
+        """Inputs of the autograd function beside the hidden states, so their gradients flow
+        back: the kwargs that require grad (Gemma 4's per_layer_input), then the tensors of
+        the shared mapping's entries (the K/V earlier layers stored there)."""
+        shared = self.shared.inputs() if self.shared is not None else []
+        return [self.kwargs[k] for k in self.grad_inputs] + shared
+
+    def finish(self, out) -> Tensor:
+        """The autograd function's result -> the hidden states; the K/V the layer wrote into
+        the shared mapping (its other outputs) put back there, as the function's outputs."""
+        if not isinstance(out, tuple):
+            return out
+        self.shared.put_back(out[1:])
+        return out[0]
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.layer.parameters())
@@ -666,6 +759,10 @@ class GenericRun:
         those tokens of the ``length`` the arguments are for (the tiled backward's tiles),
         and the per-token arguments are cut to them."""
         kwargs = {**self.kwargs, **override}
+        first = self.shared is not None and self.shared.written is None
+        if self.shared is not None and not first and self.store not in override:
+            # a recompute: the K/V the layer read in forward, and a mapping nobody else reads
+            kwargs[self.store] = self.shared.private()
         if self.tables is not None:
             kwargs["position_embeddings"] = self.tables()
         if rows is not None:
@@ -677,6 +774,8 @@ class GenericRun:
                 stack.enter_context(site_tiled(mlp, attr, self.tile, batch=x.size(0)))
             stack.enter_context(heads_chunked(self.layer, self.heads_per_chunk))
             out = self.forward(x, **kwargs)
+        if first:
+            self.shared.note_written()
         if isinstance(out, tuple) and out and isinstance(out[0], Tensor) and all(
                 t is None for t in out[1:]):
             # (hidden states, None...): Falcon's, Bamba's and Falcon-H1's (output, attention
@@ -706,10 +805,11 @@ class GenericRun:
 
 class GenericLayer(torch.autograd.Function):
     """(run, x (B, S, H), *run.extra_inputs(), *layer parameters) -> the layer's output
-    (B, S, H)."""
+    (B, S, H), followed, where the layer wrote K/V into the mapping the layers share, by
+    those tensors (run.finish puts them back there)."""
 
     @staticmethod
-    def forward(ctx, run: GenericRun, x: Tensor, *inputs: Tensor) -> Tensor:
+    def forward(ctx, run: GenericRun, x: Tensor, *inputs: Tensor):
         if run.keep_attention:
             y, rec = run.forward_recorded(x)
             ctx.layout = [len(result) for result in rec]
@@ -721,10 +821,20 @@ class GenericLayer(torch.autograd.Function):
         ctx.run = run
         recipe = None if run.keep_attention else run.input_recipe
         ctx.handle = run.storage.pack(kept, run.index, run.regenerate, recipe=recipe)
-        return y
+        written = run.shared.outputs() if run.shared is not None else []
+        if not written:
+            return y
+        # K/V no later layer reads get no gradient (None), and no backward through them
+        ctx.set_materialize_grads(False)
+        seen: set[int] = set()
+        outs = []
+        for t in written:  # one tensor written twice: two outputs, each its own gradient
+            outs.append(t.clone() if id(t) in seen else t)
+            seen.add(id(t))
+        return (y, *outs)
 
     @staticmethod
-    def backward(ctx, dy: Tensor):
+    def backward(ctx, dy: Tensor | None, *dwritten: Tensor | None):
         run = ctx.run
         kept = run.storage.unpack(ctx.handle)
         ctx.handle = None
@@ -739,16 +849,35 @@ class GenericLayer(torch.autograd.Function):
         xg = x.detach().requires_grad_(ctx.needs_input_grad[1])
         extras = {k: v.detach().requires_grad_(ctx.needs_input_grad[2 + i])
                   for i, (k, v) in enumerate(zip(run.grad_inputs, run.extra_inputs()))}
-        got = _tiled_grads(run, xg, extras, params, dy, recorded)
-        if got is not None:
-            return (None, *got)
+        if run.shared is None and dy is not None:
+            got = _tiled_grads(run, xg, extras, params, dy, recorded)
+            if got is not None:
+                return (None, *got)
+        override: dict = dict(extras)
+        shared: list[Tensor] = []
+        if run.shared is not None:
+            # the K/V earlier layers stored, as differentiable copies, in a private mapping:
+            # the layer's recompute reads them there (and writes its own there)
+            start = 2 + len(extras)
+            shared = [t.detach().requires_grad_(ctx.needs_input_grad[start + i])
+                      for i, t in enumerate(run.shared.inputs())]
+            override[run.store] = run.shared.private(shared)
         with torch.enable_grad(), (replaying(recorded) if recorded is not None
                                    else contextlib.nullcontext()):
-            y = run.call(xg, **extras)
-        inputs = [xg, *extras.values(), *params]
-        if not y.requires_grad or not any(t.requires_grad for t in inputs):
+            y = run.call(xg, **override)
+        outs, grads = [], []
+        if dy is not None:
+            outs, grads = [y], [dy]
+        if dwritten:  # the gradient of the K/V it wrote, summed over the layers that read them
+            for t, g in zip(run.shared.outputs(override[run.store]), dwritten):
+                if g is not None:
+                    outs.append(t)
+                    grads.append(g)
+        inputs = [xg, *extras.values(), *shared, *params]
+        live = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+        if not live or not any(t.requires_grad for t in inputs):
             return (None, *([None] * len(inputs)))
-        got = _grad(y, inputs, dy)
+        got = _grad([o for o, _ in live], inputs, [g for _, g in live])
         return (None, *got)
 
 

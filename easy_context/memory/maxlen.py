@@ -411,17 +411,26 @@ def _generic_forward(self, hidden_states, *args, **kwargs):
         if tables is not None:
             del kwargs["position_embeddings"]  # computed again where backward needs them
     snapshot = self.__dict__.get(generic_layer.CALL_STATE)  # e.g. Jamba's recorded documents
+    # the mapping every layer is handed (Gemma's shared_kv_states): its K/V go in and out of
+    # the layer's autograd function (generic_layer.SharedStore)
+    store = generic_layer.shared_store_name(kwargs)
+    shared = generic_layer.kv_sharing(self)
+    if shared and store is None:
+        raise ValueError(f"max-length mode: {type(self).__name__}.{shared[0]} reuses another "
+                         "layer's keys and values but the layer is handed no mapping holding "
+                         "them (shared_kv_states); train this model without "
+                         "--mlp-tile/--head-chunk")
     run = GenericRun(self, self._ec_original_forward, kwargs, state.mlp_tile,
                      state.heads_per_chunk, state.keep_attention, state.storage, index,
                      lambda: _gathered(self),
                      state.input_recipe(hidden_states) if index == 0 else None, tables,
                      restore=snapshot(self) if snapshot is not None else None,
-                     grad_inputs=grads)
+                     grad_inputs=grads, store=store)
     if not torch.is_grad_enabled():
         return run.output(state.output(index, run.call(hidden_states)))
-    return run.output(state.output(index, GenericLayer.apply(run, hidden_states,
-                                                             *run.extra_inputs(),
-                                                             *run.parameters())))
+    y = run.finish(GenericLayer.apply(run, hidden_states, *run.extra_inputs(),
+                                      *run.parameters()))
+    return run.output(state.output(index, y))
 
 
 @contextlib.contextmanager

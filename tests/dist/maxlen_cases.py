@@ -159,6 +159,51 @@ def check_max_length(family: str, method: str, cases: list[tuple], ring_degree: 
     return report
 
 
+def check_against_plain(family: str, method: str, cases: list[tuple],
+                        overrides: dict | None = None) -> dict:
+    """{case: (loss error, grad error)} of max-length mode against plain sequence parallelism
+    on the same ranks, shards and chunked loss (gradients summed over ranks on both sides),
+    and under "plain SP vs one process" plain sequence parallelism's own errors against the
+    one-process model: for families whose fp32 rounding puts plain SP itself past the
+    tolerance at several ranks (Gemma 4), where max-length mode must give plain SP's numbers."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    base = tiny(family, **(overrides or {}))
+    length = 2 * world * 6
+    inputs, positions, targets = make_batch(length, base.config.vocab_size)
+    ref = copy.deepcopy(base)
+    ref_loss = reference_loss(ref, inputs, positions, targets)
+    ref_loss.backward()
+    local = ec.prepare_seq_parallel_inputs(method, inputs, positions, targets, rank, world, "cpu")
+
+    def run(model):
+        loss = ec.causal_lm_loss(model, local["local_input_ids"], local["local_position_ids"],
+                                 local["local_target_ids"], chunked=True, chunk_size=5)
+        loss.backward()
+        return loss
+
+    plain = copy.deepcopy(base)
+    ec.apply_sequence_parallel(plain, method)
+    plain_loss = run(plain)
+    for p in plain.parameters():  # plain's gradients summed over the ranks, in place
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if world > 1:
+                dist.all_reduce(p.grad)
+    report = {"plain SP vs one process": (
+        abs(plain_loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+        grad_errors(plain, ref, 1))}
+    for tile, chunk, kind, keep_every in cases:
+        model = copy.deepcopy(base)
+        ec.apply_sequence_parallel(model, method)
+        apply_max_length(model, tile, chunk, kind, keep_every=keep_every)
+        loss = run(model)
+        report[f"tile={tile} chunk={chunk} {kind} keep_every={keep_every}"] = (
+            abs(loss.item() - plain_loss.item()) / abs(plain_loss.item()),
+            grad_errors(model, plain, world))
+    return report
+
+
 def with_lora(model):
     """``model`` with a LoRA adapter (rank 4) on every linear layer of its decoder layers,
     the base frozen and the adapters' B non-zero (so they change the output)."""

@@ -12,8 +12,8 @@ from easy_context.memory.generic_layer import mlp_mismatch
 
 from easy_context.memory.maxlen import decoder_layers, path_for
 
-from .maxlen_cases import (DROP, check_max_length, fused_layer_work, generic_calls,
-                           max_length_error, paths_of, tiled_backward_verdicts,
+from .maxlen_cases import (DROP, check_against_plain, check_max_length, fused_layer_work,
+                           generic_calls, max_length_error, paths_of, tiled_backward_verdicts,
                            tiled_layer_runs, tiny)
 
 TOL = 1e-5
@@ -215,6 +215,78 @@ def test_generic_backward_in_tiles(dist1, dist2):
     _assert([report])
     assert verdicts == {"LlamaDecoderLayer": "its output differs when split at the attention "
                                              "call"}, verdicts
+
+
+# Gemma 4's small models share K/V between layers (num_kv_shared_layers): the last layer of
+# each type before the shared ones stores its K/V in the shared_kv_states mapping the decoder
+# hands every layer, and the shared layers (no k/v projections) attend to them. Max-length mode
+# makes the stored K/V outputs of the producing layer's autograd function and inputs of the
+# reading layers' (generic_layer.SharedStore), so their gradient, summed over the readers,
+# reaches the producer's k/v projections through its recompute (without it: 0.93 off). Here
+# layers 2 and 3 read layer 0's (sliding) and layer 1's (full) K/V; tiles of 3-6 tokens
+# against shards of 12 and 24, every kind of keeping, the nested recompute.
+GEMMA4_SHARED = dict(GEMMA4, num_hidden_layers=4, num_kv_shared_layers=2, layer_types=[
+    "sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+# whole heads per attention call (8 of 8): against plain SP within TOL (measured <= 2e-7)
+SHARED_WHOLE_HEADS = [(5, 8, "full", 1), (3, 8, "offload", 2), (4, 8, "attention", 1),
+                      (6, 8, "full", 2), (4, 8, "none", 1)]
+# chunks of 1 and 2 query heads (the shared K/V cut by heads)
+SHARED_CHUNKS = [(5, 1, "full", 1), (3, 2, "offload", 2), (4, 2, "attention", 1)]
+# This tiny Gemma 4 turns fp32 rounding in attention into ~1e-5 in its gradients: multiplying
+# its q/k projections by (1 + 1e-7 noise) moves plain SP's own gradients 1.5e-4; eager against
+# sdpa attention in one process, 1.4e-4. Head chunks round attention differently: max-length
+# mode with chunks of 1-2 heads is 1.5e-5 (2 ranks) to 2.2e-5 (1 rank, 2 threads) off plain
+# SP, as it is on this model without shared K/V (4e-5), and plain SP itself is 7e-6 to 1.1e-5
+# off one process at 1 rank and 2.1e-4 at 2 ranks. Those comparisons are held to GEMMA4_TOL.
+GEMMA4_TOL = 1e-4
+
+
+def _tol(case: str) -> float:
+    """TOL for whole heads per attention call, GEMMA4_TOL for head chunks (see above)."""
+    return TOL if " chunk=8 " in f" {case} " else GEMMA4_TOL
+
+
+def _assert_against_plain(reports, plain_tol: float | None = None):
+    """Max-length mode against plain SP (each case within _tol); plain SP against one process
+    within ``plain_tol`` where given."""
+    bad = []
+    for r, rep in enumerate(reports):
+        le, ge = rep.pop("plain SP vs one process")
+        if plain_tol is not None and not (le <= plain_tol and ge <= plain_tol):
+            bad.append(f"rank {r} plain SP vs one process: loss {le:.1e}, grads {ge:.1e}")
+        bad += [f"rank {r} {case}: loss {le:.1e}, grads {ge:.1e}" for case, (le, ge) in rep.items()
+                if not (le <= _tol(case) and ge <= _tol(case))]
+    assert not bad, "\n".join(bad)
+
+
+def test_layers_sharing_kv(dist1, dist2):
+    """One rank against plain SP and one process; two ranks (a ring method) against plain SP:
+    whole heads with tiles, offload and the nested recompute, and chunks of one head."""
+    assert dist1.run(paths_of, "gemma4_text", **GEMMA4_SHARED)[0] == ["generic"] * 4
+    runs, layers = dist1.run(tiled_layer_runs, "gemma4_text", **GEMMA4_SHARED)[0]
+    assert runs == layers, f"{runs} of {layers} layers ran max-length mode's forward"
+    cases = [(3, 8, "offload", 2), (5, 1, "full", 1)]
+    _assert_against_plain(dist1.run(check_against_plain, "gemma4_text", "local", cases,
+                                    overrides=GEMMA4_SHARED), plain_tol=GEMMA4_TOL)
+    _assert_against_plain(dist2.run(check_against_plain, "gemma4_text", "zigzag_ring_attn", cases,
+                                    overrides=GEMMA4_SHARED))
+    reports = dist1.run(check_max_length, "gemma4_text", "local", cases, overrides=GEMMA4_SHARED)
+    bad = [f"{case}: {le:.1e} {ge:.1e}" for rep in reports for case, (le, ge) in rep.items()
+           if not (le <= GEMMA4_TOL and ge <= GEMMA4_TOL)]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("method", ["local", "zigzag_ring_attn", "ulysses_attn"])
+def test_layers_sharing_kv_every_kind(dist1, dist2, method):
+    """Every kind of keeping, whole heads and chunks of 1-2 heads, against plain SP; Ulysses
+    (the shared K/V cut by heads over the ranks) included."""
+    pool = dist1 if method == "local" else dist2
+    cases = SHARED_WHOLE_HEADS + SHARED_CHUNKS
+    if method == "ulysses_attn":
+        cases = [(4, 8, "attention", 1), (3, 8, "offload", 2), (5, 4, "offload", 2),
+                 (4, 2, "attention", 1)]
+    _assert_against_plain(pool.run(check_against_plain, "gemma4_text", method, cases,
+                                   overrides=GEMMA4_SHARED))
 
 
 def test_generic_path_ulysses(dist2):

@@ -8,7 +8,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from easy_context.memory.layer_check import fused_layer_mismatch
-from easy_context.memory.maxlen import apply_max_length, final_norm, path_for, unsupported_reason
+from easy_context.memory.maxlen import (apply_max_length, final_norm, layer_paths, path_for,
+                                       unsupported_reason)
 from easy_context.utils.decoder import decoder_of
 
 SHAPE = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -174,17 +175,31 @@ def test_recurrent_layers_take_the_generic_path(model_type, overrides, layer):
         apply_max_length(model, 4, 2, path="fused")
 
 
-def test_layers_reusing_another_layers_kv_are_refused():
+def test_layers_reusing_another_layers_kv_take_the_generic_path():
     """Gemma 4's per-layer inputs go through the generic path's recompute (inputs of it), and
-    its layers that only store their K/V run; a layer that reuses another's K/V
-    (num_kv_shared_layers > 0) would get no gradient back to that layer: refused by name."""
+    so do the K/V a layer stores for later layers (num_kv_shared_layers > 0): outputs of the
+    storing layer's autograd function and inputs of the reading layers' (they were refused;
+    tests/dist/test_maxlen.py::test_layers_sharing_kv checks the gradients)."""
     assert unsupported_reason(_model("gemma4_text", pad_token_id=0, hidden_size_per_layer_input=8,
                                      vocab_size_per_layer_input=97)) is None
-    reason = unsupported_reason(_model("gemma4_text", pad_token_id=0, num_kv_shared_layers=1,
-                                       num_hidden_layers=3, layer_types=[
-                                           "sliding_attention", "full_attention",
-                                           "full_attention"]))
-    assert reason is not None and "reuses another layer's keys and values" in reason, reason
+    model = _model("gemma4_text", pad_token_id=0, num_kv_shared_layers=1, num_hidden_layers=3,
+                   layer_types=["sliding_attention", "full_attention", "full_attention"])
+    assert unsupported_reason(model) is None
+    assert layer_paths(model) == ["generic"] * 3
+
+
+def test_a_layer_reusing_kv_handed_no_mapping_is_refused():
+    """A layer that reads another layer's K/V but is called without the mapping holding them
+    (shared_kv_states) has nothing whose gradient max-length mode could route: a ValueError
+    naming the layer, not a KeyError or a silent gradient loss."""
+    model = _model("gemma4_text", pad_token_id=0, num_kv_shared_layers=1, num_hidden_layers=2,
+                   layer_types=["full_attention", "full_attention"])
+    apply_max_length(model, 4, 2)
+    layer = model.model.layers[1]
+    x = torch.randn(1, 6, model.config.hidden_size, requires_grad=True)
+    cos_sin = model.model.rotary_emb(x, torch.arange(6)[None], "full_attention")
+    with pytest.raises(ValueError, match="reuses another layer's keys and values"):
+        layer(x, None, position_embeddings=cos_sin, attention_mask=None)
 
 
 @pytest.mark.parametrize("model_type,norm,overrides", [
