@@ -22,11 +22,14 @@ LoRA adapters) runs as written. Around and inside that forward:
   attention result (easy_context.attention.saving), which that recompute takes instead of
   running attention, and its communication, again.
 
-What this path keeps in backward beyond the fused layer's: while one layer runs backward,
-the autograd graph of its recompute holds its whole-sequence intermediates other than the
-MLP's (the normed input, q, k, v, the attention output, the residual, the normed residual):
-a few hidden-sized tensors for that one layer. The MLP's I-wide tensors, the large ones,
-exist one tile at a time.
+What this path keeps in backward: the layer's backward runs its forward again in sequence
+tiles, split at the attention call (easy_context.memory.tiled_backward): the whole sequence's
+q, k, v, attention output and their gradients at its peak, one tile's graph besides, where the
+layer passes that module's check (per token but for its attention call); else its recompute's
+autograd graph holds every whole-sequence intermediate other than the MLP's (the normed
+input, q, k, v, the attention output, the residual, the normed residual: about 17
+hidden-sized tensors a token on Gemma 3's layer) for that one layer. The MLP's I-wide
+tensors, the large ones, exist one tile at a time either way.
 
 Hybrid models: a layer holding a recurrent mixer (gated DeltaNet, KDA, Mamba-1/2, a short
 convolution) runs it whole, as its own forward calls it: routed to the sequence-parallel
