@@ -35,6 +35,10 @@ from dataclasses import asdict, dataclass
 from ..parallel import get_method
 from .shapes import ModelShape
 from .states import States, loss_head_grad_bytes, model_states
+from .recurrent import (  # noqa: F401 - re-exported: the recurrent layers' terms live there
+    CHUNK_MATRICES, DELTA_CHUNK, GPU_CHUNK_MATRICES, GPU_HEAD_VECTORS, HEAD_VECTORS,
+    pieces_per_rank, recurrent_saved_per_token, recurrent_transient_per_token, state_bytes,
+    state_communication_per_layer)
 from .vision import estimate_terms
 from ..attention.workspace import DEFAULT_SMS, backward_workspace, planned_family
 
@@ -361,90 +365,6 @@ def window_communication_per_layer(shape: ModelShape, s: int, a: int, method: st
     return full * ring // max(ring_global, 1)
 
 
-# --------------------------------------------------------------------------- recurrent layers
-def _extended_values(shape: ModelShape, world_size: int) -> int:
-    """Value elements per token through a recurrent layer's kernel: sequence-parallel, the
-    scan appends an identity block of d_k (Mamba-2: d_state) columns per head to read off
-    each piece's transition (easy_context.recurrent.scan)."""
-    r = shape.recurrent
-    return r.value_width + (r.heads * r.key_width if world_size > 1 else 0)
-
-
-# What the chunked gated delta rule saves per token and value head beyond its inputs and
-# output, in float32 elements: chunk-wide rows (in-chunk attention and decay matrices) and
-# rows per (d_k + d_v) (normalized, scaled and decayed copies of q, k, v).
-# - CPU (transformers' torch kernel, float32 inside): CHUNK_MATRICES and HEAD_VECTORS, fitted
-#   to saved-tensor bytes measured on tiny Qwen3-Next layers (d 16 / 32, 4 / 8 value heads,
-#   1K / 2K tokens: within 1%);
-# - GPU (flash-linear-attention's kernel, not measured here): it keeps its inputs and the
-#   in-chunk matrix A (one chunk-wide row) and recomputes the rest in backward.
-DELTA_CHUNK, CHUNK_MATRICES, HEAD_VECTORS = 64, 5.25, 6
-GPU_CHUNK_MATRICES, GPU_HEAD_VECTORS = 1, 0
-
-
-def recurrent_saved_per_token(shape: ModelShape, a: int, world_size: int,
-                              device: str = "gpu") -> int:
-    """Bytes per local token one recurrent mixer saves for backward: its input projection's
-    output, the causal conv's input, output and activation (3 x channels), the kernel's values
-    in and out (with the scan's identity block), the gated norm's fp32 input, its output and
-    the gated product (out_proj's input); for the gated delta rule also its chunked kernel's
-    intermediates (above)."""
-    r = shape.recurrent
-    d = r.dims()
-    norm = r.inner * (4 + 2 * a) if r.gated_norm else r.inner * a
-    ext = _extended_values(shape, world_size)
-    kernel = 0
-    if r.kind == "gated_delta_net":
-        dv = ext // r.heads
-        rows, vectors = ((CHUNK_MATRICES, HEAD_VECTORS) if device == "cpu"
-                         else (GPU_CHUNK_MATRICES, GPU_HEAD_VECTORS))
-        kernel = int(4 * r.heads * (rows * DELTA_CHUNK + vectors * (r.key_width + dv)))
-    return a * (r.projection + 3 * d.conv_channels + 2 * ext) + norm + kernel
-
-
-def recurrent_transient_per_token(shape: ModelShape, a: int, world_size: int) -> int:
-    """Gradient bytes per local token alive in a recurrent mixer's backward: the residual
-    stream's in and out, the projection's and the conv's gradients, the kernel's value and
-    output gradients."""
-    r = shape.recurrent
-    d = r.dims()
-    return a * (2 * shape.hidden + r.projection + d.conv_channels
-                + 2 * _extended_values(shape, world_size))
-
-
-def pieces_per_rank(method: str, world_size: int, s: int, ring_degree: int | None = None) -> int:
-    """Pieces of the sequence a rank holds under ``method``'s layout (recurrent.pieces): 1
-    contiguous, 2 zigzag, 1-2 USP."""
-    if world_size == 1:
-        return 1
-    from ..recurrent.pieces import piece_table
-
-    m = get_method(method)
-    rd = ring_degree or (world_size if m.needs_ring_degree else None)
-    return max(len(p) for p in piece_table(m.layout, world_size, s, rd))
-
-
-def state_bytes(shape: ModelShape, s: int, method: str, world_size: int,
-                ring_degree: int | None = None) -> int:
-    """Bytes of every piece's (A, B) maps one recurrent layer all-gathers (float32, per
-    sequence): N x pieces x |A + B| (Mixer dims' ``state``). None on one device."""
-    if world_size == 1 or shape.recurrent is None:
-        return 0
-    return (world_size * pieces_per_rank(method, world_size, s, ring_degree)
-            * shape.recurrent.dims().state * 4)
-
-
-def state_communication_per_layer(shape: ModelShape, s: int, a: int, method: str,
-                                  world_size: int, ring_degree: int | None = None) -> int:
-    """Bytes one rank sends per recurrent layer and step, forward and backward: the state
-    all-gather and reduce-scatter and the conv halo (recurrent.mixer.Mixer.comm_bytes)."""
-    if world_size == 1 or shape.recurrent is None:
-        return 0
-    r = shape.recurrent
-    return r.mixer().comm_bytes(r.dims(), pieces_per_rank(method, world_size, s, ring_degree),
-                                a, world_size)
-
-
 def activations(shape: ModelShape, s: int, a: int, method: str, world_size: int,
                 checkpointing: str, ring_degree: int | None = None,
                 device: str = "gpu") -> tuple[int, int, int, int]:
@@ -612,9 +532,10 @@ def estimate_memory(model_shape: ModelShape, seq_len: int, world_size: int, meth
         terms = generic_terms if "generic" in paths else fused_terms
         mlp_tile = s if mlp_tile is None else mlp_tile
         heads_per_chunk = model_shape.heads if heads_per_chunk is None else heads_per_chunk
+        on = {"device": device} if terms is generic_terms else {}  # its recurrent kernels
         ft = terms(model_shape, s, a, method, world_size, checkpointing, mlp_tile,
                    heads_per_chunk, ring_degree, keep_every, workspace=workspace,
-                   budget=_budget(device))
+                   budget=_budget(device), **on)
         stored, mlp_w, attn_w, act_host = ft.stored + ft.head, ft.mlp_half, ft.attention_half, ft.host
         # The loss keeps the un-normed last hidden states and its backward writes their
         # gradient over them (tiled_loss.py): the one s x H tensor loss_bytes counts.

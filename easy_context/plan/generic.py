@@ -27,6 +27,18 @@ the scores it chooses from: 12 E), the top-k gathered inputs and weighted output
 (2 k H a) and its active experts' gated intermediates (6 (k I_e + I_shared) a, the
 dense tile's 6 I a).
 
+A layer with a recurrent mixer (gated DeltaNet, Mamba-2, a short convolution: hybrids) runs
+the mixer whole inside the same recompute, so its G holds, in place of the attention's part,
+the mixer's saved tensors as the untiled terms count them (plan/recurrent.py
+``recurrent_saved_per_token``: projections, conv, the kernel's values and intermediates, the
+gated norm), and sequence-parallel the (A, B) maps it gathered and the chained states
+(2 x ``state_bytes``, per sequence); its MLP runs in tiles as above. When the backward reaches
+the mixer it holds, beside dy, the input norm's and the mixer's saved tensors and the mixer's
+gradients (``recurrent_transient_per_token``, the residual's in and out among them) and a
+third copy of the states (their gradient): that is a recurrent layer's mixer half, which
+takes no attention buffers. A layer of norms and mixers only (Nemotron-H's blocks) has no MLP
+tile and no residual saved for a next norm.
+
 The two halves of plan/fused.py then hold G instead of R: the generic layer's MLP half is the
 fused layer's plus s x (G - R), with the MLP tile of the widest MLP kind; its attention half
 the fused one's plus s x (G_attn - R), G_attn being the part of G that precedes the attention
@@ -70,19 +82,62 @@ def attention_graph_per_token(shape: ModelShape, a: int, method: str, world: int
 
 
 def graph_per_token(shape: ModelShape, kind, a: int, method: str, world: int,
-                    ring_degree: int | None) -> int:
+                    ring_degree: int | None, device: str = "gpu") -> int:
     """G: the bytes per local token that a generic layer's recompute graph holds (its input
-    apart) when the layer's backward starts (see the module docstring)."""
+    apart) when the layer's backward starts (see the module docstring; a recurrent mixer's
+    gathered states, per sequence, apart: :func:`states_held`)."""
+    from .recurrent import recurrent_saved_per_token
+
     h, hq = shape.hidden, shape.heads
     vd = shape.v_head_dim or shape.hd
     x = h * a
-    norms = shape.layer_norms if kind.attention and kind.mlp else max(shape.layer_norms // 2, 1)
+    mixes = kind.attention is not None or kind.recurrent
+    norms = shape.layer_norms if mixes and kind.mlp else max(shape.layer_norms // 2, 1)
     g = norms * norm_per_token(shape, a) + max(norms - 2, 0) * x
-    if kind.attention is None:
+    if not mixes:
         return g
-    g += x  # the residual after attention (the next norm's input)
-    g += attention_graph_per_token(shape, a, method, world, ring_degree) - norm_per_token(shape, a)
-    return g + hq * vd * a  # the chunks' output, concatenated
+    if kind.mlp:
+        g += x  # the residual after the mixers (the next norm's input)
+    if kind.recurrent:
+        g += recurrent_saved_per_token(shape, a, world, device)
+    if kind.attention is not None:
+        g += attention_graph_per_token(shape, a, method, world, ring_degree) - norm_per_token(
+            shape, a)
+        g += hq * vd * a  # the chunks' output, concatenated
+    return g
+
+
+def states_held(shape: ModelShape, kind, s: int, method: str, world: int,
+                ring_degree: int | None) -> int:
+    """Bytes per sequence a recurrent layer's recompute graph holds besides G: every piece's
+    gathered (A, B) maps and the chained states (plan/recurrent.py ``state_bytes``, each);
+    0 on one device or for a layer without a recurrent mixer."""
+    from .recurrent import state_bytes
+
+    return 2 * state_bytes(shape, s, method, world, ring_degree) if kind.recurrent else 0
+
+
+def recurrent_half(shape: ModelShape, kind, s: int, a: int, method: str, world: int,
+                   ring_degree: int | None, keep_attention: bool, heads_per_chunk: int,
+                   device: str = "gpu") -> int:
+    """What a recurrent layer's backward holds at its mixer beyond the fused layer's attention
+    half (which may be negative: the fused half's R, dh, dx and head group are replaced):
+    the input norm's and the mixer's saved tensors, the mixer's gradients (the residual's in
+    and out: dh and dx) and the states' three copies; with attention beside the mixer
+    (Falcon-H1), the attention's graph too (module docstring)."""
+    from .recurrent import recurrent_saved_per_token, recurrent_transient_per_token
+    from .fused import group_per_token
+
+    r = results_per_token(shape, a, method, world, ring_degree)
+    rec = recurrent_saved_per_token(shape, a, world, device)
+    tr = recurrent_transient_per_token(shape, a, world)
+    states = 3 * states_held(shape, kind, s, method, world, ring_degree) // 2
+    if kind.attention is not None:  # both mixers: the attention half, and the mixer's own
+        return (s * (attention_graph_per_token(shape, a, method, world, ring_degree) - r
+                     + rec + tr - 2 * shape.hidden * a) + states)
+    q = group_per_token(shape, a, method, world, ring_degree, heads_per_chunk)
+    fused_part = (0 if keep_attention else r) + 2 * shape.hidden * a + q  # R, dh, dx, a group
+    return s * (norm_per_token(shape, a) + rec + tr - fused_part) + states
 
 
 def tile_per_token(shape: ModelShape, kind, a: int) -> int:
@@ -99,23 +154,50 @@ def tile_per_token(shape: ModelShape, kind, a: int) -> int:
 def generic_terms(shape: ModelShape, s: int, a: int, method: str, world: int,
                   checkpointing: str, mlp_tile: int, heads_per_chunk: int,
                   ring_degree: int | None = None, keep_every: int = 1, workspace=None,
-                  budget: int | None = None) -> FusedTerms:
+                  budget: int | None = None, device: str = "gpu") -> FusedTerms:
     """The generic layer's memory for s local tokens: plan/fused.py's terms with the
-    recompute graph G in place of the attention results (module docstring)."""
+    recompute graph G in place of the attention results (module docstring); each half the
+    largest over the layer kinds. ``device``: whose recurrent kernels' saved tensors count
+    (plan/recurrent.py ``recurrent_saved_per_token``)."""
     ft = fused_terms(shape, s, a, method, world, checkpointing, mlp_tile, heads_per_chunk,
                      ring_degree, keep_every, workspace=workspace, budget=budget)
     kinds = [k for k, _ in shape.layer_counts()]
-    g = max(graph_per_token(shape, k, a, method, world, ring_degree) for k in kinds)
     results = results_per_token(shape, a, method, world, ring_degree)
-    extra = s * max(g - results, 0)
-    extra_attention = s * max(attention_graph_per_token(shape, a, method, world, ring_degree)
-                              - results, 0)
+    keep_attention = checkpointing in ("attention", "none")
+
+    def fused_results(k) -> int:
+        # what G replaces in the fused MLP half: its attention results (for a layer without
+        # attention, the R the fused half counts unless it is kept, and so not counted there)
+        return results if k.attention is not None or not keep_attention else 0
+
+    extra = max(s * max(graph_per_token(shape, k, a, method, world, ring_degree, device)
+                        - fused_results(k), 0)
+                + states_held(shape, k, s, method, world, ring_degree) for k in kinds)
     t = min(mlp_tile, s)
     dense = 3 * shape.hidden * a + shape.hidden * (4 + 2 * a) + 6 * shape.intermediate * a
     tile = t * max((tile_per_token(shape, k, a) for k in kinds if k.mlp), default=dense)
-    return replace(ft, mlp_half=ft.mlp_half + extra + tile - t * dense,
-                   attention_half=ft.attention_half + extra_attention)
+    if not any(k.mlp for k in kinds):
+        tile = 0  # layers of mixers and norms only: nothing runs in tiles
+    attention = ft.attention_half + s * max(
+        attention_graph_per_token(shape, a, method, world, ring_degree) - results, 0)
+    half = attention if any(k.attention is not None and not k.recurrent for k in kinds) else 0
+    for k in kinds:
+        if k.recurrent:
+            # a mixer half with no attention buffers or kernel workspace: less them here, as
+            # the estimate adds them to the attention half (MemoryEstimate.attention_layer)
+            own = ft.attention_half + recurrent_half(shape, k, s, a, method, world,
+                                                     ring_degree, keep_attention,
+                                                     heads_per_chunk, device)
+            half = max(half, own if k.attention is not None
+                       else own - ft.buffers - ft.workspace)
+    stored = ft.stored
+    if keep_attention and keep_every == 1 and checkpointing != "offload":
+        # only the attention layers record their results (attention.saving): the others keep
+        # their input alone
+        stored -= s * results * shape.count(lambda k: k.attention is None)
+    return replace(ft, stored=stored, mlp_half=ft.mlp_half + extra + tile - t * dense,
+                   attention_half=max(half, 0))
 
 
 __all__ = ["attention_graph_per_token", "generic_terms", "graph_per_token", "norm_per_token",
-           "tile_per_token"]
+           "recurrent_half", "states_held", "tile_per_token"]

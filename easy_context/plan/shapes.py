@@ -71,14 +71,9 @@ class ModelShape:
 
     def maxlen_path(self, kind) -> str:
         """How max-length mode runs a layer of ``kind``: "fused", "generic" or a reason it
-        refuses (recurrent ones refused; else from :attr:`layer_paths`, else: the fused layer
-        for Llama-shaped layers of a fusable shape, the generic one for other attention
-        layers)."""
-        if kind.recurrent:
-            # max-length mode runs them (the generic path, the mixer whole), but the planner
-            # has no terms for a recurrent layer's tiles: refused here, not underestimated
-            return ("the planner has no max-length terms for recurrent mixers (max-length "
-                    "mode runs them; plan it untiled, or give --mlp-tile/--head-chunk numbers)")
+        refuses: from :attr:`layer_paths` (read from the built model), else the fused layer
+        for Llama-shaped layers of a fusable shape, the generic one for others (recurrent
+        mixers included: the generic path runs them whole, plan/generic.py prices them)."""
         for k, path in self.layer_paths:
             if k == kind:
                 return path

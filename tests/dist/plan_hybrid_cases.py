@@ -38,3 +38,38 @@ def measured_state_bytes(family: str, method: str, length: int) -> dict:
         scan_module.gather_shards, scan_module.reduce_scatter_into = gather, scatter
     return {"sent": sent["bytes"], "calls": sent["calls"], "rows": inputs.size(0),
             "config": base.config.to_dict(), "model_type": base.config.model_type}
+
+
+# benchmarks/hybrid.py's Qwen3-Next-shaped model (3 gated-DeltaNet layers, 1 attention layer,
+# hidden 64) with twice its recurrent heads, so that at a few thousand tokens the per-token
+# terms stand well above the few MB a CPU process adds per step that no tensor accounts for
+MAXLEN_HYBRID = dict(linear_num_key_heads=4, linear_num_value_heads=8)
+
+
+def maxlen_step_rise(length: int, tile: int, heads_per_chunk: int) -> int:
+    """Run in a fresh process started with MALLOC_MMAP_THRESHOLD_ (benchmarks/common.py): how
+    far the resident high-water mark rises in a steady-state fp32 training step (forward and
+    backward, after a 512-token warm-up step) of ``length`` tokens of the model above in
+    max-length mode (full checkpointing, one process). One length a process: a second step
+    would reuse the heap the first one left resident."""
+    import torch
+
+    import easy_context as ec
+    from benchmarks import hybrid
+    from easy_context.memory.maxlen import apply_max_length
+    from easy_context.memory.peak import PeakMemory
+
+    torch.set_num_threads(1)
+    hybrid.CONFIG.update(MAXLEN_HYBRID)  # this process only
+    model = hybrid.build_model().train()
+    apply_max_length(model, tile, heads_per_chunk, checkpointing="full")
+
+    def step(n: int) -> None:
+        inputs, positions, targets = hybrid.batch(n)
+        ec.causal_lm_loss(model, inputs, positions, targets, chunked=True).backward()
+
+    step(512)
+    model.zero_grad(set_to_none=True)
+    with PeakMemory("cpu") as pm:
+        step(length)
+    return pm.peak_bytes

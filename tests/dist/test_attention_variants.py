@@ -77,6 +77,18 @@ def test_a_window_sends_what_it_reads(dist2, dist4, world, method, ring_degree):
             rows = 3 if world == 2 else 6
             assert max(r["forward"] for r in sent) == rows * 2 * 2 * 8, sent
             assert max(r["backward"] for r in sent) == 2 * rows * 2 * 2 * 8, sent
+    # image spans of 6 tokens across each 16-row boundary (Gemma 3/4): their later keys
+    # travel too, as window_traffic(spans=...) counts them
+    spans = tuple((b - 3, b + 3) for b in range(16, length, 16))
+    sent = pool.run(sent_elements, method, 4, ring_degree=ring_degree, spans=spans)
+    assert all(r["exact"] for r in sent), sent
+    plan = window_traffic(method, AttentionDims(2, 2, 8), length, world, 4, a=1,
+                          ring_degree=ring_degree, lse_bytes=1, float32_bytes=1, spans=spans)
+    plain = window_traffic(method, AttentionDims(2, 2, 8), length, world, 4, a=1,
+                           ring_degree=ring_degree, lse_bytes=1, float32_bytes=1)
+    assert max(r["forward"] for r in sent) == plan["forward_bytes"], (sent, plan)
+    assert max(r["backward"] for r in sent) == plan["backward_bytes"], (sent, plan)
+    assert plan["forward_bytes"] > plain["forward_bytes"], (plan, plain)
 
 
 @pytest.mark.parametrize("world", [2, 4])

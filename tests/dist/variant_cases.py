@@ -14,8 +14,10 @@ import torch.distributed as dist
 import easy_context as ec
 
 
-def dense_attention(q, k, v, window=None, chunk=None, softcap=None, sinks=None, doc=None):
-    """float64 causal attention of (B, S, H, D) q and (B, S, Hkv, D/Dv) k, v, mask written out."""
+def dense_attention(q, k, v, window=None, chunk=None, softcap=None, sinks=None, doc=None,
+                    spans=()):
+    """float64 causal attention of (B, S, H, D) q and (B, S, Hkv, D/Dv) k, v, mask written out;
+    ``spans``: image spans (first, stop) of every row, whose tokens also see their later ones."""
     b, s, h, d = q.shape
     g = h // k.size(2)
     k, v = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
@@ -23,7 +25,10 @@ def dense_attention(q, k, v, window=None, chunk=None, softcap=None, sinks=None, 
     if softcap is not None:
         x = softcap * torch.tanh(x / softcap)
     i, j = torch.arange(s)[:, None], torch.arange(s)[None]
-    keep = (j <= i).expand(b, 1, s, s)
+    keep = j <= i
+    for first, stop in spans:  # a span's later keys: never out of a window (j > i)
+        keep = keep | ((i >= first) & (i < stop) & (j >= first) & (j < stop))
+    keep = keep.expand(b, 1, s, s)
     if window is not None:
         keep = keep & (i - j < window)
     if chunk is not None:
@@ -103,11 +108,12 @@ def check_variants(method: str, ring_degree: int | None = None, half: int = 6, s
 
 
 def sent_elements(method: str, window: int | None, half: int = 16, batch: int = 1,
-                  ring_degree: int | None = None) -> dict:
+                  ring_degree: int | None = None, spans: tuple = ()) -> dict:
     """Elements this rank hands to point-to-point sends (comm.Exchange.send) and sends in
     all-gather attention's collectives (its shard to N - 1 ranks; all of a reduce-scatter's
     input but its own part) in one forward and one backward of a layer with ``window``
-    (None: global), and whether it was exact (fp32, 1e-5 of the float64 reference's max)."""
+    (None: global) and image ``spans`` (the same in every row), and whether it was exact
+    (fp32, 1e-5 of the float64 reference's max)."""
     from easy_context.parallel import allgather, comm
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -115,7 +121,7 @@ def sent_elements(method: str, window: int | None, half: int = 16, batch: int = 
     gen = torch.Generator().manual_seed(7)
     q, k, v, dout = (torch.randn(batch, length, 2, 8, generator=gen) for _ in range(4))
     ref_in = [t.double().requires_grad_() for t in (q, k, v)]
-    ref = dense_attention(*ref_in, window=window)
+    ref = dense_attention(*ref_in, window=window, spans=spans)
     ref.backward(dout.double())
     shard = lambda t: ec.shard_sequence(t, method, rank, world, ring_degree=ring_degree)
     sp_in = [shard(t).detach().clone().requires_grad_() for t in (q, k, v)]
@@ -139,7 +145,9 @@ def sent_elements(method: str, window: int | None, half: int = 16, batch: int = 
     allgather.all_gather_into, allgather.reduce_scatter_into = gathering, scattering
     try:
         out = ec.sequence_parallel_attention(*sp_in, method=method, ring_degree=ring_degree,
-                                             sliding_window=window)
+                                             sliding_window=window,
+                                             image_spans=(tuple(spans),) * batch if spans
+                                             else None)
         forward, counts[0] = counts[0], 0
         out.backward(shard(dout))
         backward = counts[0]

@@ -158,28 +158,43 @@ def test_growth_matches_the_measured_benchmark():
                                                              measured / 2**20)
 
 
-def test_auto_does_not_tile_layers_the_fused_layer_does_not_run():
-    """Max-length mode's fused layers run attention + a dense MLP: --auto plans a hybrid
-    untiled (it used to offer MLP tiles for recurrent layers), and asking for tiles says why."""
+def test_auto_tiles_hybrids_on_the_generic_path():
+    """Max-length mode runs a hybrid's recurrent layers on its generic path (the mixer whole,
+    the MLP or experts in tiles), and the planner prices them there (plan/generic.py; issue
+    42: it used to refuse, "no max-length terms for recurrent mixers", and --auto planned
+    hybrids untiled only). --auto now tiles Qwen3-Next past what fits untiled, and an
+    explicit tiled estimate is planned, below the untiled one at a long length. (The terms
+    against measurement: tests/unit/test_plan_generic.py, tests/dist/test_plan_hybrid.py.)"""
+    from dataclasses import replace
+
     from easy_context.plan.auto import plan_for_length, plan_longest
     from easy_context.plan.estimate import GIB
 
     qwen = shape_from_config(AutoConfig.for_model("qwen3_next"), "Qwen3-Next", check=False)
     assert not qwen.fusable and load_shape("Llama-3-8B").fusable
-    longest = plan_longest(qwen, 8, 80 * GIB, host_bytes=256 * GIB, granularity=65536)
-    half = plan_for_length(qwen, longest.seq_len // 2, 8, 80 * GIB, host_bytes=256 * GIB)
-    for plan in (longest, half):
-        assert plan.setup is not None and not plan.setup.fused, plan.setup
-    with pytest.raises(ValueError, match="plan it untiled"):
-        estimate_memory(qwen, 65536, 8, "zigzag_ring_attn", mlp_tile=1024)
+    assert qwen.tileable and {p for _, p in qwen.maxlen_paths()} == {"generic"}
+    kw = dict(host_bytes=256 * GIB, granularity=65536)
+    longest = plan_longest(qwen, 8, 80 * GIB, **kw)
+    # the same search with max-length mode ruled out: what --auto planned before
+    untiled = plan_longest(replace(qwen, layer_paths=tuple(
+        (k, "not run") for k, _ in qwen.maxlen_paths())), 8, 80 * GIB, **kw)
+    assert longest.setup.fused and not untiled.setup.fused, (longest.setup, untiled.setup)
+    assert longest.seq_len > untiled.seq_len and longest.estimate.total <= 80 * GIB
+    plan = plan_for_length(qwen, longest.seq_len, 8, 80 * GIB, host_bytes=256 * GIB)
+    assert plan.setup is not None and plan.setup.fused, plan.setup
     # with the layers' own paths read from the (meta-built) model, as `plan` and `train` read
-    # them: max-length mode runs a recurrent layer on its generic path, but the planner has no
-    # terms for it, so it refuses rather than price it as an attention layer
+    # them: the tiny Qwen3-Next's recurrent and attention layers both take the generic path
     built = shape_from_config(tiny_qwen3_next().config, "tiny Qwen3-Next")
-    assert any(p == "generic" for _, p in built.layer_paths)
-    assert not built.tileable
-    with pytest.raises(ValueError, match="no max-length terms for recurrent mixers"):
-        estimate_memory(built, 4096, 2, "zigzag_ring_attn", mlp_tile=256)
+    assert built.tileable and {p for _, p in built.layer_paths} == {"generic"}
+    assert "recurrent + MLP: generic" in built.describe_paths()
+    tiled = estimate_memory(built, 65536, 2, "zigzag_ring_attn", mlp_tile=256)
+    whole = estimate_memory(built, 65536, 2, "zigzag_ring_attn")
+    assert tiled.mlp_tile == 256 and tiled.total < whole.total
+    # a layer max-length mode does not run still refuses the tiled estimate, by its reason
+    refused = replace(built, layer_paths=tuple((k, "its MLP is inside a shared block")
+                                               for k, _ in built.layer_paths))
+    with pytest.raises(ValueError, match="shared block.*plan it untiled"):
+        estimate_memory(refused, 4096, 2, "zigzag_ring_attn", mlp_tile=256)
 
 
 def test_gpu_delta_rule_kernel_keeps_its_chunk_matrix_only():

@@ -82,3 +82,29 @@ def test_zigzag_sends_window_rows_to_their_reader_not_round_the_ring():
                            a=1)
         assert t["forward_bytes"] == 6 * 32, (world, t)
         assert t["backward_bytes"] == (6 + 6) * 32, (world, t)  # again, and dK/dV partials
+
+
+@pytest.mark.parametrize("method,steps,more", [("zigzag_ring_attn", (4, 4), 0.126),
+                                               ("ring_attn", (2, 4), 0.126),
+                                               ("dist_flash_attn", (2, 3), 0.126),
+                                               ("allgather_attn", (None, None), 0.126)])
+def test_image_spans_across_a_shard_boundary_send_their_later_keys(method, steps, more):
+    """Gemma 3/4's image spans let a window layer's queries read the later keys of their
+    span: where a span straddles a shard boundary those keys travel too (12.6% more here;
+    contiguous ring runs every step for them, 4 of 4 instead of 2), where none does nothing
+    changes (4,096 tokens on 4 ranks, window 128, 32-token images; the element-for-element
+    check against the sends: tests/dist/test_attention_variants.py). The planner, which has
+    an image-token count but not where the images sit, leaves this out (docs/guides/planner.md)."""
+    from easy_context.parallel.method import AttentionDims
+
+    length, world, window, image = 4096, 4, 128, 32
+    half = length // world // 2
+    inside = tuple((i + 3, i + 3 + image) for i in range(0, length, half))
+    straddling = tuple((i - image // 2, i + image // 2) for i in range(half, length, half))
+    dims = AttentionDims(8, 4, 256)
+    plain, kept, crossed = (window_traffic(method, dims, length, world, window, 2, spans=sp)
+                            for sp in ((), inside, straddling))
+    assert kept == plain
+    assert (plain["steps"], crossed["steps"]) == steps
+    assert crossed["forward_bytes"] == pytest.approx((1 + more) * plain["forward_bytes"],
+                                                     rel=0.005), (crossed, plain)
