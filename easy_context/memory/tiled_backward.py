@@ -53,7 +53,7 @@ from typing import Callable
 import torch
 
 from ..attention.saving import recording, replaying
-from .fused_layer import tiles
+from .fused_layer import _grad, tiles
 
 Tensor = torch.Tensor
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ def _intercepting(fn: Callable):
 
 def cut_rows(kwargs: dict, rows: slice, length: int, keep: tuple = ()) -> dict:
     """The layer's keyword arguments for the tokens ``rows`` of ``length``: the per-token ones
-    (SEQUENCE_DIMS, and the tensors requiring grad along dim 1) cut; ``keep`` as they are.
+    (SEQUENCE_DIMS) cut; ``keep`` (the caller's own cuts) as they are.
     Raises Unfit for another tensor with a dimension of ``length`` (a per-token argument of
     unknown layout) or an attention mask (the tiles' forwards make no attention call)."""
     def cut(value, dim):
@@ -132,12 +132,10 @@ def _add(total: list, got) -> None:
 
 
 def _grads(outputs, inputs: list, wants) -> list:
-    """torch.autograd.grad over the inputs that require grad, None for the others."""
-    live = [i for i in inputs if i is not None and i.requires_grad]
-    if not live:
+    """fused_layer._grad (None for the inputs that need no grad), also when none does."""
+    if not any(i is not None and i.requires_grad for i in inputs):
         return [None] * len(inputs)
-    res = iter(torch.autograd.grad(outputs, live, wants, allow_unused=True))
-    return [next(res) if i is not None and i.requires_grad else None for i in inputs]
+    return _grad(outputs, inputs, wants)
 
 
 def _tile_inputs(x: Tensor, extras: dict, rows: slice) -> tuple[Tensor, dict]:
