@@ -166,10 +166,11 @@ class _Sums:
 
 
 def split_grads(call: Callable, x: Tensor, extras: dict, params: list, dy: Tensor, tile: int,
-                attention: Callable, differentiate: Callable) -> tuple[list, Tensor]:
+                attention: Callable, differentiate: Callable,
+                output: bool = False) -> tuple[list, Tensor | None]:
     """Gradients of the layer's output w.r.t. (x, *extras, *params) from ``dy`` (None for
-    those not requiring grad), in the passes of the module docstring, and the output
-    (B, S, H) (the probe compares it). ``call(x, rows, **override)`` runs the layer's
+    those not requiring grad), in the passes of the module docstring, and with ``output``
+    the layer's output (B, S, H) (the probe compares it), else None. ``call(x, rows, **override)`` runs the layer's
     forward on x, the tokens ``rows`` of its arguments; ``attention(q, k, v, calls)`` -> the
     output's head chunks [(B, S, hc, Dv)] (pass 0; ``calls``: the layer's own head-chunked
     calls, generic_layer.chunk_calls); ``differentiate(q, k, v, douts, params)`` ->
@@ -215,7 +216,8 @@ def split_grads(call: Callable, x: Tensor, extras: dict, params: list, dy: Tenso
             for dst, part in zip(douts, res[0].split(widths, dim=2)):
                 dst[:, t] = part
         sums.add(res[1:], t)
-        ys.append(y.detach())
+        if output:
+            ys.append(y.detach())
         del leaf, y, res
     del outs
     dq, dk, dv, dparams = differentiate(q, k, v, douts, params)  # pass 2
@@ -241,7 +243,7 @@ def split_grads(call: Callable, x: Tensor, extras: dict, params: list, dy: Tenso
         if pairs:
             sums.add(_grads([o for o, _ in pairs], [xt, *et.values(), *params],
                             [w for _, w in pairs]), t)
-    return sums.result(), torch.cat(ys, dim=1)
+    return sums.result(), torch.cat(ys, dim=1) if output else None
 
 
 def chunked(record: list, replay: bool) -> tuple[Callable, Callable]:
@@ -332,7 +334,7 @@ def _probe(call: Callable, x: Tensor, extras: dict, params: list) -> str | None:
             y = call(xp, slice(0, n), **ep)
         want = _grads(y, [xp, *ep.values(), *params], dy)
         have, y2 = split_grads(call, xp.detach().requires_grad_(True), ep, params, dy,
-                               n // 2, *_stand_in_pair())
+                               n // 2, *_stand_in_pair(), output=True)
     except (Unfit, _Stop) as e:
         return str(e) or "its forward stopped early"
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
