@@ -69,8 +69,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..attention.saving import recording, replaying
-from .fused_layer import _grad, head_chunks, tiles
 from . import tiled_backward
+from .fused_layer import _grad, head_chunks, tiles
 from .layer_check import state_carrying_layers
 
 Tensor = torch.Tensor
@@ -618,7 +618,7 @@ def chunk_calls(module: nn.Module, query: Tensor, key: Tensor, attention_mask, k
     heads, kv_heads = query.size(1), key.size(1)
     if per_chunk >= heads:
         return [(slice(0, heads), slice(0, kv_heads),
-                 lambda q, k, v: inner(module, q, k, v, attention_mask, **kwargs))]
+                 functools.partial(_call_inner, inner, module, attention_mask, kwargs))]
     odd = [k for k, v in kwargs.items() if k != "s_aux" and isinstance(v, Tensor)
            and v.dim() == 1 and v.numel() == heads]
     if odd:
