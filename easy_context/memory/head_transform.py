@@ -72,11 +72,73 @@ def head_transform(model: nn.Module) -> tuple[nn.Linear, HeadTransform] | tuple[
     return (None, reason) if reason else (head, transform)
 
 
+class VocabScale:
+    """A head whose logits are its linear projection times a factor per vocabulary entry,
+    ``(h @ W.T + b) * c`` with c (V,) computed from its other parameters (Dory's learned
+    ``logit_scale``). The chunked loss runs the projection ``W * c[:, None]`` (and ``b * c``):
+    the same logits up to rounding, and autograd hands the gradient of W on to c."""
+
+    def __init__(self, head: nn.Linear):
+        self.head = head
+
+    def factor(self) -> Tensor:
+        """c (V,), with autograd to the head's parameters: the head's own forward on one
+        token of 1.0 through an all-ones (V, 1) projection, no bias, gives c times 1."""
+        head, params = self.head, self.head._parameters
+        saved = {k: params[k] for k in ("weight", "bias") if k in params}
+        w = head.weight
+        params["weight"] = torch.ones(head.out_features, 1, dtype=w.dtype, device=w.device)
+        if "bias" in params:
+            params["bias"] = None
+        try:
+            c = head.forward(torch.ones(1, 1, dtype=w.dtype, device=w.device))  # (1, V)
+        finally:
+            params.update(saved)
+        return c.reshape(-1)
+
+    def projection(self) -> tuple[Tensor, Tensor | None]:
+        """(W * c[:, None], b * c | None): the head as one linear layer, this step's weights."""
+        head = self.head
+        c = self.factor()
+        weight = head.weight * c.unsqueeze(1).to(head.weight.dtype)  # (V, H)
+        bias = None if head.bias is None else head.bias * c.to(head.bias.dtype)
+        return weight, bias
+
+
+def vocab_scaled_head(model: nn.Module) -> tuple[nn.Linear, VocabScale] | tuple[None, str]:
+    """(the output head, its per-vocabulary factor) for a model whose logits are a linear
+    layer's output times a factor per vocabulary entry that the head computes itself (a
+    ``nn.Linear`` subclass with a forward of its own and parameters beside ``weight`` and
+    ``bias``, Dory's ``DoryLMHead``); or (None, why not). Checked against the model's own
+    forward on random hidden states (the decoder stubbed out), where the weights are whole
+    and local: a factor that depends on the hidden states, or anything but a product, fails."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear) or type(head).forward is nn.Linear.forward:
+        return None, "its head is not a linear layer with a forward of its own"
+    if not {n for n, _ in head.named_parameters()} - {"weight", "bias"}:
+        return None, "its head has no parameters beside the projection's"
+    decoder = decoder_of(model)
+    if any(child is not head and not any(m is decoder for m in child.modules())
+           and any(True for _ in child.parameters()) for child in model.children()):
+        return None, "it has parts with weights beside the decoder and the head"
+    scale = VocabScale(head)
+    reason = _head_probe(model, decoder, head, lambda h: nn.functional.linear(
+        h, *scale.projection()), [p for _, p in head.named_parameters()],
+        "its projection times a factor per vocabulary entry")
+    return (None, reason) if reason else (head, scale)
+
+
 def _head_probe(model: nn.Module, decoder: nn.Module, head: nn.Linear,
-                transform: HeadTransform) -> str | None:
+                transform, params: list | None = None,
+                what: str = "the projection of its other parts' per-token transform"
+                ) -> str | None:
+    """Whether ``transform(h)`` (a HeadTransform, run before the projection; or a callable
+    giving the logits) gives the model's own logits for random hidden states h."""
     from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
 
-    params = [head.weight, *transform.parameters()]
+    logits_of = (transform if not isinstance(transform, HeadTransform) else
+                 lambda h: nn.functional.linear(transform(h), head.weight, head.bias))
+    params = [head.weight, *transform.parameters()] if params is None else params
     if any(q.is_meta or hasattr(q, "ds_id") or type(q.data) is not torch.Tensor
            or not q.is_floating_point() for q in params):
         return None  # not whole here: the structure alone
@@ -92,7 +154,7 @@ def _head_probe(model: nn.Module, decoder: nn.Module, head: nn.Linear,
         model.train(False)
         with torch.no_grad():
             want = model(input_ids=ids, use_cache=False).logits.float()
-            got = nn.functional.linear(transform(h), head.weight, head.bias).float()
+            got = logits_of(h).float()
     except Exception as e:  # noqa: BLE001  (a head the stub cannot drive: not this shape)
         return f"its head could not be run on its own ({type(e).__name__})"
     finally:
@@ -102,9 +164,8 @@ def _head_probe(model: nn.Module, decoder: nn.Module, head: nn.Linear,
         else:
             decoder.forward = had
     if got.shape != want.shape:
-        return "its logits are not the projection of a per-token transform"
+        return f"its logits are not {what} (shapes differ)"
     err = float((got - want).abs().max() / want.abs().max().clamp(min=1e-12))
     tol = 1e-4 if head.weight.dtype in (torch.float32, torch.float64) else 5e-2
     return None if err <= tol else (
-        f"its logits are not the projection of its other parts' per-token transform "
-        f"({err:.1e} apart on random hidden states)")
+        f"its logits are not {what} ({err:.1e} apart on random hidden states)")

@@ -58,7 +58,7 @@ from . import fused_layer, generic_layer, recomputed
 from ..utils.decoder import decoder_of
 from .fused_layer import FusedLayer, LayerSpec, Run, head_chunks
 from .generic_layer import GenericLayer, GenericRun
-from .head_transform import head_transform
+from .head_transform import head_transform, vocab_scaled_head
 from .layer_check import fused_layer_mismatch, state_carrying_layers
 from .offload import DeviceStorage, LayerStorage
 
@@ -83,8 +83,11 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 def layer_list(model: nn.Module) -> nn.ModuleList:
     """The decoder's list of layers: its ``layers``, or else its one ``nn.ModuleList`` (not
     inside another: GPT-2's ``h``, DBRX's ``blocks``, BERT's ``encoder.layer``) of as many
-    modules as the config has layers. Two such lists (HRM's two stacks, run in turns) or none:
-    a ValueError."""
+    modules as the config has layers. Where there is none, its lists of transformers decoder
+    layers (``GradientCheckpointingLayer``s, all of one class), one after the other: HRM's two
+    stacks, each layer run several times per forward (its config counts the calls), where
+    every call keeps its own input (_State.enter refuses what would not). Two lists of as many
+    layers as the config has, or no list of layers: a ValueError."""
     decoder = decoder_of(model)
     layers = getattr(decoder, "layers", None)
     if isinstance(layers, nn.ModuleList) and len(layers):
@@ -98,11 +101,19 @@ def layer_list(model: nn.Module) -> nn.ModuleList:
             continue  # a layer's own lists (experts) are not the decoder's
         stack += [(f"{name}.{n}", m) for n, m in module.named_children()]
     found = [m for _, m in lists if len(m) and (want is None or len(m) == want)]
+    if not found:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        stacks = [m for _, m in lists if len(m) and all(
+            isinstance(layer, GradientCheckpointingLayer) for layer in m)]
+        if stacks and len({type(layer) for m in stacks for layer in m}) == 1:
+            return nn.ModuleList([layer for m in stacks for layer in m])  # not registered
     if len(found) != 1:
         seen = ", ".join(f"{n} ({len(m)})" for n, m in lists) or "none"
         raise ValueError(f"max-length mode: cannot tell {type(decoder).__name__}'s list of "
-                         f"decoder layers: one list of its {want} layers, run once each, is "
-                         f"needed (its lists: {seen}); train this model without "
+                         f"decoder layers: one list of its {want} layers, or lists of decoder "
+                         f"layers of one class, is needed (its lists: {seen}); train this "
+                         "model without "
                          "--mlp-tile/--head-chunk")
     return found[0]
 
@@ -125,12 +136,12 @@ def final_norm(model: nn.Module) -> nn.Module | None:
     norm = getattr(decoder, "norm", None)
     if isinstance(norm, nn.Module):
         return norm
-    layers = layer_list(model)
+    layers = {id(layer) for layer in layer_list(model)}
     norms, others = [], []
     for name, child in decoder.named_children():
         if not any(True for _ in child.parameters()):
             continue
-        if any(m is layers for m in child.modules()) or any(
+        if any(id(m) in layers for m in child.modules()) or any(
                 isinstance(m, nn.Embedding) for m in child.modules()):
             continue  # the layers, or what feeds them (embeddings, their norms)
         (norms if _is_norm(child) else others).append(child)
@@ -325,14 +336,42 @@ class _State:
         self.last_output = None  # the last layer's output in this forward, until normed
         self.final_norm = None  # the norm the loss applies (final_norm), or None
         self.folded = None  # what that norm passed on un-normed in this forward (the loss's)
-        # (projection, per-token transform) of a BERT-style head (memory.head_transform)
+        # (projection, per-token transform | None) of a BERT-style head or of a head with a
+        # factor per vocabulary entry (memory.head_transform)
         self.head: tuple | None = None
+        self.vocab_scale = None  # that factor (head_transform.VocabScale), or None
+        self.previous = None  # (index, output) of the layer that ran last in this forward
+
+    def start(self) -> None:
+        """A decoder forward begins (a forward pre-hook on the decoder, _watch_decoder)."""
+        self.last_output = self.folded = self.previous = None
+
+    def enter(self, index: int, x: torch.Tensor, layer: nn.Module) -> None:
+        """Refuse a layer call that the layer storage would get wrong. LayerStorage
+        (offload, keep_every > 1) keeps one input per layer index, and the nested recompute
+        (keep_every > 1) regenerates a layer's input by running the layer before it: each
+        layer must run once per decoder forward, in order, and (keep_every > 1) on the
+        previous layer's output as it is. Decoders that run layers more than once (Dory's
+        recurrent section) or change the hidden states between layers (Dory's norms between
+        its sections) train with the input of every call kept (DeviceStorage)."""
+        if not isinstance(self.storage, LayerStorage):
+            return
+        what = (f"max-length mode: layer {index} ({type(layer).__name__}) runs after "
+                f"{'no layer' if self.previous is None else f'layer {self.previous[0]}'} in "
+                "one forward")
+        if index != (0 if self.previous is None else self.previous[0] + 1):
+            raise ValueError(f"{what}: the decoder runs layers more than once or out of order, "
+                             "and --checkpointing offload and --keep-every keep one input per "
+                             "layer; use --checkpointing full or attention with --keep-every 1")
+        if self.keep_every > 1 and index and not _same(x, self.previous[1]):
+            raise ValueError(f"{what}, on another input than that layer's output (the decoder "
+                             "changes it between them): the nested recompute would regenerate "
+                             "it without that change; use --keep-every 1")
 
     def output(self, index: int, y: torch.Tensor) -> torch.Tensor:
         """Note the last layer's output (the one input of the final norm that the loss
-        applies instead, _fold_final_norm); a first layer starts a new forward."""
-        if index == 0:
-            self.last_output = self.folded = None
+        applies instead, _fold_final_norm), and this layer as the one that ran last."""
+        self.previous = (index, y)
         if index == self.layers - 1:
             self.last_output = y
         return y
@@ -355,6 +394,7 @@ def _fused_forward(self, hidden_states, *args, attention_mask=None, position_ids
         return self._ec_original_forward(hidden_states, *args, attention_mask=attention_mask,
                                          position_ids=position_ids,
                                          position_embeddings=position_embeddings, **kwargs)
+    state.enter(index, hidden_states, self)
     attn_kwargs = {k: v for k, v in kwargs.items() if k not in _CACHE_KEYS}
     attn_kwargs["position_ids"] = position_ids
     cos, sin = position_embeddings
@@ -402,6 +442,7 @@ def _generic_forward(self, hidden_states, *args, **kwargs):
         # generation with a cache: the layer as it was
         return self._ec_original_forward(hidden_states, **kwargs)
     kwargs = {k: v for k, v in kwargs.items() if k not in _CACHE_KEYS}
+    state.enter(index, hidden_states, self)
     # tensors that require grad (Gemma 4's per_layer_input) go in as inputs of the recompute
     grads = tuple(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad)
     tables = None
@@ -513,8 +554,9 @@ def apply_max_length(model: nn.Module, mlp_tile: int, heads_per_chunk: int,
             layer._ec_input_hook = layer.register_forward_pre_hook(_input_takes_grad,
                                                                    with_kwargs=True)
     state.paths = paths
+    _watch_decoder(model, state)
     _fold_final_norm(model, state)
-    state.head = _transform_head(model)
+    state.head = _transform_head(model, state)
     _tile_rotary(model)
     state.embedding = recomputed.watch(
         model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None,
@@ -526,16 +568,25 @@ def apply_max_length(model: nn.Module, mlp_tile: int, heads_per_chunk: int,
     return model
 
 
-def _transform_head(model: nn.Module) -> tuple | None:
-    """(projection, per-token transform) where the logits are not a plain linear layer of
-    the decoder's output but a BERT-style head (memory.head_transform); None otherwise."""
+def _transform_head(model: nn.Module, state: "_State") -> tuple | None:
+    """(projection, per-token transform | None) where the logits are not a plain linear
+    layer of the decoder's output but a BERT-style head (memory.head_transform), or a head
+    that scales each vocabulary entry's logit (its VocabScale, in state.vocab_scale); None
+    otherwise."""
     head, transform = head_transform(model)
-    return None if head is None else (head, transform)
+    if head is not None:
+        return head, transform
+    head, scale = vocab_scaled_head(model)
+    if head is None:
+        return None
+    state.vocab_scale = scale
+    return head, None
 
 
 def max_length_head(model: nn.Module) -> tuple:
-    """(projection, per-token transform) of the model's BERT-style head in max-length mode,
-    which the chunked loss applies chunk by chunk; (None, None) otherwise."""
+    """(projection, per-token transform | None) of the model's BERT-style head, or of a head
+    with a factor per vocabulary entry, in max-length mode, which the chunked loss applies
+    chunk by chunk; (None, None) otherwise."""
     state = max_length_settings(model)
     return (None, None) if state is None or state.head is None else state.head
 
@@ -595,6 +646,15 @@ def _same(a, b) -> bool:
                    and a.stride() == b.stride()))
 
 
+def _watch_decoder(model: nn.Module, state: _State) -> None:
+    """Every decoder forward starts afresh (_State.start), whatever its layers do."""
+    decoder = decoder_of(model)
+    old = decoder.__dict__.get("_ec_start_hook")
+    if old is not None:
+        old.remove()  # an earlier apply_max_length's state
+    decoder._ec_start_hook = decoder.register_forward_pre_hook(lambda *_: state.start())
+
+
 def _fold_final_norm(model: nn.Module, state: _State) -> None:
     norm = state.final_norm = final_norm(model)
     if norm is None:  # the decoder applies its own, and the loss takes its output
@@ -606,20 +666,25 @@ def _fold_final_norm(model: nn.Module, state: _State) -> None:
 
     def forward(self, hidden_states):
         # Inside max_length_loss the loss applies this norm chunk by chunk to the last
-        # layer's output. Other calls (NanoChat norms its embeddings with it too, before
-        # the layers) run it; one on anything else once the layers have run would be
-        # normed twice, and is refused.
+        # layer's output, when that is what it gets. Any other input is normed here, as the
+        # decoder does without max-length mode: what the decoder hands it before the layers
+        # (NanoChat norms its embeddings with it too), or what the decoder makes of the last
+        # layer's output first (Gemma 3n combines its AltUp streams, a per-token transform
+        # with weights of its own): the fold is off for that forward and the loss takes the
+        # decoder's output, normed, as where there is no final norm to fold.
         state = self._ec_state
-        if not _SKIP_FINAL_NORM.get():
+        if not _SKIP_FINAL_NORM.get() or state.last_output is None:
             if _same(hidden_states, state.last_output):
                 state.last_output = None  # not kept past its forward
             return self._ec_original_forward(hidden_states)
-        if state.last_output is None:
-            return self._ec_original_forward(hidden_states)
         if not _same(hidden_states, state.last_output):
-            raise ValueError("max-length mode: the decoder changes the last layer's output "
-                             "before its final norm, which the loss applies; train this "
-                             "model without --mlp-tile/--head-chunk")
+            state.last_output = None  # the decoder transformed it: nothing is folded
+            return self._ec_original_forward(hidden_states)
+        if state.folded is not None:
+            # the decoder went on from an earlier output of its last layer, un-normed here
+            raise ValueError("max-length mode: the decoder runs its last layer and its final "
+                             "norm more than once in one forward (its layers run again after "
+                             "the norm); train this model without --mlp-tile/--head-chunk")
         state.last_output = None
         state.folded = hidden_states  # max_length_loss checks the decoder returns it as is
         return hidden_states
@@ -677,6 +742,7 @@ def max_length_loss(model: nn.Module, head: nn.Linear, input_ids, position_ids, 
     from .tiled_loss import normed_chunked_cross_entropy
 
     state = max_length_settings(model)
+    state.start()  # as the decoder's forward pre-hook does, should a wrapper bypass it
     with final_norm_skipped():
         hidden = decoder_of(model)(input_ids=input_ids, position_ids=position_ids,
                                      use_cache=False, **extra).last_hidden_state
@@ -689,10 +755,13 @@ def max_length_loss(model: nn.Module, head: nn.Linear, input_ids, position_ids, 
     pre = _PreHead(norm, head_transform)
     for module in pre.parts:
         unshard_for_direct_use(module)  # read directly, never called
+    weight, bias = head.weight, head.bias
+    if state.vocab_scale is not None and state.vocab_scale.head is head:
+        weight, bias = state.vocab_scale.projection()  # (V, H): W times each entry's factor
     # the last layer's output, which nothing but the loss reads, takes its own gradient; the
     # output of a norm the decoder applied itself may be saved by that norm's backward
-    return normed_chunked_cross_entropy(hidden, pre, head.weight, target_ids,
-                                        head.bias, chunk_size=chunk_size, group=group,
+    return normed_chunked_cross_entropy(hidden, pre, weight, target_ids,
+                                        bias, chunk_size=chunk_size, group=group,
                                         num_items_in_batch=num_items_in_batch, transform=transform,
                                         overwrite_hidden=folded is not None, stats=stats)
 
@@ -724,5 +793,5 @@ def loss_modules(model: nn.Module) -> list[nn.Module]:
     state = max_length_settings(model)
     norm = state.final_norm if state is not None else final_norm(model)
     head = state.head if state is not None else None
-    extra = [head[0], *head[1].parts] if head is not None else []
+    extra = [head[0], *(head[1].parts if head[1] is not None else ())] if head is not None else []
     return [m for m in (norm, *extra) if m is not None]

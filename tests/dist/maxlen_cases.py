@@ -50,7 +50,18 @@ def tiny(family: str, seed: int = 0, **overrides):
         config = AutoConfig.for_model(family, **{**SHAPE, **FAMILIES.get(family, {}), **overrides})
         attn = "sdpa"
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attn).float()
+    return _drawn_logit_scale(AutoModelForCausalLM.from_config(config,
+                                                               attn_implementation=attn).float())
+
+
+def _drawn_logit_scale(model):
+    """A learned per-vocabulary logit scale (Dory's head) starts at 1 for every entry: drawn
+    between 0.5 and 2 here, so that a dropped or misplaced factor shows."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("logit_scale"):
+                p.mul_(torch.empty_like(p).uniform_(0.5, 2.0))
+    return model
 
 
 # A reference gradient below this fraction of the model's largest is zero but for fp32
@@ -305,6 +316,15 @@ def tiled_layer_runs(family: str, **overrides) -> tuple[int, int]:
     finally:
         del maxlen.GenericLayer.apply, maxlen.FusedLayer.apply
     return len(runs), len(maxlen.decoder_layers(model))
+
+
+def max_length_step_error(family: str, method: str, case: tuple, **overrides) -> str:
+    """The ValueError one max-length step (check_max_length) raises for this case."""
+    try:
+        check_max_length(family, method, [case], overrides=overrides)
+    except ValueError as e:
+        return str(e)
+    return "no error"
 
 
 def max_length_error(family: str, method: str, chunk: int, ring_degree: int | None = None,

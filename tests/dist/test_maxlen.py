@@ -13,7 +13,8 @@ from easy_context.memory.generic_layer import mlp_mismatch
 from easy_context.memory.maxlen import decoder_layers, path_for
 
 from .maxlen_cases import (DROP, check_against_plain, check_max_length, fused_layer_work,
-                           generic_calls, max_length_error, paths_of, tiled_backward_verdicts,
+                           generic_calls, max_length_error, max_length_step_error, paths_of,
+                           tiled_backward_verdicts,
                            tiled_layer_runs, tiny)
 
 TOL = 1e-5
@@ -162,6 +163,13 @@ GPT2 = dict(n_inner=112, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
 FALCON = dict(head_dim=DROP, num_kv_heads=4, new_decoder_architecture=True, hidden_dropout=0.0,
               attention_dropout=0.0)
 GEMMA4 = dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=97, pad_token_id=0)
+# Gemma 3n: four AltUp streams through every layer (predict, correct, per-layer inputs, LAuReL),
+# combined after the last layer (unembedding projections, magnitudes, mean) before the final
+# norm: that norm is not folded (the decoder applies it, the loss takes its output); a
+# sparsified MLP (top-k of its activations per token) in layer 0
+GEMMA3N = dict(GEMMA4, num_kv_shared_layers=0, laurel_rank=4, sliding_window=7,
+               layer_types=["sliding_attention", "full_attention"],
+               activation_sparsity_pattern=[0.95, 0.0])
 BERT = dict(is_decoder=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
             pad_token_id=0)
 # Feed-forwards inline in the layer's forward (fc1 -> activation -> fc2 on children, no MLP
@@ -182,7 +190,7 @@ WHISPER = dict(dropout=0.0, d_model=64, decoder_layers=2, decoder_attention_head
     # one rank only: at 2 ranks plain sequence parallelism is itself 2e-5 off this family's
     # one-process fp32 gradients (its fp32 rounding, amplified; max-length mode gives the
     # very same numbers as plain SP there)
-    ("gemma4_text", GEMMA4, False)])
+    ("gemma4_text", GEMMA4, False), ("gemma3n_text", GEMMA3N, True)])
 def test_other_decoders(dist1, dist2, family, overrides, two_ranks):
     runs, layers = dist1.run(tiled_layer_runs, family, **overrides)[0]
     assert runs == layers, f"{runs} of {layers} layers ran max-length mode's forward"
@@ -287,6 +295,57 @@ def test_layers_sharing_kv_every_kind(dist1, dist2, method):
                  (4, 2, "attention", 1)]
     _assert_against_plain(pool.run(check_against_plain, "gemma4_text", method, cases,
                                    overrides=GEMMA4_SHARED))
+
+
+# Dory: its head scales each vocabulary entry's logit by a learned factor (DoryLMHead's
+# logit_scale, drawn here: maxlen_cases._drawn_logit_scale), which the chunked loss folds into
+# the projection; L2 norms between its input, recurrent and output sections (so a layer's
+# input is not the previous layer's output), and its recurrent section run twice.
+DORY = dict(n_input_layers=1, n_output_layers=1, pad_token_id=0)  # no recurrent layer
+DORY_LOOPS = dict(DORY, num_hidden_layers=3)  # layer 1 recurrent: runs twice per forward
+
+
+@pytest.mark.parametrize("overrides", [DORY, DORY_LOOPS], ids=["sections", "loops"])
+def test_dory(dist1, dist2, overrides):
+    cases = [(5, 1, "full", 1), (4, 2, "attention", 1)]
+    _assert(dist1.run(check_max_length, "dory", "local", cases, overrides=overrides))
+    _assert(dist2.run(check_max_length, "dory", "zigzag_ring_attn", cases[:1],
+                      overrides=overrides))
+    # the nested recompute would run layer 0 to regenerate layer 1's input (the decoder
+    # norms it in between), and offload keeps one input per layer (layer 1 runs twice)
+    nested = dist1.run(max_length_step_error, "dory", "local", (6, 2, "full", 2), **overrides)[0]
+    assert "on another input than that layer's output" in nested and "--keep-every 1" in nested
+    if overrides is DORY_LOOPS:
+        twice = dist1.run(max_length_step_error, "dory", "local", (3, 2, "offload", 1),
+                          **overrides)[0]
+        assert "runs after layer 1" in twice and "more than once" in twice
+
+
+# HRM: two stacks of 2 layers (L and H), run in turns: per H cycle 2 L cycles (the first
+# without grad: its one-step gradient trick) and then the H stack, twice; each layer runs
+# 6 times per forward, 4 of them with grad, each call's input kept.
+HRM = dict(num_hidden_layers=12, num_layers_per_stack=2, H_cycles=2, L_cycles=2,
+           L_bp_cycles=[1], pad_token_id=0)
+
+
+def test_hrm_layers_run_several_times(dist1, dist2):
+    assert dist1.run(paths_of, "hrm_text", **HRM)[0] == ["generic"] * 4
+    cases = [(5, 1, "full", 1), (4, 2, "attention", 1)]
+    _assert(dist1.run(check_max_length, "hrm_text", "local", cases, overrides=HRM))
+    _assert(dist2.run(check_max_length, "hrm_text", "zigzag_ring_attn", cases[:1],
+                      overrides=HRM))
+    for case in [(3, 2, "offload", 1), (6, 2, "full", 2)]:  # one kept input per layer
+        err = dist1.run(max_length_step_error, "hrm_text", "local", case, **HRM)[0]
+        assert "layer 0 (HrmTextDecoderLayer) runs after layer 1" in err, err
+
+
+def test_final_norm_folded_once(dist1):
+    """A decoder that runs its layers again after normalising the last layer's output (Dory
+    with its input and output sections both all of its layers) is refused: the fold would
+    hand the un-normed states to the layers that follow."""
+    err = dist1.run(max_length_step_error, "dory", "local", (5, 2, "full", 1),
+                    n_input_layers=2, n_output_layers=2, pad_token_id=0)[0]
+    assert "runs its last layer and its final norm more than once" in err
 
 
 def test_generic_path_ulysses(dist2):
