@@ -209,8 +209,10 @@ def generic_terms(shape: ModelShape, s: int, a: int, method: str, world: int,
     if not any(k.mlp for k in kinds):
         tile = 0  # layers of mixers and norms only: nothing runs in tiles
     if all(tiled(k) for k in kinds if k.attention is not None):
-        qkv, dout = tiled_per_token(shape, a)  # pass 2: q, k, v, dq, dk, dv, d(output)
-        attention = ft.attention_half + s * (2 * qkv + dout)
+        # pass 2: q, k, v, dq, dk, dv and d(output) whole; no residual gradient (the fused
+        # half's dh: the tiles' dx sums stand for its dx)
+        qkv, dout = tiled_per_token(shape, a)
+        attention = ft.attention_half + s * (2 * qkv + dout - shape.hidden * a)
     else:
         attention = ft.attention_half + s * max(
             attention_graph_per_token(shape, a, method, world, ring_degree) - results, 0)

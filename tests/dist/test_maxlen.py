@@ -14,8 +14,7 @@ from easy_context.memory.maxlen import decoder_layers, path_for
 
 from .maxlen_cases import (DROP, check_against_plain, check_max_length, fused_layer_work,
                            generic_calls, max_length_error, max_length_step_error, paths_of,
-                           tiled_backward_verdicts,
-                           tiled_layer_runs, tiny)
+                           tiled_backward_verdicts, tiled_layer_runs, tiny)
 
 TOL = 1e-5
 # (mlp_tile, heads_per_chunk, checkpointing, keep_every) on 8 query / 4 KV heads: tiles that do
