@@ -97,12 +97,17 @@ def _peak(row: dict) -> int:
 
 
 def part_alst(lengths: list[int], systems: list[str], model: str = "llama3-tiny",
-              on_row=None) -> dict:
-    """``on_row(rows)``: called after each run with the rows so far (to save them)."""
-    rows = []
+              on_row=None, reused: list[dict] | None = None) -> dict:
+    """``on_row(rows)``: called after each run with the rows so far (to save them);
+    ``reused``: rows of an earlier run taken as they are (each says so in ``reused_from``),
+    their systems not run again."""
+    rows = list(reused or [])
+    again = {r["system"] for r in rows}
     for i, L in enumerate(lengths):
         order = systems[i % len(systems):] + systems[:i % len(systems)]
         for system in order:
+            if system in again:
+                continue
             row = (run_alst(L, model=model) if system == "alst"
                    else run_ours(system, L, model=model))
             row["load_average_after"] = common.load_average()
@@ -208,8 +213,17 @@ def run_shape(args, old: dict, argv: list[str]) -> int:
         payload = {**now, "shapes": {**now.get("shapes", {}), args.shape: part}}
         return common.write_results(args.output, payload)
 
-    part = part_alst([int(x) for x in args.lengths.split(",")], args.systems.split(","),
-                     model=args.shape, on_row=lambda rows: save({"rows": rows, "partial": True}))
+    lengths = [int(x) for x in args.lengths.split(",")]
+    reused = []
+    if args.reuse:  # rows of systems whose code did not change, from the file's last run
+        before = old.get("shapes", {}).get(args.shape, {})
+        source = {"date": before.get("date"), "commit": before.get("machine", {}).get("git_commit"),
+                  "load_average_before": before.get("load_average_before")}
+        reused = [{**r, "reused_from": r.get("reused_from", source)}
+                  for r in before.get("rows", []) if r["system"] in args.reuse.split(",")
+                  and r["seq_len"] in lengths]
+    part = part_alst(lengths, args.systems.split(","), model=args.shape,
+                     on_row=lambda rows: save({"rows": rows, "partial": True}), reused=reused)
     print(f"wrote {save(part)}")
     return 0
 
@@ -219,6 +233,9 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default="alst,ratio,fit")
     ap.add_argument("--lengths", default="2048,16384,32768")
     ap.add_argument("--systems", default="alst,ours-untiled,ours-maxlen,ours-maxlen-frugal")
+    ap.add_argument("--reuse", default="",
+                    help="with --shape: systems whose rows are taken from the file's last run "
+                         "of that shape instead of run again (e.g. alst, whose code is not ours)")
     ap.add_argument("--ratio-length", type=int, default=16384)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--output", default=str(common.RESULTS_DIR / "maxlen.json"))

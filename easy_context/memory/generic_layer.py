@@ -22,11 +22,14 @@ LoRA adapters) runs as written. Around and inside that forward:
   attention result (easy_context.attention.saving), which that recompute takes instead of
   running attention, and its communication, again.
 
-What this path keeps in backward beyond the fused layer's: while one layer runs backward,
-the autograd graph of its recompute holds its whole-sequence intermediates other than the
-MLP's (the normed input, q, k, v, the attention output, the residual, the normed residual):
-a few hidden-sized tensors for that one layer. The MLP's I-wide tensors, the large ones,
-exist one tile at a time.
+What this path keeps in backward: the layer's backward runs its forward again in sequence
+tiles, split at the attention call (easy_context.memory.tiled_backward): the whole sequence's
+q, k, v, attention output and their gradients at its peak, one tile's graph besides, where the
+layer passes that module's check (per token but for its attention call); else its recompute's
+autograd graph holds every whole-sequence intermediate other than the MLP's (the normed
+input, q, k, v, the attention output, the residual, the normed residual: about 17
+hidden-sized tensors a token on Gemma 3's layer) for that one layer. The MLP's I-wide
+tensors, the large ones, exist one tile at a time either way.
 
 Hybrid models: a layer holding a recurrent mixer (gated DeltaNet, KDA, Mamba-1/2, a short
 convolution) runs it whole, as its own forward calls it: routed to the sequence-parallel
@@ -66,6 +69,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..attention.saving import recording, replaying
+from . import tiled_backward
 from .fused_layer import _grad, head_chunks, tiles
 from .layer_check import state_carrying_layers
 
@@ -605,19 +609,16 @@ def _eager(module: nn.Module) -> Callable | None:
     return getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
 
 
-def chunked_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
-                      attention_mask, **kwargs):
-    """The attention function transformers would call, a chunk of query heads at a time:
-    query (B, Hq, S, D), key/value (B, Hkv, S, D) -> ((B, S, Hq, Dv), weights or None).
-    GQA chunks take whole KV heads or part of one KV head's query heads (head_chunks); the
-    sinks (``s_aux``) go with their query heads."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    inner_name, per_chunk = _CHUNKING.get()
-    inner = ALL_ATTENTION_FUNCTIONS.get_interface(inner_name, _eager(module))
+def chunk_calls(module: nn.Module, query: Tensor, key: Tensor, attention_mask, kwargs: dict,
+                inner: Callable, per_chunk: int) -> list[tuple[slice, slice, Callable]]:
+    """The attention call cut into head chunks: [(query heads, KV heads, call)], each
+    ``call(q, k, v)`` (that chunk's heads) -> (out (B, S, hc, Dv), weights or None). GQA
+    chunks take whole KV heads or part of one KV head's query heads (head_chunks); the sinks
+    (``s_aux``) and a per-head mask go with their query heads."""
     heads, kv_heads = query.size(1), key.size(1)
     if per_chunk >= heads:
-        return inner(module, query, key, value, attention_mask, **kwargs)
+        return [(slice(0, heads), slice(0, kv_heads),
+                 functools.partial(_call_inner, inner, module, attention_mask, kwargs))]
     odd = [k for k, v in kwargs.items() if k != "s_aux" and isinstance(v, Tensor)
            and v.dim() == 1 and v.numel() == heads]
     if odd:
@@ -625,14 +626,40 @@ def chunked_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tens
                          f"{odd[0]}, one value per head, which the head chunks do not cut; "
                          "use a --head-chunk of all heads")
     mask = attention_mask
-    outs, weights = [], []
+    calls = []
     for qs, ks in head_chunks(heads, kv_heads, per_chunk):
         kw = dict(kwargs)
         if isinstance(kw.get("s_aux"), Tensor):
             kw["s_aux"] = kw["s_aux"][qs]
         m = mask[:, qs] if isinstance(mask, Tensor) and mask.dim() == 4 and mask.size(1) == heads \
             else mask
-        out, w = inner(module, query[:, qs], key[:, ks], value[:, ks], m, **kw)
+        calls.append((qs, ks, functools.partial(_call_inner, inner, module, m, kw)))
+    return calls
+
+
+def _call_inner(inner: Callable, module: nn.Module, mask, kwargs: dict, q: Tensor, k: Tensor,
+                v: Tensor):
+    return inner(module, q, k, v, mask, **kwargs)
+
+
+def chunked_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                      attention_mask, **kwargs):
+    """The attention function transformers would call, a chunk of query heads at a time:
+    query (B, Hq, S, D), key/value (B, Hkv, S, D) -> ((B, S, Hq, Dv), weights or None).
+    While the tiled backward runs (tiled_backward.INTERCEPT), the call is handed to it."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    inner_name, per_chunk = _CHUNKING.get()
+    inner = ALL_ATTENTION_FUNCTIONS.get_interface(inner_name, _eager(module))
+    calls = chunk_calls(module, query, key, attention_mask, kwargs, inner, per_chunk)
+    intercept = tiled_backward.INTERCEPT.get()
+    if intercept is not None:
+        return intercept(query, key, value, calls), None
+    if len(calls) == 1:
+        return calls[0][2](query, key, value)
+    outs, weights = [], []
+    for qs, ks, call in calls:
+        out, w = call(query[:, qs], key[:, ks], value[:, ks])
         outs.append(out)
         weights.append(w)
     w = None if any(x is None for x in weights) else torch.cat(weights, dim=1)
@@ -726,11 +753,14 @@ class GenericRun:
     def parameters(self) -> list[nn.Parameter]:
         return list(self.layer.parameters())
 
-    def call(self, x: Tensor, **override) -> Tensor:
+    def call(self, x: Tensor, rows: slice | None = None, length: int | None = None,
+             **override) -> Tensor:
         """The layer's own forward on x, its MLPs tiled and its attention head-chunked (a
         recurrent mixer runs whole: its kernels exchange the state between ranks, and a
         recompute runs them on every rank in the same order, as it does attention);
-        ``override``: kwargs replaced (backward's differentiable copies)."""
+        ``override``: kwargs replaced (backward's differentiable copies); ``rows``: x holds
+        those tokens of the ``length`` the arguments are for (the tiled backward's tiles),
+        and the per-token arguments are cut to them."""
         kwargs = {**self.kwargs, **override}
         first = self.shared is not None and self.shared.written is None
         if self.shared is not None and not first and self.store not in override:
@@ -738,6 +768,8 @@ class GenericRun:
             kwargs[self.store] = self.shared.private()
         if self.tables is not None:
             kwargs["position_embeddings"] = self.tables()
+        if rows is not None:
+            kwargs = tiled_backward.cut_rows(kwargs, rows, length, keep=tuple(override))
         if self.restore is not None:
             self.restore()  # this call's document ids, not the latest forward's
         with contextlib.ExitStack() as stack:
@@ -820,6 +852,10 @@ class GenericLayer(torch.autograd.Function):
         xg = x.detach().requires_grad_(ctx.needs_input_grad[1])
         extras = {k: v.detach().requires_grad_(ctx.needs_input_grad[2 + i])
                   for i, (k, v) in enumerate(zip(run.grad_inputs, run.extra_inputs()))}
+        if run.shared is None and dy is not None:
+            got = _tiled_grads(run, xg, extras, params, dy, recorded)
+            if got is not None:
+                return (None, *got)
         override: dict = dict(extras)
         shared: list[Tensor] = []
         if run.shared is not None:
@@ -846,3 +882,31 @@ class GenericLayer(torch.autograd.Function):
             return (None, *([None] * len(inputs)))
         got = _grad([o for o, _ in live], inputs, [g for _, g in live])
         return (None, *got)
+
+
+def _tiled_grads(run: GenericRun, x: Tensor, extras: dict, params: list, dy: Tensor,
+                 recorded: list | None) -> list | None:
+    """The layer's gradients by the tiled backward (easy_context.memory.tiled_backward), or
+    None where the layer does not qualify (it then runs its backward over the whole
+    sequence). A layer with a recurrent mixer never does: its mixer carries a state along
+    the sequence (and exchanges it between ranks)."""
+    if state_carrying_layers(run.layer):
+        return None
+    length = x.size(1)
+
+    def call(xs: Tensor, rows: slice, **override) -> Tensor:
+        return run.call(xs, rows=rows, length=length, **override)
+
+    key = (tiled_backward.structure(run.layer, run.kwargs), run.tables is not None,
+           tuple(extras))
+    if tiled_backward.qualifies(key, call, x, extras, params,
+                               type(run.layer).__name__) is not None:
+        return None
+    record = [] if recorded is None else recorded
+    pair = tiled_backward.chunked(record, replay=recorded is not None)
+    try:
+        grads, _ = tiled_backward.split_grads(call, x, extras, params, dy, run.tile, *pair)
+    except tiled_backward.Unfit as e:  # after the check passed: a defect, never a fallback
+        raise RuntimeError(f"max-length mode: the tiled backward of "
+                           f"{type(run.layer).__name__} failed after its check: {e}") from None
+    return grads

@@ -39,6 +39,14 @@ third copy of the states (their gradient): that is a recurrent layer's mixer hal
 takes no attention buffers. A layer of norms and mixers only (Nemotron-H's blocks) has no MLP
 tile and no residual saved for a next norm.
 
+That is the whole-sequence backward, which layers with a recurrent mixer (and any layer the
+tiled backward's runtime check turns away) still run. A layer of attention and per-token parts
+runs its backward in sequence tiles split at its attention call
+(easy_context.memory.tiled_backward): while it replays the tiles after attention it holds
+q, k, v and the attention output's gradient over the whole sequence (``tiled_per_token``)
+beside R and one tile's G; at the attention's backward, q, k, v, their gradients and the
+output's. Those replace G below for such layers (:func:`tiled`).
+
 The two halves of plan/fused.py then hold G instead of R: the generic layer's MLP half is the
 fused layer's plus s x (G - R), with the MLP tile of the widest MLP kind; its attention half
 the fused one's plus s x (G_attn - R), G_attn being the part of G that precedes the attention
@@ -151,6 +159,21 @@ def tile_per_token(shape: ModelShape, kind, a: int) -> int:
     return base + 6 * shape.intermediate * a
 
 
+def tiled(kind) -> bool:
+    """Whether a layer of this kind runs its backward in tiles (memory/tiled_backward.py):
+    attention and no recurrent mixer (whose layers keep the whole-sequence backward). The
+    runtime check may still turn a layer away (a layer mixing tokens outside attention, one
+    handed shared K/V: Gemma 4); the plan cannot see that and then prices it too low."""
+    return kind.attention is not None and not kind.recurrent
+
+
+def tiled_per_token(shape: ModelShape, a: int) -> tuple[int, int]:
+    """(q, k, v; the attention output's gradient) per local token, as the tiled backward
+    holds them over the whole sequence (K/V per KV head: MLA's expanded)."""
+    hd, vd = shape.hd, shape.v_head_dim or shape.hd
+    return ((shape.heads * hd + shape.kv_heads * (hd + vd)) * a, shape.heads * vd * a)
+
+
 def generic_terms(shape: ModelShape, s: int, a: int, method: str, world: int,
                   checkpointing: str, mlp_tile: int, heads_per_chunk: int,
                   ring_degree: int | None = None, keep_every: int = 1, workspace=None,
@@ -170,16 +193,29 @@ def generic_terms(shape: ModelShape, s: int, a: int, method: str, world: int,
         # attention, the R the fused half counts unless it is kept, and so not counted there)
         return results if k.attention is not None or not keep_attention else 0
 
-    extra = max(s * max(graph_per_token(shape, k, a, method, world, ring_degree, device)
-                        - fused_results(k), 0)
-                + states_held(shape, k, s, method, world, ring_degree) for k in kinds)
     t = min(mlp_tile, s)
+
+    def mlp_extra(k) -> int:
+        g = graph_per_token(shape, k, a, method, world, ring_degree, device)
+        if tiled(k):  # pass 1: q, k, v and d(output) whole, one tile's graph
+            qkv, dout = tiled_per_token(shape, a)
+            return s * (qkv + dout) + t * g
+        return s * max(g - fused_results(k), 0) + states_held(shape, k, s, method, world,
+                                                              ring_degree)
+
+    extra = max(mlp_extra(k) for k in kinds)
     dense = 3 * shape.hidden * a + shape.hidden * (4 + 2 * a) + 6 * shape.intermediate * a
     tile = t * max((tile_per_token(shape, k, a) for k in kinds if k.mlp), default=dense)
     if not any(k.mlp for k in kinds):
         tile = 0  # layers of mixers and norms only: nothing runs in tiles
-    attention = ft.attention_half + s * max(
-        attention_graph_per_token(shape, a, method, world, ring_degree) - results, 0)
+    if all(tiled(k) for k in kinds if k.attention is not None):
+        # pass 2: q, k, v, dq, dk, dv and d(output) whole; no residual gradient (the fused
+        # half's dh: the tiles' dx sums stand for its dx)
+        qkv, dout = tiled_per_token(shape, a)
+        attention = ft.attention_half + s * (2 * qkv + dout - shape.hidden * a)
+    else:
+        attention = ft.attention_half + s * max(
+            attention_graph_per_token(shape, a, method, world, ring_degree) - results, 0)
     half = attention if any(k.attention is not None and not k.recurrent for k in kinds) else 0
     for k in kinds:
         if k.recurrent:
@@ -200,4 +236,4 @@ def generic_terms(shape: ModelShape, s: int, a: int, method: str, world: int,
 
 
 __all__ = ["attention_graph_per_token", "generic_terms", "graph_per_token", "norm_per_token",
-           "recurrent_half", "states_held", "tile_per_token"]
+           "recurrent_half", "states_held", "tile_per_token", "tiled", "tiled_per_token"]

@@ -12,6 +12,7 @@ import copy
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import easy_context as ec
@@ -91,17 +92,40 @@ def grad_errors(model, ref, world: int) -> float:
     return float(worst)
 
 
+class _MixingNorm(nn.Module):
+    """A norm followed by a running mean along the sequence: a layer that mixes tokens
+    outside its attention (what the tiled backward's check must turn away)."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x):
+        steps = torch.arange(1, x.size(1) + 1, dtype=x.dtype, device=x.device)[:, None]
+        return self.norm(x) + 0.5 * x.cumsum(dim=1) / steps
+
+
+def with_token_mixing(model):
+    """``model`` whose decoder layers' post_attention_layernorm also mixes tokens."""
+    for layer in model.model.layers:
+        layer.post_attention_layernorm = _MixingNorm(layer.post_attention_layernorm)
+    return model
+
+
 def check_max_length(family: str, method: str, cases: list[tuple], ring_degree: int | None = None,
                      packed: bool = False, overrides: dict | None = None, path: str = "auto",
-                     lora: bool = False) -> dict:
+                     lora: bool = False, mixing: bool = False) -> dict:
     """{case: (loss error, grad error)} for each (mlp_tile, heads_per_chunk, checkpointing,
     keep_every) in ``cases``; ``overrides``: config entries of the family's tiny model;
     ``path``: the max-length path to force ("auto": each layer's own); ``lora``: a peft LoRA
-    adapter on every linear module of the decoder layers (non-zero B, base frozen)."""
+    adapter on every linear module of the decoder layers (non-zero B, base frozen);
+    ``mixing``: with_token_mixing (one process only: the running mean does not cross shards)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     base = tiny(family, **(overrides or {}))
     if lora:
         base = with_lora(base)
+    if mixing:
+        base = with_token_mixing(base)
     length = 2 * world * 6
     inputs, positions, targets = make_batch(length, base.config.vocab_size)
     doc = None
@@ -205,6 +229,19 @@ def with_lora(model):
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.05)
     return model
+
+
+def tiled_backward_verdicts(family: str, method: str, cases: list[tuple], path: str = "auto",
+                            mixing: bool = False, **overrides) -> tuple[dict, dict]:
+    """check_max_length's report, and whether each layer class took the tiled backward
+    (memory/tiled_backward.py: None) or why not."""
+    from easy_context.memory import tiled_backward
+
+    tiled_backward.VERDICTS.clear()
+    tiled_backward._VERDICTS.clear()
+    report = check_max_length(family, method, cases, overrides=overrides, path=path,
+                              mixing=mixing)
+    return report, dict(tiled_backward.VERDICTS)
 
 
 def paths_of(family: str, lora: bool = False, **overrides) -> list[str]:

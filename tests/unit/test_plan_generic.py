@@ -70,7 +70,7 @@ def _recompute_saved_per_token(model, length: int, index: int | None = None,
     """Bytes per token of the distinct tensors (those with a sequence-long axis; with
     ``sequence_only=False`` all but the parameters, so a recurrent kernel's per-chunk ones
     count too) that generic layer ``index``'s recompute saves in backward (default: the last
-    layer's)."""
+    layer's), on the whole-sequence backward."""
     from easy_context.memory import generic_layer, maxlen
 
     last = len(maxlen.decoder_layers(model)) - 1 if index is None else index
@@ -95,6 +95,10 @@ def _recompute_saved_per_token(model, length: int, index: int | None = None,
 
     ids = torch.randint(0, model.config.vocab_size, (1, length + 1))
     generic_layer.GenericRun.call = watched
+    # the whole-sequence backward, which graph_per_token prices (the tiled one holds a tile's
+    # graph at a time: memory/tiled_backward.py, plan/generic.py tiled_per_token)
+    tiled = generic_layer._tiled_grads
+    generic_layer._tiled_grads = lambda *args, **kwargs: None
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = maxlen.max_length_loss(model, model.lm_head, ids[:, :-1],
@@ -102,6 +106,7 @@ def _recompute_saved_per_token(model, length: int, index: int | None = None,
             loss.backward()
     finally:
         generic_layer.GenericRun.call = call
+        generic_layer._tiled_grads = tiled
     return total[0] / length
 
 

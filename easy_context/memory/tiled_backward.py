@@ -1,0 +1,374 @@
+"""The generic layer's backward in sequence tiles: its own forward, split at the attention call.
+
+Why: the generic path's plain backward (generic_layer.GenericLayer) runs the layer's forward
+again with grad over the whole local sequence, so while it runs its autograd graph holds
+every whole-sequence intermediate the layer's code makes: the norms' outputs and float
+copies, q and k before and after their norms, the attention's saved tensors, the residuals,
+the sandwich norms. Measured with saved-tensor hooks at 4K tokens: about 17 hidden-sized
+tensors per token on Gemma 3's layer, against about one for the fused layer.
+
+In such a layer everything but the attention call is per token. So backward runs the layer's
+own forward in passes, each over sequence tiles except the attention itself:
+
+0. no grad, whole sequence: the forward up to its attention call, stopped there (q, k, v
+   kept), and the attention head chunk by chunk, its results recorded
+   (easy_context.attention.saving) or, with ``keep_attention``, replayed;
+1. per tile, the forward with grad, its attention call handing back the tile's rows of the
+   attention output as a leaf: differentiating the tile's output from dy gives d(out) for
+   those rows and the gradients along every path that does not pass through attention (what
+   follows it, the residual, a parallel MLP on the same normed input as Falcon's and Phi's,
+   a gate computed before attention and applied after it as in Qwen3-Next's);
+2. per head chunk: the attention on the recorded results (no second pass of its forward
+   communication) differentiated from d(out): dq, dk, dv over the whole sequence, through
+   the sequence-parallel method's own backward;
+3. per tile, the forward with grad up to the attention call, stopped there, differentiated
+   from the tile's rows of (dq, dk, dv): the gradients along the paths through attention.
+The gradients of passes 1 and 3 add up to the layer's (the chain rule over the two kinds of
+path); the parameters' are summed over the tiles, in another order than one backward would.
+
+At its peak backward holds the layer input, q, k, v, the attention output or its gradient,
+dq, dk, dv over the whole sequence (about 5 hidden-sized tensors per token on Gemma 3's
+layer) and one tile's graph; each forward of the layer's per-token parts runs three more
+times (passes 0, 1 and 3) where the plain backward runs it once.
+
+Where it holds is checked, not assumed (:func:`qualifies`): on the first backward of each
+layer structure (its module types and argument names), the layer's forward runs on a few
+random tokens with the real call's arguments for those tokens, its attention replaced by a
+per-token stand-in, once whole with autograd and once split in two tiles as above; the output
+and every gradient must agree. A layer that calls attention more than once, whose attention
+reads keys of another length than its queries (MLA's gathered latent), that takes an
+attention mask or a per-token argument this module does not know how to cut
+(:data:`SEQUENCE_DIMS`), or whose results differ in tiles for any other reason, keeps the
+plain backward (an INFO log line says why). The verdict is the same on every rank (a MIN
+all-reduce: the backward's collectives must match).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+from typing import Callable
+
+import torch
+
+from ..attention.saving import recording, replaying
+from .fused_layer import _grad, tiles
+
+Tensor = torch.Tensor
+log = logging.getLogger(__name__)
+
+# While set: a callable (q, k, v, calls) that takes the attention call a generic layer makes
+# (generic_layer.chunked_attention hands it over; ``calls``: the head-chunked calls it would
+# make, [(query heads, KV heads, call(q, k, v) -> (out, weights))]) and returns the
+# attention output (B, S, Hq, Dv) or raises _Stop.
+INTERCEPT: contextvars.ContextVar = contextvars.ContextVar("ec_split_attention", default=None)
+# the layer arguments that are per token, and their sequence dimension
+SEQUENCE_DIMS = {"position_embeddings": -2, "position_ids": -1, "cache_position": -1}
+PROBE_TOKENS = 8
+_VERDICTS: dict = {}  # layer structure -> None (qualifies) or why not
+VERDICTS: dict = {}  # the same by layer class name, the latest (for logs and tests)
+
+
+class _Stop(Exception):
+    """Raised at the attention call to end a forward there (passes 0 and 3)."""
+
+
+class Unfit(Exception):
+    """The layer does not qualify (raised inside the probe, the same on every rank)."""
+
+
+@contextlib.contextmanager
+def _intercepting(fn: Callable):
+    token = INTERCEPT.set(fn)
+    try:
+        yield
+    finally:
+        INTERCEPT.reset(token)
+
+
+def cut_rows(kwargs: dict, rows: slice, length: int, keep: tuple = ()) -> dict:
+    """The layer's keyword arguments for the tokens ``rows`` of ``length``: the per-token ones
+    (SEQUENCE_DIMS) cut; ``keep`` (the caller's own cuts) as they are.
+    Raises Unfit for another tensor with a dimension of ``length`` (a per-token argument of
+    unknown layout) or an attention mask (the tiles' forwards make no attention call)."""
+    def cut(value, dim):
+        if isinstance(value, Tensor):
+            return value.narrow(dim, rows.start, rows.stop - rows.start)
+        if isinstance(value, tuple) and all(isinstance(t, Tensor) for t in value):
+            return tuple(cut(t, dim) for t in value)
+        raise Unfit(f"its per-token argument has an unknown type {type(value).__name__}")
+
+    out = {}
+    for k, v in kwargs.items():
+        if k in keep or v is None:
+            out[k] = v
+        elif k in SEQUENCE_DIMS:
+            out[k] = cut(v, SEQUENCE_DIMS[k])
+        elif k == "attention_mask":
+            raise Unfit("it takes an attention mask")
+        elif isinstance(v, Tensor) and length > 1 and length in v.shape:
+            raise Unfit(f"its argument {k!r} {tuple(v.shape)} may be per token")
+        else:
+            out[k] = v
+    return out
+
+
+def stand_in(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """A per-token attention of q (B, Hq, T, D), k (B, Hkv, T, D), v (B, Hkv, T, Dv) ->
+    (B, T, Hq, Dv) through which every input gets a gradient (the probe's)."""
+    if k.size(2) != q.size(2) or v.size(2) != q.size(2):
+        raise Unfit(f"its attention reads {k.size(2)} keys for {q.size(2)} queries")
+    r = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+    gate = torch.sigmoid((q * k).sum(-1, keepdim=True) / q.size(-1))
+    return (v * gate).transpose(1, 2)
+
+
+def _add(total: list, got) -> None:
+    for i, g in enumerate(got):
+        if g is not None:
+            total[i] = g if total[i] is None else total[i] + g
+
+
+def _grads(outputs, inputs: list, wants) -> list:
+    """fused_layer._grad (None for the inputs that need no grad), also when none does."""
+    if not any(i is not None and i.requires_grad for i in inputs):
+        return [None] * len(inputs)
+    return _grad(outputs, inputs, wants)
+
+
+def _tile_inputs(x: Tensor, extras: dict, rows: slice) -> tuple[Tensor, dict]:
+    xt = x[:, rows].detach().requires_grad_(x.requires_grad)
+    return xt, {n: e[:, rows].detach().requires_grad_(e.requires_grad) for n, e in extras.items()}
+
+
+class _Sums:
+    """Gradients of (x, *extras, *params), summed over tiles and passes: x's and the extras'
+    over the whole sequence (each tile writes its rows), the parameters' added."""
+
+    def __init__(self, x: Tensor, extras: dict, params: list):
+        self.rows = [torch.zeros_like(x) if x.requires_grad else None,
+                     *(torch.zeros_like(e) if e.requires_grad else None
+                       for e in extras.values())]
+        self.params: list = [None] * len(params)
+
+    def add(self, got: list, rows: slice | None) -> None:
+        n = len(self.rows)
+        if rows is not None:
+            for total, g in zip(self.rows, got[:n]):
+                if g is not None and total is not None:
+                    total[:, rows] += g
+        _add(self.params, got[n:])
+
+    def result(self) -> list:
+        return [*self.rows, *self.params]
+
+
+def split_grads(call: Callable, x: Tensor, extras: dict, params: list, dy: Tensor, tile: int,
+                attention: Callable, differentiate: Callable,
+                output: bool = False) -> tuple[list, Tensor | None]:
+    """Gradients of the layer's output w.r.t. (x, *extras, *params) from ``dy`` (None for
+    those not requiring grad), in the passes of the module docstring, and with ``output``
+    the layer's output (B, S, H) (the probe compares it), else None. ``call(x, rows, **override)`` runs the layer's
+    forward on x, the tokens ``rows`` of its arguments; ``attention(q, k, v, calls)`` -> the
+    output's head chunks [(B, S, hc, Dv)] (pass 0; ``calls``: the layer's own head-chunked
+    calls, generic_layer.chunk_calls); ``differentiate(q, k, v, douts, params)`` ->
+    (dq, dk, dv, [gradient or None per parameter]) (pass 2)."""
+    s = x.size(1)
+    got: dict = {}
+
+    def capture(q, k, v, calls):  # pass 0
+        if got:
+            raise Unfit("it calls attention more than once")
+        if q.size(2) != s or k.size(2) != s or v.size(2) != s:
+            raise Unfit(f"its attention reads {k.size(2)} keys for {q.size(2)} queries of "
+                         f"{s} tokens")
+        got.update(q=q, k=k, v=v, outs=attention(q, k, v, calls))
+        raise _Stop
+
+    with torch.no_grad(), _intercepting(capture), contextlib.suppress(_Stop):
+        call(x, slice(0, s), **extras)
+    if not got:
+        raise Unfit("its forward made no attention call this path sees")
+    q, k, v, outs = got.pop("q"), got.pop("k"), got.pop("v"), got.pop("outs")
+    widths = [o.size(2) for o in outs]
+
+    sums = _Sums(x, extras, params)
+    ys, douts = [], [torch.zeros_like(o) for o in outs]
+    for t in tiles(s, tile):  # pass 1
+        xt, et = _tile_inputs(x, extras, t)
+        leaf = torch.cat([o[:, t] for o in outs], dim=2).requires_grad_(True)
+        seen: list = []
+
+        def after(q_, k_, v_, calls, leaf=leaf):
+            if seen or q_.size(2) != leaf.size(1):
+                raise Unfit("its attention calls do not follow the tiles")
+            seen.append(True)
+            return leaf
+
+        with torch.enable_grad(), _intercepting(after):
+            y = call(xt, t, **et)
+        if not seen or not y.requires_grad:
+            raise Unfit("its output does not depend on its attention call")
+        res = _grads(y, [leaf, xt, *et.values(), *params], dy[:, t])
+        if res[0] is not None:
+            for dst, part in zip(douts, res[0].split(widths, dim=2)):
+                dst[:, t] = part
+        sums.add(res[1:], t)
+        if output:
+            ys.append(y.detach())
+        del leaf, y, res
+    del outs
+    dq, dk, dv, dparams = differentiate(q, k, v, douts, params)  # pass 2
+    del douts, q, k, v
+    sums.add([None] * len(sums.rows) + list(dparams), None)
+
+    for t in tiles(s, tile):  # pass 3
+        xt, et = _tile_inputs(x, extras, t)
+        seen: dict = {}
+
+        def before(q_, k_, v_, calls, n=t.stop - t.start):
+            if not q_.size(2) == k_.size(2) == v_.size(2) == n:
+                raise Unfit("its attention calls do not follow the tiles")
+            seen.update(q=q_, k=k_, v=v_)
+            raise _Stop
+
+        with torch.enable_grad(), _intercepting(before), contextlib.suppress(_Stop):
+            call(xt, t, **et)
+        if not seen:
+            raise Unfit("its forward made no attention call in a tile")
+        pairs = [(seen[n], g[:, :, t]) for n, g in zip("qkv", (dq, dk, dv))
+                 if seen[n].requires_grad]
+        if pairs:
+            sums.add(_grads([o for o, _ in pairs], [xt, *et.values(), *params],
+                            [w for _, w in pairs]), t)
+    return sums.result(), torch.cat(ys, dim=1) if output else None
+
+
+def chunked(record: list, replay: bool) -> tuple[Callable, Callable]:
+    """``attention`` and ``differentiate`` of :func:`split_grads` for the layer's own
+    attention, head chunk by chunk (each chunk call as generic_layer.chunk_calls makes it).
+    Pass 0 records each chunk's result into ``record`` (or replays them, where the forward
+    kept them: ``keep_attention``); pass 2 replays them, so backward runs the attention's
+    forward communication once and its backward's once."""
+    chunk_list: list = []
+
+    def attention(q, k, v, calls):
+        chunk_list[:] = calls
+        with (replaying(record) if replay else recording(record)):
+            return [run(q[:, qs], k[:, ks], v[:, ks])[0] for qs, ks, run in calls]
+
+    def differentiate(q, k, v, douts, params):
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dparams: list = [None] * len(params)
+        with torch.enable_grad(), replaying(record):
+            for (qs, ks, run), dout in zip(chunk_list, douts):
+                qc, kc, vc = (t.detach().requires_grad_(True) for t in (q[:, qs], k[:, ks],
+                                                                         v[:, ks]))
+                res = _grads(run(qc, kc, vc)[0], [qc, kc, vc, *params], dout)
+                for dst, g in zip((dq[:, qs], dk[:, ks], dv[:, ks]), res[:3]):
+                    dst += g
+                _add(dparams, res[3:])
+        return dq, dk, dv, dparams
+
+    return attention, differentiate
+
+
+def _stand_in_pair() -> tuple[Callable, Callable]:
+    def attention(q, k, v, calls):
+        return [stand_in(q, k, v)]
+
+    def differentiate(q, k, v, douts, params):
+        with torch.enable_grad():
+            qc, kc, vc = (t.detach().requires_grad_(True) for t in (q, k, v))
+            dq, dk, dv = torch.autograd.grad(stand_in(qc, kc, vc), [qc, kc, vc], douts[0])
+        return dq, dk, dv, [None] * len(params)
+
+    return attention, differentiate
+
+
+# ------------------------------------------------------------------------- the check
+def structure(layer: torch.nn.Module, kwargs: dict) -> tuple:
+    """What the verdict depends on: the layer's module types (LoRA adapters included), their
+    settings (the number, flag and name attributes: a sliding or a K/V-sharing layer of the
+    same class is checked on its own) and its arguments' names and kinds."""
+    def settings(m):
+        return tuple(sorted((k, v) for k, v in vars(m).items() if k != "training"
+                            and isinstance(v, (bool, int, float, str, type(None)))))
+
+    return (tuple((type(m), settings(m)) for m in layer.modules()),
+            tuple(sorted((k, type(v).__name__) for k, v in kwargs.items())))
+
+
+def qualifies(key: tuple, call: Callable, x: Tensor, extras: dict, params: list,
+              name: str = "decoder") -> str | None:
+    """None when the layer may take :func:`split_grads` (checked once per ``key``: see the
+    module docstring), else why not."""
+    if key in _VERDICTS:
+        return _VERDICTS[key]
+    why = _probe(call, x, extras, params)
+    why = _agree(why, x.device)
+    if why is not None:
+        log.info("max-length mode: a %s layer runs its backward over the whole sequence "
+                 "(not in tiles): %s", name, why)
+    _VERDICTS[key] = why
+    VERDICTS[name] = why
+    return why
+
+
+def _probe(call: Callable, x: Tensor, extras: dict, params: list) -> str | None:
+    n = min(x.size(1), PROBE_TOKENS)
+    if n < 2:
+        return "too few tokens to check"
+    gen = torch.Generator().manual_seed(0)
+    xp = torch.randn(x.size(0), n, x.size(2), generator=gen).to(x.device, x.dtype)
+    xp.requires_grad_(True)
+    dy = torch.randn(xp.shape, generator=gen).to(x.device, x.dtype)
+    ep = {k: e[:, :n].detach().requires_grad_(e.requires_grad) for k, e in extras.items()}
+    try:
+        def whole(q, k, v, calls):
+            return stand_in(q, k, v)
+
+        with torch.enable_grad(), _intercepting(whole):
+            y = call(xp, slice(0, n), **ep)
+        want = _grads(y, [xp, *ep.values(), *params], dy)
+        have, y2 = split_grads(call, xp.detach().requires_grad_(True), ep, params, dy,
+                               n // 2, *_stand_in_pair(), output=True)
+    except (Unfit, _Stop) as e:
+        return str(e) or "its forward stopped early"
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:
+        return f"its forward failed on tiles: {type(e).__name__}: {e}"
+    tol = 1e-4 if x.dtype in (torch.float32, torch.float64) else 5e-2
+    if not _close(y2, y.detach(), tol):
+        return "its output differs when split at the attention call"
+    for a, b in zip(have, want):
+        if (a is None) != (b is None) and not _zero(a if b is None else b):
+            return "a gradient is missing when split at the attention call"
+        if a is not None and b is not None and not _close(a, b, tol):
+            return ("its gradients differ when split at the attention call (something "
+                    "computed before attention is used after it)")
+    return None
+
+
+def _zero(t: Tensor) -> bool:
+    return not bool(t.abs().max() > 0)
+
+
+def _close(a: Tensor, b: Tensor, tol: float) -> bool:
+    scale = b.detach().float().abs().max().clamp(min=1e-12)
+    err = (a.detach().float() - b.detach().float()).abs().max() / scale
+    return bool(err <= tol)
+
+
+def _agree(why: str | None, device) -> str | None:
+    """The verdict of every rank: split only where all ranks may (backward's collectives
+    must match)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return why
+    flag = torch.tensor([0 if why else 1], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if why is None and int(flag.item()) == 0:
+        return "another rank's layer does not qualify"
+    return why
