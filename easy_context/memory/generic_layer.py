@@ -521,14 +521,20 @@ def _one_mlp_mismatch(layer: nn.Module, name: str, mlp, attr: str, tile: int,
         mlp.train(training)
     want = want[0] if isinstance(want, tuple) else want
     got = got[0] if isinstance(got, tuple) else got
-    err = float((got.float() - want.float()).abs().max() /
-                want.float().abs().max().clamp(min=1e-12))
-    tol = 1e-5 if p.dtype in (torch.float32, torch.float64) else 5e-2
-    if err <= tol:
+    err = _off(got, want, p.dtype)
+    if err is None:
         return None
     return (f"max-length mode: {type(layer).__name__}.{name} gives other results in sequence "
             f"tiles ({err:.1e} relative on {PROBE_TOKENS} random tokens): it is not per token "
             "(e.g. routing that looks at the other tokens); train without --mlp-tile/--head-chunk")
+
+
+def _off(got: Tensor, want: Tensor, dtype: torch.dtype) -> float | None:
+    """A probe's error relative to ``want``'s largest entry, or None within its dtype's
+    tolerance (1e-5 in fp32/fp64, 5e-2 below)."""
+    err = float((got.float() - want.float()).abs().max() /
+                want.float().abs().max().clamp(min=1e-12))
+    return None if err <= (1e-5 if dtype in (torch.float32, torch.float64) else 5e-2) else err
 
 
 def _local_weights(module: nn.Module) -> bool:
@@ -586,10 +592,8 @@ def inline_mismatch(layer: nn.Module, name: str, owner: nn.Module, names: tuple,
                 "--mlp-tile/--head-chunk")
     finally:
         layer.train(training)
-    err = float((got.float() - want.float()).abs().max() /
-                want.float().abs().max().clamp(min=1e-12))
-    tol = 1e-5 if p.dtype in (torch.float32, torch.float64) else 5e-2
-    if err <= tol:
+    err = _off(got, want, p.dtype)
+    if err is None:
         return None
     return (f"max-length mode: {type(layer).__name__}'s inline {name} in sequence tiles "
             f"gives other results than its own forward ({err:.1e} relative on {PROBE_TOKENS} "
