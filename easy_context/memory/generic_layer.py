@@ -622,27 +622,27 @@ def chunk_calls(module: nn.Module, query: Tensor, key: Tensor, attention_mask, k
     heads, kv_heads = query.size(1), key.size(1)
     if per_chunk >= heads:
         return [(slice(0, heads), slice(0, kv_heads),
-                 functools.partial(_call_inner, inner, module, attention_mask, kwargs))]
+                 functools.partial(_call_inner, inner, module, attention_mask, kwargs, None))]
     odd = [k for k, v in kwargs.items() if k != "s_aux" and isinstance(v, Tensor)
            and v.dim() == 1 and v.numel() == heads]
     if odd:
         raise ValueError(f"max-length mode: the attention of {type(module).__name__} takes "
                          f"{odd[0]}, one value per head, which the head chunks do not cut; "
                          "use a --head-chunk of all heads")
-    mask = attention_mask
-    calls = []
-    for qs, ks in head_chunks(heads, kv_heads, per_chunk):
-        kw = dict(kwargs)
-        if isinstance(kw.get("s_aux"), Tensor):
-            kw["s_aux"] = kw["s_aux"][qs]
-        m = mask[:, qs] if isinstance(mask, Tensor) and mask.dim() == 4 and mask.size(1) == heads \
-            else mask
-        calls.append((qs, ks, functools.partial(_call_inner, inner, module, m, kw)))
-    return calls
+    return [(qs, ks, functools.partial(_call_inner, inner, module, attention_mask, kwargs, qs))
+            for qs, ks in head_chunks(heads, kv_heads, per_chunk)]
 
 
-def _call_inner(inner: Callable, module: nn.Module, mask, kwargs: dict, q: Tensor, k: Tensor,
-                v: Tensor):
+def _call_inner(inner: Callable, module: nn.Module, mask, kwargs: dict, heads: slice | None,
+                q: Tensor, k: Tensor, v: Tensor):
+    """One chunk's call; the sinks and a per-head mask cut to its query ``heads`` here, at
+    the call, so that under grad (the tiled backward's pass 2) the cut carries it."""
+    if heads is not None:
+        kwargs = dict(kwargs)
+        if isinstance(kwargs.get("s_aux"), Tensor):
+            kwargs["s_aux"] = kwargs["s_aux"][heads]
+        if isinstance(mask, Tensor) and mask.dim() == 4 and mask.size(1) > 1:
+            mask = mask[:, heads]
     return inner(module, q, k, v, mask, **kwargs)
 
 

@@ -207,9 +207,11 @@ def test_generic_backward_in_tiles(dist1, dist2):
     """The generic path's backward runs in sequence tiles split at the attention call
     (memory/tiled_backward.py) where its check passes: a sandwich-norm layer (Gemma 3), a
     parallel attention + MLP block on one normed input (Falcon), a gate computed before
-    attention and applied after it (Qwen3-Next); exact at 1 and 2 ranks. A layer that mixes
+    attention and applied after it (Qwen3-Next), attention sinks (GPT-OSS: their gradient flows
+    through pass 2's chunk calls); exact at 1 and 2 ranks. A layer that mixes
     tokens outside its attention fails the check and keeps the whole backward, still exact."""
     cases = [(dist1, "local", "falcon", FALCON, "auto"),
+             (dist1, "local", "gpt_oss", {}, "generic"),  # sinks: s_aux cut per chunk, with grad
              (dist1, "local", "qwen3_next", QWEN3_NEXT_ATTENTION, "generic"),
              (dist2, "zigzag_ring_attn", "gemma3_text", {}, "auto")]
     for pool, method, family, overrides, path in cases:
