@@ -56,6 +56,8 @@ WRITTEN_BY = {
     "attention_ulysses_deepspeed_epyc.json": "attention.py",
     "attention_ulysses_deepspeed_epyc_avx2.json": "attention.py",
     "attention_ulysses_deepspeed_xeon.json": "attention.py",
+    "generic_backward_deepseek3.json": "generic_backward.py",
+    "generic_backward_llama3.json": "generic_backward.py",
     "gpu_check_h200_cudnn.json": "gpu_check.py",
     "gpu_check_h200_first.json": "gpu_check.py",
     "gpu_check_h200_first_methods.json": "gpu_check.py",
