@@ -111,3 +111,20 @@ class Packer:
     def dropped_tokens(self) -> int:
         """Tokens left over that do not fill a window (dropped when packing ends)."""
         return len(self._tokens)
+
+
+def save_windows(arrow_file, out, shuffle: bool, seed: int, max_shard_size) -> None:
+    """The packed windows' Arrow file (``arrow_file``) saved as the dataset at ``out`` (which
+    it replaces), shuffled when ``shuffle``: the permutation depends only on the seed and
+    the number of windows. prepare-data's text and image-conversation pipelines both end so."""
+    import shutil
+    from pathlib import Path
+
+    import datasets
+
+    ds = datasets.Dataset.from_file(str(arrow_file))
+    if shuffle:
+        ds = ds.shuffle(seed=seed, keep_in_memory=True)
+    if Path(out).exists():
+        shutil.rmtree(out)
+    ds.save_to_disk(str(out), max_shard_size=max_shard_size)

@@ -44,7 +44,7 @@ import numpy as np
 from datasets.arrow_writer import ArrowWriter
 from ..utils.progress import progress_bar
 
-from .pack import Packer
+from .pack import Packer, save_windows
 from .chat import IGNORE_INDEX, ChatColumns, ChatTokenizer, load_chat_template, to_conversation
 from .sources import (SourceSpec, iter_document_batches, iter_text_batches, load_source,
                       open_source, parse_source)
@@ -268,14 +268,7 @@ def prepare_data(cfg: PrepareConfig) -> dict:
             raise ValueError(
                 f"the inputs hold {packer.num_tokens} tokens, fewer than one window of "
                 f"{W}; lower --seq-length or add data")
-        ds = datasets.Dataset.from_file(str(work / "windows.arrow"))
-        if cfg.shuffle:
-            # The permutation depends only on the seed and the number of windows.
-            ds = ds.shuffle(seed=cfg.seed, keep_in_memory=True)
-        if out.exists():
-            shutil.rmtree(out)
-        ds.save_to_disk(str(out), max_shard_size=cfg.max_shard_size)
-        del ds
+        save_windows(work / "windows.arrow", out, cfg.shuffle, cfg.seed, cfg.max_shard_size)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -45,6 +45,7 @@ import numpy as np
 from datasets.arrow_writer import ArrowWriter
 
 from .chat import IGNORE_INDEX, load_chat_template
+from .pack import save_windows
 from .sources import SourceSpec, open_source, parse_source
 
 logger = logging.getLogger(__name__)
@@ -360,13 +361,7 @@ def prepare_vision_data(cfg) -> dict:
         if index == 0:
             raise ValueError("the inputs hold no conversations; check the files or "
                              "--max-documents")
-        ds = datasets.Dataset.from_file(str(work / "windows.arrow"))
-        if cfg.shuffle:
-            ds = ds.shuffle(seed=cfg.seed, keep_in_memory=True)
-        if out.exists():
-            shutil.rmtree(out)
-        ds.save_to_disk(str(out), max_shard_size=cfg.max_shard_size)
-        del ds
+        save_windows(work / "windows.arrow", out, cfg.shuffle, cfg.seed, cfg.max_shard_size)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     stats = {"seq_length": cfg.seq_length, "window": window, "windows": windows,
