@@ -893,9 +893,11 @@ def _tiled_grads(run: GenericRun, x: Tensor, extras: dict, params: list, dy: Ten
     """The layer's gradients by the tiled backward (easy_context.memory.tiled_backward), or
     None where the layer does not qualify (it then runs its backward over the whole
     sequence). A layer with a recurrent mixer never does: its mixer carries a state along
-    the sequence (and exchanges it between ranks)."""
-    if state_carrying_layers(run.layer):
-        return None
+    the sequence (and exchanges it between ranks); nor does one without attention (nothing
+    to split at: it is not checked at all)."""
+    if state_carrying_layers(run.layer) or not any(hasattr(m, "is_causal")
+                                                   for m in run.layer.modules()):
+        return None  # a recurrent mixer, or no attention to split at (an MLP block)
     length = x.size(1)
 
     def call(xs: Tensor, rows: slice, **override) -> Tensor:

@@ -262,7 +262,6 @@ def generic_calls(family: str, tile: int, chunk: int, **overrides) -> dict:
     seen = {"heads": [], "tokens": []}
     from easy_context.memory.generic_layer import mlp_sites
     from easy_context.memory.maxlen import decoder_layers
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     for layer in decoder_layers(model):
         _, owner, attr = mlp_sites(layer)[0]
@@ -276,6 +275,19 @@ def generic_calls(family: str, tile: int, chunk: int, **overrides) -> dict:
         mlp.forward = spy  # an instance forward: the tiles call it
     apply_max_length(model, tile, chunk, "full", path="generic")
     seen["tokens"].clear()  # the probe's (apply_max_length checks the MLP is per token)
+    return step_counting_heads(model, seen)
+
+
+def step_counting_heads(model, seen: dict) -> dict:
+    """One forward and backward of ``model`` on 24 tokens, each attention call's query heads
+    appended to ``seen["heads"]``; returns ``seen``. The tiled backward's verdicts are
+    forgotten first, so its check (8 tokens) runs in this step whatever ran before."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from easy_context.memory import tiled_backward
+
+    tiled_backward._VERDICTS.clear()
+
     name = model.config._attn_implementation
     inner = ALL_ATTENTION_FUNCTIONS.get_interface(name, None)
 

@@ -20,6 +20,7 @@ from easy_context.memory.maxlen import apply_max_length, decoder_layers, path_fo
 
 from .hf_cases import _grad_errors, make_batch
 from .hf_recurrent_cases import _loss64, _packed_batch, _packed_reference, tiny_hybrid
+from .maxlen_cases import step_counting_heads
 
 def tiny(family: str, **config):
     """tiny_hybrid's model (its final norm under its own name: max-length mode finds it by
@@ -118,8 +119,6 @@ def hybrid_calls(family: str, tile: int, chunk: int) -> dict:
     """What max-length mode hands a hybrid's own modules in one forward and backward of one
     rank (24 tokens): the tokens of each MLP call and of each recurrent mixer call, the query
     heads of each attention call."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     from easy_context.integrations.hf_recurrent import stateful_modules
     from easy_context.memory.generic_layer import find_mlps
 
@@ -145,20 +144,7 @@ def hybrid_calls(family: str, tile: int, chunk: int) -> dict:
         spy(mixer, "mixer tokens")
     apply_max_length(model, tile, chunk, "full")
     seen["mlp tokens"].clear()  # the probe's (apply_max_length checks the MLP is per token)
-    name = model.config._attn_implementation
-    inner = ALL_ATTENTION_FUNCTIONS.get_interface(name, None)
-
-    def attention(module, q, *args, **kwargs):
-        seen["heads"].append(q.size(1))
-        return inner(module, q, *args, **kwargs)
-
-    ALL_ATTENTION_FUNCTIONS.register(name, attention)
-    try:
-        inputs, positions, targets = make_batch(24, model.config.vocab_size)
-        ec.causal_lm_loss(model, inputs, positions, targets, chunked=True).backward()
-    finally:
-        ALL_ATTENTION_FUNCTIONS.register(name, inner)
-    return seen
+    return step_counting_heads(model, seen)
 
 
 def forced_fused_error(family: str) -> str:

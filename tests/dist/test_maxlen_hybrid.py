@@ -87,7 +87,11 @@ def test_tiles_and_chunks_reach_the_modules(dist1, family):
     of 5 (forward, and backward's recompute), every attention call one query head, and every
     recurrent mixer the whole sequence."""
     seen = dist1.run(hybrid_calls, family, 5, 1)[0]
-    assert seen["mlp tokens"] and set(seen["mlp tokens"]) == {5, 4}, seen
+    # 3: the tiled backward's check (memory/tiled_backward.py) on 8 tokens, of Granite's
+    # attention layers (with their shared MLP); the others' attention shares a layer with a
+    # recurrent mixer (Falcon-H1, Zamba2) or no MLP (Nemotron-H): never split, not checked
+    want = {5, 4, 3} if family == "granite_hybrid" else {5, 4}
+    assert set(seen["mlp tokens"]) == want, seen
     assert seen["heads"] and set(seen["heads"]) == {1}, seen
     assert seen["mixer tokens"] and set(seen["mixer tokens"]) == {24}, seen
 
