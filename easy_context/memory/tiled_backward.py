@@ -26,10 +26,11 @@ own forward in passes, each over sequence tiles except the attention itself:
 The gradients of passes 1 and 3 add up to the layer's (the chain rule over the two kinds of
 path); the parameters' are summed over the tiles, in another order than one backward would.
 
-At its peak backward holds the layer input, q, k, v, the attention output or its gradient,
-dq, dk, dv over the whole sequence (about 5 hidden-sized tensors per token on Gemma 3's
-layer) and one tile's graph; each forward of the layer's per-token parts runs three more
-times (passes 0, 1 and 3) where the plain backward runs it once.
+At its peak backward holds the layer input, q, k, v (or, chunk by chunk as pass 2 goes,
+dq, dk, dv in their place: each chunk's gradients overwrite its q, k, v once its call is
+done), the attention output and its gradient over the whole sequence, and one tile's graph
+or one chunk's attention backward. Each forward of the layer's per-token parts runs three
+more times (passes 0, 1 and 3) where the plain backward runs it once.
 
 Where it holds is checked, not assumed (:func:`qualifies`): on the first backward of each
 layer structure (its module types and argument names), the layer's forward runs on a few
@@ -63,8 +64,10 @@ log = logging.getLogger(__name__)
 # make, [(query heads, KV heads, call(q, k, v) -> (out, weights))]) and returns the
 # attention output (B, S, Hq, Dv) or raises _Stop.
 INTERCEPT: contextvars.ContextVar = contextvars.ContextVar("ec_split_attention", default=None)
-# the layer arguments that are per token, and their sequence dimension
-SEQUENCE_DIMS = {"position_embeddings": -2, "position_ids": -1, "cache_position": -1}
+# the layer arguments that are per token, and their sequence dimension (document_ids: ours,
+# passed through to the attention function, which reads them only in pass 0's whole call)
+SEQUENCE_DIMS = {"position_embeddings": -2, "position_ids": -1, "cache_position": -1,
+                 "document_ids": -1}
 PROBE_TOKENS = 8
 _VERDICTS: dict = {}  # layer structure -> None (qualifies) or why not
 VERDICTS: dict = {}  # the same by layer class name, the latest (for logs and tests)
@@ -191,7 +194,8 @@ def split_grads(call: Callable, x: Tensor, extras: dict, params: list, dy: Tenso
         call(x, slice(0, s), **extras)
     if not got:
         raise Unfit("its forward made no attention call this path sees")
-    q, k, v, outs = got.pop("q"), got.pop("k"), got.pop("v"), got.pop("outs")
+    q, k, v = _owned([got.pop("q"), got.pop("k"), got.pop("v")], [x, *extras.values()])
+    outs = got.pop("outs")
     widths = [o.size(2) for o in outs]
 
     sums = _Sums(x, extras, params)
@@ -246,6 +250,26 @@ def split_grads(call: Callable, x: Tensor, extras: dict, params: list, dy: Tenso
     return sums.result(), torch.cat(ys, dim=1) if output else None
 
 
+def _owned(tensors: list[Tensor], others: list) -> list[Tensor]:
+    """``tensors`` each alone in a dense storage of its own (a copy where not: views of one
+    fused q/k/v projection, MLA's v cut from its K/V projection, a broadcast K/V, a view of
+    the layer input), so that pass 2 may write gradients into them; the copies also let a
+    larger buffer that only these views kept alive go."""
+    def ptr(t):
+        return t.untyped_storage().data_ptr()
+
+    counts: dict = {}
+    for t in [*tensors, *(o for o in others if isinstance(o, Tensor))]:
+        counts[ptr(t)] = counts.get(ptr(t), 0) + 1
+    out = []
+    for t in tensors:
+        alone = (counts[ptr(t)] == 1 and t.storage_offset() == 0
+                 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+                 and (t.is_contiguous() or t.transpose(1, 2).is_contiguous()))
+        out.append(t if alone else t.clone(memory_format=torch.contiguous_format))
+    return out
+
+
 def chunked(record: list, replay: bool) -> tuple[Callable, Callable]:
     """``attention`` and ``differentiate`` of :func:`split_grads` for the layer's own
     attention, head chunk by chunk (each chunk call as generic_layer.chunk_calls makes it).
@@ -260,17 +284,32 @@ def chunked(record: list, replay: bool) -> tuple[Callable, Callable]:
             return [run(q[:, qs], k[:, ks], v[:, ks])[0] for qs, ks, run in calls]
 
     def differentiate(q, k, v, douts, params):
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        # q, k, v are this backward's own (split_grads' _owned): a chunk's gradients
+        # overwrite its heads once no later call reads them (a KV head's after the last of
+        # its query heads), so that backward never holds q, k, v and dq, dk, dv at once
+        last = {(ks.start, ks.stop): i for i, (_, ks, _) in enumerate(chunk_list)}
+        pending: dict = {}  # KV heads -> their (dk, dv) summed over the calls so far
         dparams: list = [None] * len(params)
         with torch.enable_grad(), replaying(record):
-            for (qs, ks, run), dout in zip(chunk_list, douts):
+            for i, (qs, ks, run) in enumerate(chunk_list):
                 qc, kc, vc = (t.detach().requires_grad_(True) for t in (q[:, qs], k[:, ks],
                                                                          v[:, ks]))
-                res = _grads(run(qc, kc, vc)[0], [qc, kc, vc, *params], dout)
-                for dst, g in zip((dq[:, qs], dk[:, ks], dv[:, ks]), res[:3]):
-                    dst += g
+                res = _grads(run(qc, kc, vc)[0], [qc, kc, vc, *params], douts[i])
+                del qc, kc, vc
+                douts[i] = None
+                got = [torch.zeros_like(t) if g is None else g
+                       for t, g in zip((q[:, qs], k[:, ks], v[:, ks]), res[:3])]
+                q[:, qs] = got[0]
+                key = (ks.start, ks.stop)
+                if key in pending:
+                    got[1:] = [a + b for a, b in zip(pending.pop(key), got[1:])]
+                if last[key] == i:
+                    k[:, ks], v[:, ks] = got[1], got[2]
+                else:
+                    pending[key] = got[1:]
                 _add(dparams, res[3:])
-        return dq, dk, dv, dparams
+                del res, got
+        return q, k, v, dparams
 
     return attention, differentiate
 

@@ -44,8 +44,8 @@ tiled backward's runtime check turns away) still run. A layer of attention and p
 runs its backward in sequence tiles split at its attention call
 (easy_context.memory.tiled_backward): while it replays the tiles after attention it holds
 q, k, v and the attention output's gradient over the whole sequence (``tiled_per_token``)
-beside R and one tile's G; at the attention's backward, q, k, v, their gradients and the
-output's. Those replace G below for such layers (:func:`tiled`).
+beside R and one tile's G; at the attention's backward, q, k, v (each head chunk's gradients
+written over its own) and the output's. Those replace G below for such layers (:func:`tiled`).
 
 The two halves of plan/fused.py then hold G instead of R: the generic layer's MLP half is the
 fused layer's plus s x (G - R), with the MLP tile of the widest MLP kind; its attention half
@@ -209,10 +209,11 @@ def generic_terms(shape: ModelShape, s: int, a: int, method: str, world: int,
     if not any(k.mlp for k in kinds):
         tile = 0  # layers of mixers and norms only: nothing runs in tiles
     if all(tiled(k) for k in kinds if k.attention is not None):
-        # pass 2: q, k, v, dq, dk, dv and d(output) whole; no residual gradient (the fused
+        # pass 2: q, k, v whole, each head chunk's dq, dk, dv written over its q, k, v
+        # (tiled_backward.chunked), and d(output) whole; no residual gradient (the fused
         # half's dh: the tiles' dx sums stand for its dx)
         qkv, dout = tiled_per_token(shape, a)
-        attention = ft.attention_half + s * (2 * qkv + dout - shape.hidden * a)
+        attention = ft.attention_half + s * (qkv + dout - shape.hidden * a)
     else:
         attention = ft.attention_half + s * max(
             attention_graph_per_token(shape, a, method, world, ring_degree) - results, 0)

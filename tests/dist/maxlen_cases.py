@@ -232,7 +232,8 @@ def with_lora(model):
 
 
 def tiled_backward_verdicts(family: str, method: str, cases: list[tuple], path: str = "auto",
-                            mixing: bool = False, **overrides) -> tuple[dict, dict]:
+                            mixing: bool = False, packed: bool = False,
+                            **overrides) -> tuple[dict, dict]:
     """check_max_length's report, and whether each layer class took the tiled backward
     (memory/tiled_backward.py: None) or why not."""
     from easy_context.memory import tiled_backward
@@ -240,7 +241,7 @@ def tiled_backward_verdicts(family: str, method: str, cases: list[tuple], path: 
     tiled_backward.VERDICTS.clear()
     tiled_backward._VERDICTS.clear()
     report = check_max_length(family, method, cases, overrides=overrides, path=path,
-                              mixing=mixing)
+                              mixing=mixing, packed=packed)
     return report, dict(tiled_backward.VERDICTS)
 
 

@@ -208,14 +208,17 @@ def test_generic_backward_in_tiles(dist1, dist2):
     (memory/tiled_backward.py) where its check passes: a sandwich-norm layer (Gemma 3), a
     parallel attention + MLP block on one normed input (Falcon), a gate computed before
     attention and applied after it (Qwen3-Next), attention sinks (GPT-OSS: their gradient flows
-    through pass 2's chunk calls); exact at 1 and 2 ranks. A layer that mixes
-    tokens outside its attention fails the check and keeps the whole backward, still exact."""
-    cases = [(dist1, "local", "falcon", FALCON, "auto"),
-             (dist1, "local", "gpt_oss", {}, "generic"),  # sinks: s_aux cut per chunk, with grad
-             (dist1, "local", "qwen3_next", QWEN3_NEXT_ATTENTION, "generic"),
-             (dist2, "zigzag_ring_attn", "gemma3_text", {}, "auto")]
-    for pool, method, family, overrides, path in cases:
-        runs = pool.run(tiled_backward_verdicts, family, method, GENERIC[:2], path, **overrides)
+    through pass 2's chunk calls), packed documents (the document ids cut with the tiles);
+    exact at 1 and 2 ranks. A layer that mixes tokens outside its attention fails the check
+    and keeps the whole backward, still exact."""
+    cases = [(dist1, "local", "falcon", FALCON, "auto", False),
+             (dist1, "local", "gpt_oss", {}, "generic", False),  # sinks: s_aux cut per chunk
+             (dist1, "local", "qwen3_next", QWEN3_NEXT_ATTENTION, "generic", False),
+             (dist2, "zigzag_ring_attn", "gemma3_text", {}, "auto", False),
+             (dist2, "zigzag_ring_attn", "gemma3_text", {}, "auto", True)]
+    for pool, method, family, overrides, path, packed in cases:
+        runs = pool.run(tiled_backward_verdicts, family, method, GENERIC[:2], path,
+                        packed=packed, **overrides)
         _assert([report for report, _ in runs])
         for _, verdicts in runs:
             assert verdicts and all(v is None for v in verdicts.values()), verdicts
