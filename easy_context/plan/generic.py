@@ -60,7 +60,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .fused import FusedTerms, fused_terms, results_per_token
+from .fused import FusedTerms, fused_terms, group_dims, results_per_token
 from .shapes import ModelShape
 
 
@@ -213,7 +213,11 @@ def generic_terms(shape: ModelShape, s: int, a: int, method: str, world: int,
         # (tiled_backward.chunked), and d(output) whole; no residual gradient (the fused
         # half's dh: the tiles' dx sums stand for its dx)
         qkv, dout = tiled_per_token(shape, a)
-        attention = ft.attention_half + s * (qkv + dout - shape.hidden * a)
+        # a chunk's q, k, v are views of the whole ones and its d(output) part of the whole
+        # one: less what the fused half's group counts for them apart (group_per_token)
+        hq, hkv, d = group_dims(shape, heads_per_chunk)
+        views = ((hq + 2 * hkv) * d + hq * d) * a
+        attention = ft.attention_half + s * (qkv + dout - shape.hidden * a - views)
     else:
         attention = ft.attention_half + s * max(
             attention_graph_per_token(shape, a, method, world, ring_degree) - results, 0)
