@@ -793,10 +793,26 @@ class GenericRun:
                              f"{type(out).__name__}, not the hidden states alone")
         return out
 
+    def compute(self, x: Tensor) -> Tensor:
+        """The layer's output without grad: split at its attention call and run in tiles
+        where the layer qualifies (tiled_backward.split_forward; the same check as its
+        backward's), else its own forward over the whole sequence."""
+        extras = {k: self.kwargs[k] for k in self.grad_inputs}
+        split = _splits(self, x, extras, self.parameters())
+        with torch.no_grad():
+            if split is None:
+                return self.call(x)
+            try:
+                return tiled_backward.split_forward(split, x, extras, self.tile)
+            except tiled_backward.Unfit as e:  # after the check passed: a defect
+                raise RuntimeError(f"max-length mode: the tiled forward of "
+                                   f"{type(self.layer).__name__} failed after its check: "
+                                   f"{e}") from None
+
     def forward_recorded(self, x: Tensor) -> tuple[Tensor, list]:
         rec: list = []
-        with torch.no_grad(), recording(rec):
-            y = self.call(x)
+        with recording(rec):
+            y = self.compute(x)
         return y, rec
 
     def regenerate(self, x: Tensor, keep: bool = False) -> Tensor:
@@ -822,8 +838,7 @@ class GenericLayer(torch.autograd.Function):
             ctx.layout = [len(result) for result in rec]
             kept = [x, *(t for result in rec for t in result)]
         else:
-            with torch.no_grad():
-                y = run.call(x)
+            y = run.compute(x)
             kept = [x]
         ctx.run = run
         recipe = None if run.keep_attention else run.input_recipe
@@ -888,16 +903,16 @@ class GenericLayer(torch.autograd.Function):
         return (None, *got)
 
 
-def _tiled_grads(run: GenericRun, x: Tensor, extras: dict, params: list, dy: Tensor,
-                 recorded: list | None) -> list | None:
-    """The layer's gradients by the tiled backward (easy_context.memory.tiled_backward), or
-    None where the layer does not qualify (it then runs its backward over the whole
-    sequence). A layer with a recurrent mixer never does: its mixer carries a state along
-    the sequence (and exchanges it between ranks); nor does one without attention (nothing
-    to split at: it is not checked at all)."""
-    if state_carrying_layers(run.layer) or not any(hasattr(m, "is_causal")
-                                                   for m in run.layer.modules()):
-        return None  # a recurrent mixer, or no attention to split at (an MLP block)
+def _splits(run: GenericRun, x: Tensor, extras: dict, params: list) -> Callable | None:
+    """``call(xs, rows, **override)``, the layer's forward on the tokens ``rows``, where the
+    layer runs split at its attention call, in tiles (easy_context.memory.tiled_backward:
+    checked once per layer structure), else None. A layer with a recurrent mixer never does:
+    its mixer carries a state along the sequence (and exchanges it between ranks); nor does
+    one without attention (nothing to split at: it is not checked at all), nor one handed
+    the K/V mapping the layers share (Gemma 4)."""
+    if run.shared is not None or state_carrying_layers(run.layer) or not any(
+            hasattr(m, "is_causal") for m in run.layer.modules()):
+        return None
     length = x.size(1)
 
     def call(xs: Tensor, rows: slice, **override) -> Tensor:
@@ -907,6 +922,17 @@ def _tiled_grads(run: GenericRun, x: Tensor, extras: dict, params: list, dy: Ten
            tuple(extras))
     if tiled_backward.qualifies(key, call, x, extras, params,
                                type(run.layer).__name__) is not None:
+        return None
+    return call
+
+
+def _tiled_grads(run: GenericRun, x: Tensor, extras: dict, params: list, dy: Tensor,
+                 recorded: list | None) -> list | None:
+    """The layer's gradients by the tiled backward (easy_context.memory.tiled_backward), or
+    None where the layer does not qualify (:func:`_splits`: it then runs its backward over
+    the whole sequence)."""
+    call = _splits(run, x, extras, params)
+    if call is None:
         return None
     record = [] if recorded is None else recorded
     pair = tiled_backward.chunked(record, replay=recorded is not None)

@@ -10,27 +10,35 @@ tensors per token on Gemma 3's layer, against about one for the fused layer.
 In such a layer everything but the attention call is per token. So backward runs the layer's
 own forward in passes, each over sequence tiles except the attention itself:
 
-0. no grad, whole sequence: the forward up to its attention call, stopped there (q, k, v
-   kept), and the attention head chunk by chunk, its results recorded
-   (easy_context.attention.saving) or, with ``keep_attention``, replayed;
+0. no grad, per tile: the forward up to its attention call, stopped there, its q, k, v
+   written into whole-sequence buffers (:func:`gather`); then the attention over the whole
+   sequence head chunk by chunk, its results recorded (easy_context.attention.saving) or,
+   with ``keep_attention``, replayed; q, k, v are then let go (pass 1 does not read them);
 1. per tile, the forward with grad, its attention call handing back the tile's rows of the
    attention output as a leaf: differentiating the tile's output from dy gives d(out) for
    those rows and the gradients along every path that does not pass through attention (what
    follows it, the residual, a parallel MLP on the same normed input as Falcon's and Phi's,
    a gate computed before attention and applied after it as in Qwen3-Next's);
-2. per head chunk: the attention on the recorded results (no second pass of its forward
-   communication) differentiated from d(out): dq, dk, dv over the whole sequence, through
-   the sequence-parallel method's own backward;
+2. q, k, v gathered again as in pass 0; per head chunk, the attention on the recorded
+   results (no second pass of its forward communication) differentiated from d(out): dq,
+   dk, dv over the whole sequence, through the sequence-parallel method's own backward;
 3. per tile, the forward with grad up to the attention call, stopped there, differentiated
    from the tile's rows of (dq, dk, dv): the gradients along the paths through attention.
 The gradients of passes 1 and 3 add up to the layer's (the chain rule over the two kinds of
 path); the parameters' are summed over the tiles, in another order than one backward would.
 
-At its peak backward holds the layer input, q, k, v (or, chunk by chunk as pass 2 goes,
-dq, dk, dv in their place: each chunk's gradients overwrite its q, k, v once its call is
-done), the attention output and its gradient over the whole sequence, and one tile's graph
-or one chunk's attention backward. Each forward of the layer's per-token parts runs three
-more times (passes 0, 1 and 3) where the plain backward runs it once.
+Beside the layer input and its gradient, backward holds over the whole sequence the
+attention output and its gradient, with one tile's graph (pass 1) or q, k, v and one head
+chunk's attention backward (pass 2: each chunk's dq, dk, dv are written over its q, k, v
+once its call is done, so the two are never held at once). The per-token parts before the
+attention call run four times (passes 0, 1, 2 and 3), those after it once (pass 1), where
+the plain backward runs the whole layer once.
+
+The layer's forward runs in the same split (:func:`split_forward`): q, k, v in tiles, the
+attention, then the layer per tile again with the attention's rows handed back; the parts
+before the attention call run twice. It holds q, k, v and the attention output, not every
+intermediate of the whole sequence's projections (MLA's expanded K/V beside its latent and
+RoPE'd copies).
 
 Where it holds is checked, not assumed (:func:`qualifies`): on the first backward of each
 layer structure (its module types and argument names), the layer's forward runs on a few
@@ -48,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 from typing import Callable
 
@@ -68,6 +77,9 @@ INTERCEPT: contextvars.ContextVar = contextvars.ContextVar("ec_split_attention",
 # passed through to the attention function, which reads them only in pass 0's whole call)
 SEQUENCE_DIMS = {"position_embeddings": -2, "position_ids": -1, "cache_position": -1,
                  "document_ids": -1}
+# While gather runs: {id(cut): (cut, whole)} for the per-token arguments cut_rows cut for the
+# tile being run (the layer hands some on to its attention call: document_ids, position_ids)
+_CUTS: contextvars.ContextVar = contextvars.ContextVar("ec_cut_arguments", default=None)
 PROBE_TOKENS = 8
 _VERDICTS: dict = {}  # layer structure -> None (qualifies) or why not
 VERDICTS: dict = {}  # the same by layer class name, the latest (for logs and tests)
@@ -95,9 +107,14 @@ def cut_rows(kwargs: dict, rows: slice, length: int, keep: tuple = ()) -> dict:
     (SEQUENCE_DIMS) cut; ``keep`` (the caller's own cuts) as they are.
     Raises Unfit for another tensor with a dimension of ``length`` (a per-token argument of
     unknown layout) or an attention mask (the tiles' forwards make no attention call)."""
+    cuts = _CUTS.get()
+
     def cut(value, dim):
         if isinstance(value, Tensor):
-            return value.narrow(dim, rows.start, rows.stop - rows.start)
+            part = value.narrow(dim, rows.start, rows.stop - rows.start)
+            if cuts is not None:
+                cuts[id(part)] = (part, value)
+            return part
         if isinstance(value, tuple) and all(isinstance(t, Tensor) for t in value):
             return tuple(cut(t, dim) for t in value)
         raise Unfit(f"its per-token argument has an unknown type {type(value).__name__}")
@@ -173,29 +190,18 @@ def split_grads(call: Callable, x: Tensor, extras: dict, params: list, dy: Tenso
                 output: bool = False) -> tuple[list, Tensor | None]:
     """Gradients of the layer's output w.r.t. (x, *extras, *params) from ``dy`` (None for
     those not requiring grad), in the passes of the module docstring, and with ``output``
-    the layer's output (B, S, H) (the probe compares it), else None. ``call(x, rows, **override)`` runs the layer's
-    forward on x, the tokens ``rows`` of its arguments; ``attention(q, k, v, calls)`` -> the
-    output's head chunks [(B, S, hc, Dv)] (pass 0; ``calls``: the layer's own head-chunked
-    calls, generic_layer.chunk_calls); ``differentiate(q, k, v, douts, params)`` ->
-    (dq, dk, dv, [gradient or None per parameter]) (pass 2)."""
+    the layer's output (B, S, H) (the probe compares it), else None.
+    ``call(x, rows, **override)`` runs the layer's forward on x, the tokens ``rows`` of its
+    arguments; ``attention(q, k, v, calls)`` -> the output's head chunks [(B, S, hc, Dv)]
+    (pass 0; ``calls``: the layer's own head-chunked calls, generic_layer.chunk_calls);
+    ``differentiate(q, k, v, douts, params)`` -> (dq, dk, dv, [gradient or None per
+    parameter]) (pass 2; q, k, v are this function's own buffers: it may write the
+    gradients over them)."""
     s = x.size(1)
-    got: dict = {}
-
-    def capture(q, k, v, calls):  # pass 0
-        if got:
-            raise Unfit("it calls attention more than once")
-        if q.size(2) != s or k.size(2) != s or v.size(2) != s:
-            raise Unfit(f"its attention reads {k.size(2)} keys for {q.size(2)} queries of "
-                         f"{s} tokens")
-        got.update(q=q, k=k, v=v, outs=attention(q, k, v, calls))
-        raise _Stop
-
-    with torch.no_grad(), _intercepting(capture), contextlib.suppress(_Stop):
-        call(x, slice(0, s), **extras)
-    if not got:
-        raise Unfit("its forward made no attention call this path sees")
-    q, k, v = _owned([got.pop("q"), got.pop("k"), got.pop("v")], [x, *extras.values()])
-    outs = got.pop("outs")
+    q, k, v, calls = gather(call, x, extras, tile)  # pass 0
+    with torch.no_grad():
+        outs = attention(q, k, v, calls)
+    del q, k, v, calls  # pass 1 needs none of them: gathered again for pass 2
     widths = [o.size(2) for o in outs]
 
     sums = _Sums(x, extras, params)
@@ -224,6 +230,7 @@ def split_grads(call: Callable, x: Tensor, extras: dict, params: list, dy: Tenso
             ys.append(y.detach())
         del leaf, y, res
     del outs
+    q, k, v, _ = gather(call, x, extras, tile)
     dq, dk, dv, dparams = differentiate(q, k, v, douts, params)  # pass 2
     del douts, q, k, v
     sums.add([None] * len(sums.rows) + list(dparams), None)
@@ -250,24 +257,107 @@ def split_grads(call: Callable, x: Tensor, extras: dict, params: list, dy: Tenso
     return sums.result(), torch.cat(ys, dim=1) if output else None
 
 
-def _owned(tensors: list[Tensor], others: list) -> list[Tensor]:
-    """``tensors`` each alone in a dense storage of its own (a copy where not: views of one
-    fused q/k/v projection, MLA's v cut from its K/V projection, a broadcast K/V, a view of
-    the layer input), so that pass 2 may write gradients into them; the copies also let a
-    larger buffer that only these views kept alive go."""
-    def ptr(t):
-        return t.untyped_storage().data_ptr()
+def gather(call: Callable, x: Tensor, extras: dict, tile: int) -> tuple:
+    """Pass 0: the layer's forward without grad, tile by tile, stopped at its attention call:
+    (q, k, v) of the whole sequence (B, H, S, D), written from the tiles' rows into buffers
+    of their own (pass 2 writes the gradients over them), and the attention's head-chunked
+    calls with the whole sequence's arguments in place of the tile's (the cut per-token
+    arguments the layer handed on, as :func:`cut_rows` recorded them)."""
+    s = x.size(1)
+    whole: list = [None, None, None]
+    calls: list = []
+    cuts: dict = {}
+    token = _CUTS.set(cuts)
+    try:
+        for t in tiles(s, tile):
+            n, got = t.stop - t.start, {}
+            cuts.clear()
 
-    counts: dict = {}
-    for t in [*tensors, *(o for o in others if isinstance(o, Tensor))]:
-        counts[ptr(t)] = counts.get(ptr(t), 0) + 1
+            def capture(q, k, v, calls_, n=n, got=got):
+                if got:
+                    raise Unfit("it calls attention more than once")
+                if not q.size(2) == k.size(2) == v.size(2) == n:
+                    raise Unfit(f"its attention reads {k.size(2)} keys for {q.size(2)} "
+                                f"queries of {n} tokens")
+                got.update(qkv=(q, k, v), calls=calls_)
+                raise _Stop
+
+            xt, et = _tile_inputs(x, extras, t)
+            with torch.no_grad(), _intercepting(capture), contextlib.suppress(_Stop):
+                call(xt, t, **et)
+            if not got:
+                raise Unfit("its forward made no attention call this path sees")
+            for i, part in enumerate(got["qkv"]):
+                if whole[i] is None:
+                    whole[i] = part.new_empty((*part.shape[:2], s, *part.shape[3:]))
+                whole[i][:, :, t] = part
+            calls = _whole_calls(got["calls"], cuts, n, s)
+            del got
+    finally:
+        _CUTS.reset(token)
+    return (*whole, calls)
+
+
+def _whole_calls(calls: list, cuts: dict, n: int, s: int) -> list:
+    """A tile's head-chunked calls [(query heads, KV heads, functools.partial)] re-bound to
+    the whole sequence's arguments: each cut argument swapped for the tensor it was cut from.
+    Raises Unfit for another tensor of two or more dims with one of the tile's length (a
+    per-token argument of unknown origin: a tile's attention mask)."""
+    def swap(value):
+        if isinstance(value, Tensor):
+            if id(value) in cuts:
+                return cuts[id(value)][1]
+            if n != s and value.dim() >= 2 and n in value.shape:
+                raise Unfit(f"its attention takes a per-token argument {tuple(value.shape)} "
+                            "this path cannot give it whole")
+            return value
+        if isinstance(value, (tuple, list)):
+            return type(value)(swap(v) for v in value)
+        if isinstance(value, dict):
+            return {k: swap(v) for k, v in value.items()}
+        return value
+
     out = []
-    for t in tensors:
-        alone = (counts[ptr(t)] == 1 and t.storage_offset() == 0
-                 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-                 and (t.is_contiguous() or t.transpose(1, 2).is_contiguous()))
-        out.append(t if alone else t.clone(memory_format=torch.contiguous_format))
+    for qs, ks, run in calls:
+        if not isinstance(run, functools.partial):
+            raise Unfit("its attention calls cannot be given the whole sequence's arguments")
+        out.append((qs, ks, functools.partial(run.func, *swap(run.args), **swap(run.keywords))))
     return out
+
+
+def split_forward(call: Callable, x: Tensor, extras: dict, tile: int) -> Tensor:
+    """The layer's output without grad, run in the same split as its backward: q, k, v in
+    tiles (:func:`gather`), the attention over the whole sequence, head chunk by chunk (its
+    results recorded where a caller records them: attention.saving), then the layer's
+    forward per tile again, its attention call handing back the tile's rows of the output.
+    What the whole-sequence forward holds at once (every intermediate before attention:
+    MLA's expanded K/V beside its projections, the RoPE'd copies) is then one tile's; the
+    per-token parts before attention run twice."""
+    s = x.size(1)
+    q, k, v, calls = gather(call, x, extras, tile)
+    outs = [run(q[:, qs], k[:, ks], v[:, ks])[0] for qs, ks, run in calls]
+    del q, k, v, calls
+    y = None
+    for t in tiles(s, tile):
+        rows = torch.cat([o[:, t] for o in outs], dim=2)
+        seen: list = []
+
+        def after(q_, k_, v_, calls_, rows=rows):
+            if seen or q_.size(2) != rows.size(1):
+                raise Unfit("its attention calls do not follow the tiles")
+            seen.append(True)
+            return rows
+
+        xt, et = _tile_inputs(x, extras, t)
+        with torch.no_grad(), _intercepting(after):
+            yt = call(xt, t, **et)
+        if not seen:
+            raise Unfit("its forward made no attention call in a tile")
+        if y is None:
+            y = yt.new_empty((yt.size(0), s, *yt.shape[2:]))
+        y[:, t] = yt
+        del rows, yt
+    return y
 
 
 def chunked(record: list, replay: bool) -> tuple[Callable, Callable]:
@@ -284,7 +374,7 @@ def chunked(record: list, replay: bool) -> tuple[Callable, Callable]:
             return [run(q[:, qs], k[:, ks], v[:, ks])[0] for qs, ks, run in calls]
 
     def differentiate(q, k, v, douts, params):
-        # q, k, v are this backward's own (split_grads' _owned): a chunk's gradients
+        # q, k, v are this backward's own (gather's buffers): a chunk's gradients
         # overwrite its heads once no later call reads them (a KV head's after the last of
         # its query heads), so that backward never holds q, k, v and dq, dk, dv at once
         last = {(ks.start, ks.stop): i for i, (_, ks, _) in enumerate(chunk_list)}

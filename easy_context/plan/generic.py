@@ -43,9 +43,10 @@ That is the whole-sequence backward, which layers with a recurrent mixer (and an
 tiled backward's runtime check turns away) still run. A layer of attention and per-token parts
 runs its backward in sequence tiles split at its attention call
 (easy_context.memory.tiled_backward): while it replays the tiles after attention it holds
-q, k, v and the attention output's gradient over the whole sequence (``tiled_per_token``)
-beside R and one tile's G; at the attention's backward, q, k, v (each head chunk's gradients
-written over its own) and the output's. Those replace G below for such layers (:func:`tiled`).
+the attention output's gradient over the whole sequence beside R and one tile's G; at the
+attention's backward, q, k, v gathered again (each head chunk's gradients written over its
+own) and the output's (``tiled_per_token``). Those replace G below for such layers
+(:func:`tiled`).
 
 The two halves of plan/fused.py then hold G instead of R: the generic layer's MLP half is the
 fused layer's plus s x (G - R), with the MLP tile of the widest MLP kind; its attention half
@@ -197,9 +198,9 @@ def generic_terms(shape: ModelShape, s: int, a: int, method: str, world: int,
 
     def mlp_extra(k) -> int:
         g = graph_per_token(shape, k, a, method, world, ring_degree, device)
-        if tiled(k):  # pass 1: q, k, v and d(output) whole, one tile's graph
-            qkv, dout = tiled_per_token(shape, a)
-            return s * (qkv + dout) + t * g
+        if tiled(k):  # pass 1: d(output) whole, one tile's graph (q, k, v let go)
+            _, dout = tiled_per_token(shape, a)
+            return s * dout + t * g
         return s * max(g - fused_results(k), 0) + states_held(shape, k, s, method, world,
                                                               ring_degree)
 

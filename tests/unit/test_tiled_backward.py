@@ -1,35 +1,90 @@
-"""The tiled backward's attention pass (easy_context/memory/tiled_backward.py) writes each head
-chunk's gradients over that chunk's q, k, v, so backward never holds both: the tensors it
-writes into are its own (``_owned``), and the gradients are those of one autograd pass."""
+"""Pieces of the generic layer's split at its attention call (easy_context/memory/
+tiled_backward.py): q, k, v gathered tile by tile with the attention's calls re-bound to the
+whole sequence's arguments; the forward in that split; pass 2 writing each head chunk's
+gradients over that chunk's q, k, v."""
 
+import functools
+
+import pytest
 import torch
 
 from easy_context.attention.saving import run_saved
 from easy_context.memory import tiled_backward as tb
 
 
-def _storage(t):
-    return t.untyped_storage().data_ptr()
+def _causal_in_documents(q, k, v, documents):
+    """q (B, H, S, D), k/v (B, H, S, D), documents (B, S) -> (B, S, H, D): causal attention
+    within each document."""
+    s = q.size(2)
+    same = documents[:, :, None] == documents[:, None, :]
+    allowed = same & torch.ones(s, s, dtype=torch.bool).tril()
+    scores = (q @ k.transpose(-1, -2)).masked_fill(~allowed[:, None], float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2)
 
 
-def test_owned_copies_what_it_may_not_write_into():
-    b, s, h, d = 1, 6, 4, 8
-    x = torch.randn(b, s, h * d)
-    alone = torch.randn(b, h, s, d)  # (B, H, S, D) contiguous, nothing else in its storage
-    heads_last = torch.randn(b, s, h, d).transpose(1, 2)  # the layout transformers makes
-    qkv = torch.randn(b, s, 3, h, d)  # one fused projection: three views of one buffer
-    views = [qkv[:, :, i].transpose(1, 2) for i in range(3)]
-    of_x = x.view(b, s, h, d).transpose(1, 2)  # a view of the layer input
-    part = torch.randn(b, s, h, 2 * d)[..., :d].transpose(1, 2)  # MLA's v: part of a buffer
-    wide = torch.randn(b, 1, s, d).expand(b, h, s, d)  # one K/V head broadcast
+class _Layer:
+    """A layer as the generic path calls it: per-token projections, an attention call handed
+    to tiled_backward.INTERCEPT when set (as generic_layer.chunked_attention does), a
+    per-token tail; ``document_ids`` handed on to the attention call, as transformers hands
+    its layers' keyword arguments on."""
 
-    kept = tb._owned([alone, heads_last], [x])
-    assert kept[0] is alone and kept[1] is heads_last
-    for got, was in zip(tb._owned([*views, of_x, part, wide], [x]),
-                        [*views, of_x, part, wide]):
-        assert got is not was and torch.equal(got, was)
-        assert _storage(got) not in {_storage(x), _storage(qkv)}
-        assert got.untyped_storage().nbytes() == got.numel() * got.element_size()
+    def __init__(self, hidden=6, heads=2, d=3):
+        g = torch.Generator().manual_seed(0)
+        self.heads, self.d = heads, d
+        self.wq, self.wk, self.wv = (
+            torch.randn(hidden, heads * d, generator=g, dtype=torch.float64) for _ in range(3))
+        self.wo = torch.randn(heads * d, hidden, generator=g, dtype=torch.float64)
+
+    def __call__(self, x, rows=None, length=None, document_ids=None):
+        kwargs = {"document_ids": document_ids}
+        if rows is not None:
+            kwargs = tb.cut_rows(kwargs, rows, length)
+        b, s, _ = x.shape
+        q, k, v = ((x.tanh() @ w).view(b, s, self.heads, self.d).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+
+        def call(q, k, v, **kw):
+            return _causal_in_documents(q, k, v, kw["document_ids"]), None
+
+        calls = [(slice(h, h + 1), slice(h, h + 1), functools.partial(call, **kwargs))
+                 for h in range(self.heads)]
+        intercept = tb.INTERCEPT.get()
+        if intercept is not None:
+            out = intercept(q, k, v, calls)
+        else:
+            out = torch.cat([run(q[:, qs], k[:, ks], v[:, ks])[0] for qs, ks, run in calls], 2)
+        return x + out.reshape(b, s, -1) @ self.wo * 0.5
+
+
+def test_split_forward_is_the_whole_forward_with_the_whole_documents():
+    """Tiles of 3 against 10 tokens in 3 documents: the output is the whole forward's, so the
+    attention got every token's q, k, v and the whole sequence's document ids, not the last
+    tile's."""
+    layer = _Layer()
+    x = torch.randn(2, 10, 6, dtype=torch.float64)
+    documents = torch.tensor([[0] * 4 + [1] * 3 + [2] * 3, [0] * 7 + [1] * 3])
+    want = layer(x, document_ids=documents)
+
+    def call(xs, rows, **override):
+        return layer(xs, rows, 10, document_ids=documents)
+
+    got = tb.split_forward(call, x, {}, 3)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    q, k, v, calls = tb.gather(call, x, {}, 3)
+    assert q.shape == (2, 2, 10, 3) and q.is_contiguous()
+    assert all(run.keywords["document_ids"] is documents for _, _, run in calls)
+
+
+def test_whole_calls_refuse_a_per_token_argument_they_cannot_rebuild():
+    """A tensor of the tile's length that cut_rows did not cut (a tile's mask) has no whole
+    version: Unfit, so the layer keeps the whole-sequence path; a 1-D tensor of that length
+    (one value per head: sinks) is not per token and stays."""
+    sinks, mask = torch.zeros(3), torch.zeros(1, 1, 3, 3)
+    kept = tb._whole_calls([(slice(0, 1), slice(0, 1), functools.partial(max, s_aux=sinks))],
+                           {}, 3, 12)
+    assert kept[0][2].keywords["s_aux"] is sinks
+    with pytest.raises(tb.Unfit, match="per-token argument"):
+        tb._whole_calls([(slice(0, 1), slice(0, 1), functools.partial(max, mask))], {}, 3, 12)
 
 
 class _Eager(torch.autograd.Function):
@@ -77,9 +132,9 @@ def test_chunk_gradients_overwrite_q_k_v():
                        for qs, ks, _ in calls], dim=2)
     want = torch.autograd.grad(whole, leaves, torch.cat(douts, dim=2))
 
-    ptrs = [_storage(t) for t in (q, k, v)]
+    ptrs = [t.untyped_storage().data_ptr() for t in (q, k, v)]
     dq, dk, dv_, dparams = differentiate(q, k, v, douts, [])
-    assert [_storage(t) for t in (dq, dk, dv_)] == ptrs and dparams == []
+    assert [t.untyped_storage().data_ptr() for t in (dq, dk, dv_)] == ptrs and dparams == []
     for got, w in zip((dq, dk, dv_), want):
         torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-12)
     assert all(o is None for o in douts)
