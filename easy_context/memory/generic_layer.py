@@ -796,11 +796,13 @@ class GenericRun:
     def compute(self, x: Tensor) -> Tensor:
         """The layer's output without grad: split at its attention call and run in tiles
         where the layer qualifies (tiled_backward.split_forward; the same check as its
-        backward's), else its own forward over the whole sequence."""
+        backward's), else its own forward over the whole sequence (as also where one tile
+        would hold the whole sequence: the split would only run the parts before attention
+        twice). The check comes first either way: its verdict is agreed between the ranks."""
         extras = {k: self.kwargs[k] for k in self.grad_inputs}
         split = _splits(self, x, extras, self.parameters())
         with torch.no_grad():
-            if split is None:
+            if split is None or x.size(1) <= self.tile:
                 return self.call(x)
             try:
                 return tiled_backward.split_forward(split, x, extras, self.tile)
