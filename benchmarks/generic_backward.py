@@ -1,9 +1,10 @@
-"""Max-length mode's generic layer: its backward in sequence tiles against over the whole sequence.
+"""Max-length mode's generic layer: split at its attention call, in tiles, against whole.
 
 The generic path (easy_context/memory/generic_layer.py) runs a layer's own forward again in
-backward. Split at the attention call and run in tiles (easy_context/memory/tiled_backward.py)
-it holds the whole sequence's q, k, v, attention output and their gradients; over the whole
-sequence at once, every intermediate of the layer. This runs one max-length training step
+backward. Split at the attention call and run in tiles (easy_context/memory/tiled_backward.py,
+its forward too) it holds the whole sequence's attention output and its gradient, and q, k, v
+(turning into their gradients) with one head chunk's backward; run over the whole sequence
+at once, every intermediate of the layer. This runs one max-length training step
 (forward and backward, loss in chunks of 128 tokens) of a tiny model of
 benchmarks/trainer_runs.py in one process, each way in its own process at the same time
 (side by side: the machine is noisy), and reports each process's resident high-water mark
@@ -62,8 +63,8 @@ def step(shape: str, length: int, way: str, vocab: int, tile: int, chunk: int) -
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
     ec.apply_sequence_parallel(model, "local")
     apply_max_length(model, tile, chunk, "full", path="auto" if way == "fused" else "generic")
-    if way == "whole":
-        generic_layer._tiled_grads = lambda *args, **kwargs: None
+    if way == "whole":  # no layer runs split at its attention call: forward nor backward
+        generic_layer._splits = lambda *args, **kwargs: None
     ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(length)[None]
     warm = slice(0, min(256, length))  # the first call's one-off allocations

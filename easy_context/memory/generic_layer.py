@@ -24,8 +24,10 @@ LoRA adapters) runs as written. Around and inside that forward:
 
 What this path keeps in backward: the layer's backward runs its forward again in sequence
 tiles, split at the attention call (easy_context.memory.tiled_backward): the whole sequence's
-q, k, v, attention output and their gradients at its peak, one tile's graph besides, where the
-layer passes that module's check (per token but for its attention call); else its recompute's
+attention output and its gradient, with one tile's graph or with q, k, v and one head
+chunk's attention backward, where the layer passes that module's check (per token but for
+its attention call); its forward then runs in the same split (tiles up to the attention
+call, the attention, tiles after it: ``GenericRun.compute``). Else its recompute's
 autograd graph holds every whole-sequence intermediate other than the MLP's (the normed
 input, q, k, v, the attention output, the residual, the normed residual: about 17
 hidden-sized tensors a token on Gemma 3's layer) for that one layer. The MLP's I-wide
