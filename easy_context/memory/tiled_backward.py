@@ -40,7 +40,7 @@ before the attention call run twice. It holds q, k, v and the attention output, 
 intermediate of the whole sequence's projections (MLA's expanded K/V beside its latent and
 RoPE'd copies).
 
-Where it holds is checked, not assumed (:func:`qualifies`): on the first backward of each
+Where it holds is checked, not assumed (:func:`qualifies`): on the first forward of each
 layer structure (its module types and argument names), the layer's forward runs on a few
 random tokens with the real call's arguments for those tokens, its attention replaced by a
 per-token stand-in, once whole with autograd and once split in two tiles as above; the output
