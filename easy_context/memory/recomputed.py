@@ -45,7 +45,10 @@ class Recorded:
 
     def _hook(self, module, args, kwargs, output) -> None:
         outs = output if isinstance(output, tuple) else (output,)
-        if not args or not all(isinstance(t, Tensor) for t in outs):
+        if (not args or not all(isinstance(t, Tensor) for t in outs)
+                or any(t.is_inference() for t in outs)):
+            # inference tensors (torch.inference_mode) keep no version counter to check the
+            # outputs against; nothing under inference mode is differentiated anyway
             self.call = None
             return
         if self.stub_first:

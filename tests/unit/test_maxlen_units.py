@@ -328,3 +328,27 @@ def test_max_length_survives_train_and_eval_of_a_loaded_model(tmp_path):
         switch()
         got = ec.causal_lm_loss(model, ids, pos, tgt, chunked=True, chunk_size=7)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("path", ["fused", "generic"])
+def test_inference_mode_forward(path):
+    """A model in max-length mode runs under torch.inference_mode (the RoPE-recompute hook
+    skips inference tensors, which keep no version counter), with the logits of no_grad."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import easy_context as ec
+    from easy_context.memory.maxlen import apply_max_length
+
+    config = AutoConfig.for_model("llama", vocab_size=97, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
+    ec.apply_sequence_parallel(model, "local")
+    apply_max_length(model, 4, 2, "full", path=path)
+    ids, pos = torch.randint(0, 97, (1, 12)), torch.arange(12)[None]
+    with torch.no_grad():
+        want = model(input_ids=ids, position_ids=pos).logits
+    with torch.inference_mode():
+        got = model(input_ids=ids, position_ids=pos).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
